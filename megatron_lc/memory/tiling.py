@@ -1,0 +1,336 @@
+"""Sequence tiling: the SwiGLU MLP and the output projection + cross-entropy, tile by tile.
+
+Both are custom autograd Functions that never hold a full-width intermediate:
+
+- ``tiled_swiglu_mlp`` keeps only its input and weights; backward recomputes each tile
+  and accumulates the weight gradients in one buffer per weight, returned once.
+- ``tiled_linear_cross_entropy`` never builds the ``N x V`` logits; each row tile's
+  logits exist in fp32 only while that tile is processed.
+
+Tile counts come from configuration (see ``chunks.plan_chunks``), never from data, so
+every rank runs the same number of tiles. Tiles split the rows as evenly as possible
+(sizes differ by at most one); a count larger than the row count leaves empty tiles,
+which are skipped.
+
+Precision: matmuls run in the input dtype (or the autocast dtype when autocast is on);
+with 16-bit weights and more than one tile, weight gradients are accumulated across
+tiles in fp32 and cast once at the end, so the result does not depend on the tile count
+beyond rounding of the last cast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def tile_bounds(rows: int, num_tiles: int) -> Iterator[tuple[int, int]]:
+    """Yield ``(start, end)`` of each non-empty tile; sizes differ by at most one row."""
+    for i in range(num_tiles):
+        start, end = i * rows // num_tiles, (i + 1) * rows // num_tiles
+        if end > start:
+            yield start, end
+
+
+def _check_num_tiles(num_tiles: object) -> int:
+    """Raise unless ``num_tiles`` is a positive int (it must come from config)."""
+    if isinstance(num_tiles, bool) or not isinstance(num_tiles, int):
+        raise TypeError(f"num_tiles must be an int from the config, got {num_tiles!r}")
+    if num_tiles < 1:
+        raise ValueError(f"num_tiles must be >= 1, got {num_tiles}")
+    return num_tiles
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on ``x`` run in: the autocast dtype if autocast is on, else x's."""
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _autocast_off(x: torch.Tensor):
+    """Disable autocast inside a Function so forward and backward run identical math."""
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _new_accumulator(weight: torch.Tensor, dtype: torch.dtype, many_tiles: bool) -> torch.Tensor:
+    """Zeroed weight-gradient buffer: fp32 when 16-bit grads are summed over several tiles."""
+    acc_dtype = torch.float32 if (many_tiles and dtype in _LOW_PRECISION) else dtype
+    return torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
+
+
+def _accumulate_at_b(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a.T @ b``, in place when the dtypes allow (no tile-sized temporary)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a.t(), b)
+    else:
+        acc.add_(a.t() @ b)
+
+
+# ----------------------------------------------------------------------------- MLP
+
+
+def _swiglu_tile_forward(xt, w_gate, w_up, w_down) -> torch.Tensor:
+    """``silu(xt Wg^T) * (xt Wu^T)`` projected by ``Wd``; in-place to hold two tile buffers."""
+    gate = F.linear(xt, w_gate)
+    F.silu(gate, inplace=True)
+    gate.mul_(F.linear(xt, w_up))
+    return F.linear(gate, w_down)
+
+
+def _swiglu_tile_backward(xt, dy, w_gate, w_up, w_down, grads, grad_x_tile) -> None:
+    """Recompute one tile and add its gradients.
+
+    ``grads`` holds the accumulators (or None) for (w_gate, w_up, w_down); ``grad_x_tile``
+    is the slice of the input gradient to fill (or None). At most four tile x ffn
+    buffers are alive at once.
+    """
+    acc_gate, acc_up, acc_down = grads
+    gate = F.linear(xt, w_gate)
+    up = F.linear(xt, w_up)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    # silu'(g) = sig * (1 + g - g * sig) = sig * (1 + g - silu), written over gate.
+    dsilu = gate.sub_(silu).add_(1).mul_(sig)
+    del sig
+    if acc_down is not None:
+        _accumulate_at_b(acc_down, dy, silu * up)
+    d_act = dy @ w_down
+    d_up = silu.mul_(d_act)
+    d_gate = d_act.mul_(up).mul_(dsilu)
+    del up, dsilu
+    if acc_gate is not None:
+        _accumulate_at_b(acc_gate, d_gate, xt)
+    if acc_up is not None:
+        _accumulate_at_b(acc_up, d_up, xt)
+    if grad_x_tile is not None:
+        torch.mm(d_gate, w_gate, out=grad_x_tile)
+        grad_x_tile.addmm_(d_up, w_up)
+
+
+class _TiledSwiGLU(torch.autograd.Function):
+    """SwiGLU MLP over row tiles; saves only the input and the weights."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, num_tiles):
+        dtype = _compute_dtype(x)
+        with _autocast_off(x):
+            rows = x.reshape(-1, x.shape[-1])
+            wg, wu, wd = (w.to(dtype) for w in (w_gate, w_up, w_down))
+            out = rows.new_empty((rows.shape[0], wd.shape[0]), dtype=dtype)
+            for start, end in tile_bounds(rows.shape[0], num_tiles):
+                out[start:end] = _swiglu_tile_forward(rows[start:end].to(dtype), wg, wu, wd)
+        ctx.save_for_backward(x, w_gate, w_up, w_down)
+        ctx.num_tiles, ctx.dtype = num_tiles, dtype
+        return out.view(*x.shape[:-1], wd.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_gate, w_up, w_down = ctx.saved_tensors
+        dtype, num_tiles = ctx.dtype, ctx.num_tiles
+        need_x, *need_w = ctx.needs_input_grad[:4]
+        with _autocast_off(x):
+            rows = x.reshape(-1, x.shape[-1])
+            dy_rows = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+            weights = [w.to(dtype) for w in (w_gate, w_up, w_down)]
+            bounds = list(tile_bounds(rows.shape[0], num_tiles))
+            grads = [
+                _new_accumulator(w, dtype, len(bounds) > 1) if need else None
+                for w, need in zip(weights, need_w)
+            ]
+            grad_x = torch.empty_like(rows, dtype=dtype) if need_x else None
+            for start, end in bounds:
+                gx_tile = grad_x[start:end] if need_x else None
+                _swiglu_tile_backward(
+                    rows[start:end].to(dtype), dy_rows[start:end], *weights, grads, gx_tile
+                )
+        originals = (w_gate, w_up, w_down)
+        grad_ws = [None if g is None else g.to(w.dtype) for g, w in zip(grads, originals)]
+        grad_x = None if grad_x is None else grad_x.view(x.shape).to(x.dtype)
+        return (grad_x, *grad_ws, None)
+
+
+def _check_mlp_shapes(x, w_gate, w_up, w_down) -> None:
+    """Raise a clear error unless the shapes form a SwiGLU MLP."""
+    if x.dim() < 2:
+        raise ValueError(f"x must be [..., S, hidden], got shape {tuple(x.shape)}")
+    hidden = x.shape[-1]
+    for name, w in (("w_gate", w_gate), ("w_up", w_up)):
+        if w.dim() != 2 or w.shape[1] != hidden:
+            raise ValueError(f"{name} must be [ffn, {hidden}], got {tuple(w.shape)}")
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up {tuple(w_up.shape)} must match w_gate {tuple(w_gate.shape)}")
+    if w_down.dim() != 2 or w_down.shape[1] != w_gate.shape[0]:
+        raise ValueError(f"w_down must be [out, {w_gate.shape[0]}], got {tuple(w_down.shape)}")
+
+
+def tiled_swiglu_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    num_tiles: int,
+) -> torch.Tensor:
+    """``F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)`` over tiles.
+
+    ``x`` is ``[..., S, hidden]``; its leading dims are flattened with the sequence and
+    the rows are cut into ``num_tiles`` tiles. Forward keeps nothing but ``x`` and the
+    weights; backward recomputes tile by tile and returns one gradient per weight.
+    """
+    _check_num_tiles(num_tiles)
+    _check_mlp_shapes(x, w_gate, w_up, w_down)
+    return _TiledSwiGLU.apply(x, w_gate, w_up, w_down, num_tiles)
+
+
+# ----------------------------------------------------------------------- loss
+
+
+def _logits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Logits are upcast to fp32 for the log-sum-exp (fp64 inputs stay fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _tile_loss_and_grad_logits(logits, labels, ignore_index, need_grad):
+    """Sum of the tile's token losses; turns ``logits`` (fp32, owned) into d loss/d logits.
+
+    Works in place on the one ``rows x V`` fp32 buffer: max-shift, exp, normalise to the
+    softmax, subtract one at each label; ignored rows are zeroed. Returns
+    ``(loss_sum, grad_logits or None)``.
+    """
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(1)
+    target = logits.gather(1, safe_labels).squeeze(1)
+    row_max = logits.amax(dim=1, keepdim=True)
+    sum_exp = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)
+    log_sum_exp = (row_max + sum_exp.log()).squeeze(1)
+    loss = torch.where(valid, log_sum_exp - target, torch.zeros_like(target)).sum()
+    if not need_grad:
+        return loss, None
+    grad = logits.div_(sum_exp)
+    grad.scatter_add_(1, safe_labels, -valid.unsqueeze(1).to(grad.dtype))
+    return loss, grad.mul_(valid.unsqueeze(1))
+
+
+def _ce_tile(h_tile, weight, labels, ignore_index, grad_h_tile, grad_w):
+    """Loss sum of one row tile; writes its hidden gradient and adds its weight gradient.
+
+    ``grad_h_tile`` / ``grad_w`` are None when that gradient is not needed.
+    """
+    need_grad = grad_h_tile is not None or grad_w is not None
+    logits = F.linear(h_tile, weight).to(_logits_dtype(h_tile.dtype))
+    loss, grad_logits = _tile_loss_and_grad_logits(logits, labels, ignore_index, need_grad)
+    del logits  # grad_logits aliases it; the cast below may free the fp32 buffer early
+    if grad_logits is None:
+        return loss
+    grad_logits = grad_logits.to(h_tile.dtype)
+    if grad_h_tile is not None:
+        torch.mm(grad_logits, weight, out=grad_h_tile)
+    if grad_w is not None:
+        _accumulate_at_b(grad_w, grad_logits, h_tile)
+    return loss
+
+
+class _TiledLinearCrossEntropy(torch.autograd.Function):
+    """Fused output projection + cross-entropy over row tiles.
+
+    Gradients are computed in forward, tile by tile, and only scaled in backward.
+    Why not recompute in backward: both variants need hidden, grad_hidden, the weight
+    gradient and one fp32 logits tile alive at the same moment, so their peaks are the
+    same to first order; precomputing never repeats the logits matmul (a quarter of the
+    loss FLOPs), keeps neither ``hidden`` nor the (unsharded) output weight alive until
+    backward, and makes backward an in-place scalar multiply. Between forward and
+    backward it holds ``grad_hidden`` [N, h] in place of ``hidden`` [N, h].
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, num_tiles, ignore_index):
+        dtype = _compute_dtype(hidden)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        bounds = list(tile_bounds(hidden.shape[0], num_tiles))
+        with _autocast_off(hidden):
+            w = weight.to(dtype)
+            grad_h = torch.empty_like(hidden, dtype=dtype) if need_h else None
+            grad_w = _new_accumulator(w, dtype, len(bounds) > 1) if need_w else None
+            loss = torch.zeros((), dtype=_logits_dtype(dtype), device=hidden.device)
+            for start, end in bounds:
+                grad_h_tile = grad_h[start:end] if need_h else None
+                loss += _ce_tile(
+                    hidden[start:end].to(dtype), w, labels[start:end], ignore_index,
+                    grad_h_tile, grad_w,
+                )
+        num_valid = (labels != ignore_index).sum()
+        ctx.mark_non_differentiable(num_valid)
+        ctx.grad_hidden = None if grad_h is None else grad_h.to(hidden.dtype)
+        ctx.grad_weight = None if grad_w is None else grad_w.to(weight.dtype)
+        return loss, num_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_num_valid):
+        grad_h, grad_w = ctx.grad_hidden, ctx.grad_weight
+        if grad_h is None and grad_w is None:
+            raise RuntimeError(
+                "tiled_linear_cross_entropy: backward ran twice; its precomputed "
+                "gradients are consumed by the first backward (retain_graph is unsupported)"
+            )
+        # The buffers belong to this node alone, so scale them in place (no second copy).
+        ctx.grad_hidden = ctx.grad_weight = None
+        if grad_h is not None:
+            grad_h.mul_(grad_loss)
+        if grad_w is not None:
+            grad_w.mul_(grad_loss)
+        return grad_h, grad_w, None, None, None
+
+
+def _check_loss_shapes(hidden, weight, labels) -> None:
+    """Raise a clear error unless hidden [N, h], weight [V, h], labels [N] int64."""
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [N, h], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, {hidden.shape[1]}], got {tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must be [{hidden.shape[0]}], got {tuple(labels.shape)}")
+    if labels.dtype != torch.int64:
+        raise TypeError(f"labels must be int64, got {labels.dtype}")
+
+
+def tiled_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_tiles: int,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token cross-entropies of ``hidden @ weight.T`` against ``labels``, tiled.
+
+    Returns ``(loss_sum, num_valid)``: an fp32 scalar and an int64 scalar (rows whose
+    label is ``ignore_index`` count in neither). The mean over the global batch is the
+    caller's: all-reduce both, then divide.
+    """
+    _check_num_tiles(num_tiles)
+    _check_loss_shapes(hidden, weight, labels)
+    return _TiledLinearCrossEntropy.apply(hidden, weight, labels, num_tiles, ignore_index)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Untiled reference of ``tiled_linear_cross_entropy`` with plain autograd.
+
+    Builds the full ``N x V`` logits (upcast to fp32); same return contract.
+    """
+    _check_loss_shapes(hidden, weight, labels)
+    logits = F.linear(hidden, weight).to(_logits_dtype(hidden.dtype))
+    loss_sum = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return loss_sum, (labels != ignore_index).sum()

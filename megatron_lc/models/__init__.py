@@ -1,0 +1,1 @@
+"""Model zoo. `python -m megatron_lc.models --list` prints every flavour and its size."""

@@ -1,0 +1,110 @@
+"""Conversion of configs and weights to and from `transformers`' LlamaForCausalLM.
+
+Our parameter names are transformers' names without the `model.` prefix, except the
+final norm and output projection which live in `head.` (one module, one FSDP unit).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_lc.models.llama.model import LlamaConfig, RopeScaling
+
+
+def _require_transformers():
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError("Hugging Face conversion needs transformers: pip install 'megatron_lc[hf]'") from e
+    return transformers
+
+
+def to_hf_config(config: LlamaConfig, **extra: Any):
+    """A transformers.LlamaConfig with the same shape."""
+    transformers = _require_transformers()
+    rope_scaling = None
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        rope_scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                        "high_freq_factor": s.high_freq_factor,
+                        "original_max_position_embeddings": s.original_max_position_embeddings}
+    return transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels, rms_norm_eps=config.norm_eps,
+        rope_theta=config.rotary_base, rope_scaling=rope_scaling, tie_word_embeddings=config.tie_embeddings,
+        max_position_embeddings=config.max_position_embeddings, initializer_range=config.init_std,
+        attention_bias=False, mlp_bias=False, **extra,
+    )
+
+
+def _hf_rope(hf_config) -> tuple[float, dict | None]:
+    """(theta, scaling dict) from either the rope_parameters (v5) or rope_scaling (v4) layout."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return theta, params if params.get("rope_type", "default") != "default" else None
+    return getattr(hf_config, "rope_theta", 10000.0), getattr(hf_config, "rope_scaling", None)
+
+
+def from_hf_config(hf_config) -> LlamaConfig:
+    """Our LlamaConfig from a transformers config; unsupported features are refused."""
+    if getattr(hf_config, "model_type", "llama") != "llama":
+        raise ValueError(f"expected a llama config, got model_type={hf_config.model_type!r}")
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise ValueError("biased attention/MLP projections are not supported")
+    theta, scaling = _hf_rope(hf_config)
+    rope = None
+    if scaling is not None:
+        if scaling.get("rope_type", scaling.get("type")) != "llama3":
+            raise ValueError(f"rope scaling {scaling!r} is not supported (only rope_type 'llama3')")
+        rope = RopeScaling(factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+                           high_freq_factor=scaling["high_freq_factor"],
+                           original_max_position_embeddings=scaling["original_max_position_embeddings"])
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return LlamaConfig(
+        vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size, num_layers=hf_config.num_hidden_layers,
+        num_attention_heads=heads, num_query_groups=hf_config.num_key_value_heads or heads, kv_channels=head_dim,
+        ffn_hidden_size=hf_config.intermediate_size, norm_eps=hf_config.rms_norm_eps, rotary_base=float(theta),
+        rope_scaling=rope, tie_embeddings=bool(hf_config.tie_word_embeddings),
+        max_position_embeddings=hf_config.max_position_embeddings, init_std=hf_config.initializer_range,
+    )
+
+
+def to_hf_name(name: str) -> str:
+    """Our parameter name -> transformers' name."""
+    if name.startswith("head.lm_head."):
+        return name.removeprefix("head.")
+    if name.startswith("head.norm."):
+        return "model." + name.removeprefix("head.")
+    return "model." + name
+
+
+def from_hf_name(name: str) -> str:
+    """transformers' parameter name -> ours."""
+    if name.startswith("lm_head."):
+        return "head." + name
+    if name.startswith("model.norm."):
+        return "head." + name.removeprefix("model.")
+    if name.startswith("model."):
+        return name.removeprefix("model.")
+    raise ValueError(f"unexpected parameter {name!r} in a LlamaForCausalLM state dict")
+
+
+def to_hf_state_dict(state_dict: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Our full state dict -> transformers' (a tied output weight appears under both names, as in theirs)."""
+    out = {to_hf_name(k): v for k, v in state_dict.items()}
+    if config.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def from_hf_state_dict(hf_state_dict: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """transformers' state dict -> ours (rotary buffers dropped, tied weight restored)."""
+    out = {from_hf_name(k): v for k, v in hf_state_dict.items() if "rotary_emb" not in k}
+    if config.tie_embeddings:
+        out["head.lm_head.weight"] = out["embed_tokens.weight"]
+    return out

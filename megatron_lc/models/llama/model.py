@@ -1,0 +1,255 @@
+"""The LLaMA decoder, read top to bottom.
+
+Parameter names follow `transformers`' LlamaForCausalLM (minus its `model.` prefix), so
+weights map one to one. Rotary embeddings use the rotate-half convention for the same
+reason. Attention is delegated to a pluggable backend (local, Ulysses, Untied Ulysses)
+that takes the normed hidden states and the raw q/k/v weights; the memory techniques
+(checkpointing, offload, tiling) are switched on per block by `parallelize`.
+
+Shapes: a micro-batch is [B, S_local] tokens (S_local = S / cp on a context-parallel
+rank); `position_ids` are global positions; `cu_seqlens` are the causal segments of the
+flattened global batch (B * S tokens), as Python ints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lc.attention.kernels import select_kernel
+from megatron_lc.attention.local import LocalAttention
+from megatron_lc.attention.rotary import RopeScaling, rope_cos_sin, rope_inv_freq
+from megatron_lc.memory.tiling import linear_cross_entropy, tiled_linear_cross_entropy, tiled_swiglu_mlp
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a LLaMA model."""
+
+    vocab_size: int
+    """Rows of the embedding and output matrices."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Transformer blocks."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (grouped-query attention); equal to the query heads for plain MHA."""
+    kv_channels: int
+    """Head dimension; independent of hidden_size / heads."""
+    ffn_hidden_size: int
+    """Width of the SwiGLU MLP."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rotary_base: float = 500000.0
+    """Rotary theta."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3 rope scaling, or None for plain rotary."""
+    tie_embeddings: bool = False
+    """Share the embedding matrix with the output projection."""
+    max_position_embeddings: int = 131072
+    """Recorded in exported configs; rotary itself works at any length."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of every matrix."""
+
+    def validate(self) -> None:
+        """Reject shapes that cannot work, naming the value."""
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                     "kv_channels", "ffn_hidden_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                             f"num_query_groups ({self.num_query_groups})")
+        if self.kv_channels % 2:
+            raise ValueError(f"kv_channels must be even for rotary embeddings, got {self.kv_channels}")
+
+
+# --- attention ----------------------------------------------------------------------------
+
+
+class AttentionBackend(Protocol):
+    """Normed local hidden states and raw projection weights in, pre-`o_proj` output out."""
+
+    def __call__(self, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: tuple[int, ...]) -> torch.Tensor:
+        """x [B, S_local, hidden], cos/sin [B, S_local, d] -> [B, S_local, heads * d]."""
+        ...
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        d, h, kv = config.kv_channels, config.num_attention_heads, config.num_query_groups
+        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+        self.backend: AttentionBackend = LocalAttention(d, select_kernel(torch.device("cpu")))
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        out = self.backend(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, cos, sin, cu_seqlens)
+        return self.o_proj(out)
+
+
+# --- MLP and block ------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """SwiGLU; tiled over the sequence when `num_tiles` is set."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+        self.num_tiles: int | None = None
+
+    def forward(self, x):
+        if self.num_tiles:
+            return tiled_swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                                    self.num_tiles)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in fp32 and scale in the input dtype, as transformers does.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+@dataclass
+class BlockMemory:
+    """How one block saves memory; set by `parallelize`, identical on every rank."""
+
+    recompute: str = "none"
+    """none | full (keep only the block input) | selective (keep attention, recompute the MLP half)."""
+    offload: object | None = None
+    """An OffloadScheduler for the kept block inputs (full recompute only)."""
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = MLP(config)
+        self.memory = BlockMemory()
+
+    def forward(self, x, cos, sin, cu_seqlens):
+        if self.memory.recompute == "full":
+            from megatron_lc.memory.checkpoint import checkpoint_block
+
+            return checkpoint_block(lambda t: self._forward(t, cos, sin, cu_seqlens), x,
+                                    offload=self.memory.offload, layer_idx=self.layer_idx)
+        return self._forward(x, cos, sin, cu_seqlens)
+
+    def _forward(self, x, cos, sin, cu_seqlens):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
+        if self.memory.recompute == "selective":
+            from megatron_lc.memory.checkpoint import checkpoint_block
+
+            return checkpoint_block(self._mlp_residual, h)
+        return self._mlp_residual(h)
+
+    def _mlp_residual(self, h):
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# --- output head and loss -------------------------------------------------------------------
+
+
+class LMHead(nn.Module):
+    """Final norm, output projection and the loss, as one module (one FSDP unit)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.loss_tiles: int | None = None
+
+    def forward(self, h, labels=None):
+        """Logits [B, S, V] without labels; else (sum of token losses, valid-token count)."""
+        h = self.norm(h)
+        if labels is None:
+            return self.lm_head(h)
+        flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+        if self.loss_tiles:
+            return tiled_linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels, self.loss_tiles)
+        return linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels)
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_layers))
+        self.head = LMHead(config)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection; redone after `to_empty`, which unties."""
+        if self.config.tie_embeddings:
+            self.head.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None):
+        """Logits without labels; with labels, (loss_sum, num_valid) over the local tokens."""
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        if cu_seqlens is None:
+            cu_seqlens = tuple(range(0, B * S + 1, S))
+        h = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, rope_inv_freq(self.config.kv_channels, self.config.rotary_base, self.config.rope_scaling, h.device), h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, tuple(cu_seqlens))
+        return self.head(h, labels)
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) matrices, unit norms; runs after materialising from meta."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=self.config.init_std, generator=generator)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+
+def build_model(config: LlamaConfig, device: torch.device | str = "meta", dtype=torch.float32,
+                seed: int | None = 0) -> Transformer:
+    """A model on `device`; on a real device it is initialised (seeded), on meta left empty."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to(dtype=dtype)
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(torch.Generator(device=device).manual_seed(seed) if seed is not None else None)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once); works on meta."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

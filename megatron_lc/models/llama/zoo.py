@@ -1,0 +1,38 @@
+"""Named model shapes (flavours), selected with `--model NAME`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megatron_lc.models.llama.model import LlamaConfig, RopeScaling
+
+LLAMA3_VOCAB = 128256
+
+FLAVOURS: dict[str, LlamaConfig] = {
+    # Tiny shapes for tests and the CPU demo; GQA so grouped paths are always exercised.
+    "debug": LlamaConfig(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=8,
+                         num_query_groups=2, kv_channels=16, ffn_hidden_size=192, rotary_base=10000.0),
+    "debug-tied": LlamaConfig(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=8,
+                              num_query_groups=2, kv_channels=16, ffn_hidden_size=192,
+                              rotary_base=10000.0, tie_embeddings=True),
+    # Llama 3.2 3B.
+    "llama3-3b": LlamaConfig(vocab_size=LLAMA3_VOCAB, hidden_size=3072, num_layers=28, num_attention_heads=24,
+                             num_query_groups=8, kv_channels=128, ffn_hidden_size=8192,
+                             rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True),
+    # Llama 3.1 8B.
+    "llama3-8b": LlamaConfig(vocab_size=LLAMA3_VOCAB, hidden_size=4096, num_layers=32, num_attention_heads=32,
+                             num_query_groups=8, kv_channels=128, ffn_hidden_size=14336,
+                             rope_scaling=RopeScaling(factor=8.0)),
+    # The 32B shape used in the Untied Ulysses evaluation.
+    "llama-32b": LlamaConfig(vocab_size=LLAMA3_VOCAB, hidden_size=5120, num_layers=64, num_attention_heads=64,
+                             num_query_groups=8, kv_channels=128, ffn_hidden_size=25600),
+}
+
+
+def get_config(name: str, **overrides) -> LlamaConfig:
+    """The flavour `name` with Megatron-style overrides (None values ignored), validated."""
+    if name not in FLAVOURS:
+        raise ValueError(f"--model {name!r}: unknown flavour; expected one of {', '.join(FLAVOURS)}")
+    config = replace(FLAVOURS[name], **{k: v for k, v in overrides.items() if v is not None})
+    config.validate()
+    return config

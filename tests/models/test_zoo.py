@@ -1,0 +1,49 @@
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lc.models.llama import FLAVOURS, build_model, count_parameters, get_config
+
+PUBLISHED_COUNTS = {
+    "llama3-3b": 3_212_749_824,
+    "llama3-8b": 8_030_261_248,
+    "llama-32b": 32_519_623_680,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_COUNTS))
+def test_flavour_parameter_count_matches_published_model(name):
+    model = build_model(FLAVOURS[name], device="meta")
+    assert count_parameters(model) == PUBLISHED_COUNTS[name]
+
+
+def test_models_list_prints_every_flavour_with_its_count():
+    out = subprocess.run([sys.executable, "-m", "megatron_lc.models", "--list"], check=True,
+                         capture_output=True, text=True).stdout
+    for name, count in PUBLISHED_COUNTS.items():
+        assert name in out and f"{count:,}" in out
+    assert "debug" in out
+
+
+def test_unknown_flavour_is_named_in_the_error():
+    with pytest.raises(ValueError, match="llama-7t"):
+        get_config("llama-7t")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_attention_heads": 6, "num_query_groups": 4}, "divisible by num_query_groups"),
+    ({"kv_channels": 15}, "kv_channels must be even"),
+    ({"hidden_size": 0}, "hidden_size must be positive"),
+])
+def test_impossible_shapes_are_rejected(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        get_config("debug", **overrides)
+
+
+def test_meta_model_materialises_with_seeded_weights_and_tied_embeddings():
+    a = build_model(get_config("debug-tied"), device="cpu", seed=3)
+    b = build_model(get_config("debug-tied"), device="cpu", seed=3)
+    assert a.head.lm_head.weight is a.embed_tokens.weight
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert p.device.type == "cpu" and (p == q).all(), n
