@@ -21,8 +21,9 @@ from megatron_lc.attention.rotary import apply_rotary
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """Exchange x's leading-dimension chunks: chunk j goes to rank j."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    x = x.contiguous()
+    out = torch.empty_like(x)  # contiguous like x: the collective writes in memory order
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 

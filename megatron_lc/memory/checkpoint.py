@@ -27,7 +27,12 @@ def _autocast_states(device: torch.device) -> list[tuple[str, bool, torch.dtype,
     """Autocast settings of the tensor's device type (and cpu), to replay in backward."""
     device_types = {device.type, "cpu"}
     return [
-        (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt), torch.is_autocast_cache_enabled())
+        (
+            dt,
+            torch.is_autocast_enabled(dt),
+            torch.get_autocast_dtype(dt),
+            torch.is_autocast_cache_enabled(),
+        )
         for dt in sorted(device_types)
         if torch.amp.is_autocast_available(dt)
     ]
@@ -48,15 +53,16 @@ class _CheckpointBlock(torch.autograd.Function):
     def forward(ctx, fn, x, offload, layer_idx, _grad_anchor):
         ctx.fn, ctx.offload, ctx.layer_idx = fn, offload, layer_idx
         ctx.autocast = _autocast_states(x.device)
+        # Offload before the block runs, so the copy overlaps this block's compute.
+        ctx.offloaded = offload is not None and offload.should_offload(layer_idx)
+        if ctx.offloaded:
+            ctx.handle = offload.offload(layer_idx, x)
+        else:
+            ctx.save_for_backward(x)
         with torch.no_grad():
             y = fn(x)
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"checkpoint_block: fn must return a Tensor, got {type(y).__name__}")
-        if offload is not None and offload.should_offload(layer_idx):
-            ctx.handle = offload.offload(layer_idx, x)
-        else:
-            ctx.handle = None
-            ctx.save_for_backward(x)
         return y
 
     @staticmethod
@@ -74,11 +80,15 @@ class _CheckpointBlock(torch.autograd.Function):
 
 def _restore_input(ctx) -> torch.Tensor:
     """The block input back on the accelerator; starts the previous layer's prefetch."""
-    if ctx.handle is None:
+    if not ctx.offloaded:
         (x,) = ctx.saved_tensors
+    elif ctx.handle is None:
+        raise RuntimeError(
+            f"checkpoint_block: layer {ctx.layer_idx}'s offloaded input was consumed by an "
+            "earlier backward (retain_graph is unsupported with offload)"
+        )
     else:
-        x = ctx.offload.fetch(ctx.handle)
-        ctx.handle = None
+        x, ctx.handle = ctx.offload.fetch(ctx.handle), None
     if ctx.offload is not None and ctx.layer_idx > 0:
         ctx.offload.prefetch(ctx.layer_idx - 1)
     return x

@@ -8,8 +8,9 @@ collectives and deadlock.
 Automatic choices (when a count is not given explicitly):
 
 - MLP: the smallest tile count whose intermediate tile (``rows x ffn_hidden_size x
-  dtype_bytes``) fits ``DEFAULT_MLP_TILE_TOKENS_PER_HIDDEN * hidden_size`` rows' worth,
-  i.e. tiles of about ``hidden_size`` tokens, as ALST does. A tile's intermediate is
+  dtype_bytes``) fits the intermediate of ``hidden_size`` rows (times
+  ``DEFAULT_MLP_TILE_TOKENS_PER_HIDDEN``), i.e. tiles of about ``hidden_size`` tokens
+  and ``ceil(local_tokens / hidden_size)`` tiles, as ALST does. A tile's intermediate is
   then about the size of one MLP weight matrix, so tiling adds no more memory than the
   weights already take, and the tile GEMMs (hidden x hidden x ffn) stay large enough
   to be compute bound.

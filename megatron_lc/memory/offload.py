@@ -56,7 +56,7 @@ class OffloadScheduler:
         keep_last: int = 1,
         keep_first: int = 0,
         accelerator: torch.device | str,
-        host: torch.device | str = torch.device("cpu"),
+        host: torch.device | str = "cpu",
     ) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
@@ -142,7 +142,9 @@ class OffloadScheduler:
         buffer = handle.host_buffer
         # Allocated on the compute stream, which owns it; the side stream waits for that
         # stream's queued work before writing, so reused memory is free by then.
-        handle.on_accelerator = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.accelerator)
+        handle.on_accelerator = torch.empty(
+            buffer.shape, dtype=buffer.dtype, device=self.accelerator
+        )
         handle.to_accelerator_done = self._copy_on_side_stream(handle.on_accelerator, buffer)
 
     def prefetch(self, layer_idx: int) -> None:

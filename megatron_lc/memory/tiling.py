@@ -62,6 +62,11 @@ def _autocast_off(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def _empty_rows(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised contiguous buffer shaped like ``like`` (row slices are then contiguous)."""
+    return torch.empty(like.shape, dtype=dtype, device=like.device)
+
+
 def _new_accumulator(weight: torch.Tensor, dtype: torch.dtype, many_tiles: bool) -> torch.Tensor:
     """Zeroed weight-gradient buffer: fp32 when 16-bit grads are summed over several tiles."""
     acc_dtype = torch.float32 if (many_tiles and dtype in _LOW_PRECISION) else dtype
@@ -147,7 +152,7 @@ class _TiledSwiGLU(torch.autograd.Function):
                 _new_accumulator(w, dtype, len(bounds) > 1) if need else None
                 for w, need in zip(weights, need_w)
             ]
-            grad_x = torch.empty_like(rows, dtype=dtype) if need_x else None
+            grad_x = _empty_rows(rows, dtype) if need_x else None
             for start, end in bounds:
                 gx_tile = grad_x[start:end] if need_x else None
                 _swiglu_tile_backward(
@@ -243,12 +248,13 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
     """Fused output projection + cross-entropy over row tiles.
 
     Gradients are computed in forward, tile by tile, and only scaled in backward.
-    Why not recompute in backward: both variants need hidden, grad_hidden, the weight
-    gradient and one fp32 logits tile alive at the same moment, so their peaks are the
-    same to first order; precomputing never repeats the logits matmul (a quarter of the
-    loss FLOPs), keeps neither ``hidden`` nor the (unsharded) output weight alive until
-    backward, and makes backward an in-place scalar multiply. Between forward and
-    backward it holds ``grad_hidden`` [N, h] in place of ``hidden`` [N, h].
+    Why not recompute them in backward: at large N both variants peak at the same
+    moment with the same buffers alive (hidden [N, h], grad_hidden [N, h], the weight
+    gradient [V, h] and one fp32 logits tile), so recomputing buys no memory. It costs
+    a second logits matmul (4 matmuls of N x V x h instead of 3) and must save
+    ``hidden`` and the weight for backward. Precomputing saves neither: between
+    forward and backward it holds grad_hidden in place of hidden (same size) plus the
+    weight gradient, and backward is an in-place scalar multiply.
     """
 
     @staticmethod
@@ -258,14 +264,18 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
         bounds = list(tile_bounds(hidden.shape[0], num_tiles))
         with _autocast_off(hidden):
             w = weight.to(dtype)
-            grad_h = torch.empty_like(hidden, dtype=dtype) if need_h else None
+            grad_h = _empty_rows(hidden, dtype) if need_h else None
             grad_w = _new_accumulator(w, dtype, len(bounds) > 1) if need_w else None
             loss = torch.zeros((), dtype=_logits_dtype(dtype), device=hidden.device)
             for start, end in bounds:
                 grad_h_tile = grad_h[start:end] if need_h else None
                 loss += _ce_tile(
-                    hidden[start:end].to(dtype), w, labels[start:end], ignore_index,
-                    grad_h_tile, grad_w,
+                    hidden[start:end].to(dtype),
+                    w,
+                    labels[start:end],
+                    ignore_index,
+                    grad_h_tile,
+                    grad_w,
                 )
         num_valid = (labels != ignore_index).sum()
         ctx.mark_non_differentiable(num_valid)

@@ -1,0 +1,120 @@
+"""Micro-batches for one (data-parallel, context-parallel) rank, resumable exactly.
+
+Step `k` covers samples `[k*B*dp, (k+1)*B*dp)` of the sample source; data-parallel
+rank `r` takes its `B` consecutive samples from `k*B*dp + r*B`, and context-parallel
+rank `c` receives only its `S/cp` slice of each. The state is the number of samples
+consumed by all data-parallel ranks together, as in Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from megatron_lc.data.samples import Sample, SampleSource, cp_slice
+
+
+@dataclass
+class Batch:
+    """A micro-batch: int64 tensors of shape `[B, S/cp]`, and the document boundaries of
+    the whole flattened batch, `(0, ..., S, ..., B*S)` (sample `b` offset by `b*S`)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: tuple[int, ...]
+
+    @property
+    def max_seqlen(self) -> int:
+        """Length of the longest document piece in the batch."""
+        return int(np.diff(self.cu_seqlens).max())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        """The same batch with its tensors on `device`."""
+        move = lambda tensor: tensor.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), self.cu_seqlens)
+
+
+def collate(samples: Sequence[Sample], seq_length: int) -> Batch:
+    """Stack samples into a batch; offset each sample's boundaries by its place in it."""
+    cu_seqlens = [0]
+    for b, sample in enumerate(samples):
+        cu_seqlens.extend(b * seq_length + boundary for boundary in sample.cu_seqlens[1:])
+    stack = lambda name: torch.from_numpy(np.stack([getattr(s, name) for s in samples]))  # noqa: E731
+    return Batch(stack("input_ids"), stack("labels"), stack("position_ids"), tuple(cu_seqlens))
+
+
+class MicroBatchLoader:
+    """Iterates micro-batches of `micro_batch_size` samples for one rank.
+
+    Stops after `num_samples` samples (all data-parallel ranks together) when given,
+    otherwise runs as long as it is asked (samples continue into further epochs).
+    """
+
+    def __init__(
+        self,
+        samples: SampleSource,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        reset_position_ids: bool = False,
+        eod_mask_loss: bool = False,
+        eod_token: int | None = None,
+        num_samples: int | None = None,
+    ) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not a rank of a data-parallel group of size {dp_size}")
+        if eod_mask_loss and eod_token is None:
+            raise ValueError("eod_mask_loss needs eod_token (the tokenizer's EOD id)")
+        cp_slice(samples.seq_length, cp_rank, cp_size)  # fails early on a bad cp layout
+        self.samples = samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.reset_position_ids = reset_position_ids
+        self.eod_mask_loss = eod_mask_loss
+        self.eod_token = eod_token
+        self.num_samples = num_samples
+        self.consumed_samples = 0
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples consumed by one step over all data-parallel ranks."""
+        return self.micro_batch_size * self.dp_size
+
+    def __iter__(self) -> "MicroBatchLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        if self.num_samples is not None and self.consumed_samples + self.samples_per_step > self.num_samples:
+            raise StopIteration
+        first = self.consumed_samples + self.dp_rank * self.micro_batch_size
+        batch = collate([self._sample(first + b) for b in range(self.micro_batch_size)], self.samples.seq_length)
+        self.consumed_samples += self.samples_per_step
+        return batch
+
+    def _sample(self, index: int) -> Sample:
+        return self.samples.get(
+            index, self.cp_rank, self.cp_size, self.reset_position_ids, self.eod_mask_loss, self.eod_token
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint needs to resume exactly."""
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume after `state["consumed_samples"]`; it must be a whole number of steps."""
+        consumed = int(state["consumed_samples"])
+        if consumed < 0 or consumed % self.samples_per_step:
+            raise ValueError(
+                f"consumed_samples {consumed} is not a multiple of micro_batch_size x dp_size "
+                f"= {self.samples_per_step}; resume with the batch layout the state was saved with"
+            )
+        self.consumed_samples = consumed

@@ -1,0 +1,458 @@
+"""Tokenize raw corpora into Megatron indexed datasets (`PREFIX_{key}_document.{bin,idx}`).
+
+The main process reads documents and cuts long texts into pieces; a pool of worker
+processes tokenizes groups of pieces; the main process writes the results in input
+order. At most a few groups are in flight at once, so memory stays bounded however
+large the corpus or its documents. `tools/preprocess_data.py` is the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from megatron_lc.data.corpus import (
+    DEFAULT_PIECE_CHARS,
+    Document,
+    InputProblems,
+    InvalidInputError,
+    ReadOptions,
+    expand_inputs,
+    read_documents,
+)
+from megatron_lc.data.indexed_dataset import (
+    IndexedDatasetBuilder,
+    bin_path,
+    idx_path,
+    merge_datasets,
+    optimal_dtype,
+)
+from megatron_lc.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+
+# Pieces are sent to workers in groups of about this many characters: large enough
+# to amortise inter-process transfer, small enough to keep every worker busy.
+TASK_CHARS = 256_000
+
+
+@dataclass(frozen=True)
+class PreprocessOptions:
+    """Everything `preprocess` needs; the command-line flags map one to one."""
+
+    inputs: tuple[str, ...]
+    output_prefix: str
+    tokenizer_type: str
+    tokenizer_model: str | None = None
+    json_keys: tuple[str, ...] = ("text",)
+    workers: int = 1
+    partitions: int = 1
+    append_eod: bool = False
+    prepend_bos: bool = False
+    skip_invalid: bool = False
+    log_interval: int = 1000
+    piece_chars: int = DEFAULT_PIECE_CHARS
+    split: str = "train"
+    show_progress: bool = True
+
+
+@dataclass(frozen=True)
+class EncodeConfig:
+    """What a worker needs to turn text pieces into token arrays."""
+
+    tokenizer_type: str
+    tokenizer_model: str | None
+    dtype: str
+    append_eod: bool
+    prepend_bos: bool
+
+
+@dataclass(frozen=True)
+class PieceInfo:
+    """Where a piece belongs: its key, and whether it opens or closes its document."""
+
+    key_index: int
+    first: bool
+    last: bool
+    closes_record: bool  # the last piece of the record's last key
+
+
+@dataclass
+class Task:
+    """A group of consecutive pieces tokenized by one worker call."""
+
+    texts: list[str] = field(default_factory=list)
+    infos: list[PieceInfo] = field(default_factory=list)
+    chars: int = 0
+
+
+@functools.lru_cache(maxsize=4)
+def cached_tokenizer(tokenizer_type: str, tokenizer_model: str | None) -> Tokenizer:
+    """One tokenizer per worker process, built on its first task."""
+    return build_tokenizer(tokenizer_type, tokenizer_model)
+
+
+def encode_task(config: EncodeConfig, texts: Sequence[str], infos: Sequence[PieceInfo]) -> list[np.ndarray]:
+    """Token arrays of `texts`, with BOS/EOD added at document starts/ends as configured."""
+    tokenizer = cached_tokenizer(config.tokenizer_type, config.tokenizer_model)
+    arrays = []
+    for text, info in zip(texts, infos):
+        ids = tokenizer.tokenize_piece(text, info.first)
+        if info.first and config.prepend_bos:
+            ids = [tokenizer.bos, *ids]
+        if info.last and config.append_eod:
+            ids.append(tokenizer.eod)
+        arrays.append(np.asarray(ids, dtype=config.dtype))
+    return arrays
+
+
+def _with_last(items: Iterable[str]) -> Iterator[tuple[str, bool]]:
+    """Each item with whether it is the last one (one item of lookahead)."""
+    iterator = iter(items)
+    previous = next(iterator, None)
+    while previous is not None:
+        following = next(iterator, None)
+        yield previous, following is None
+        previous = following
+
+
+def document_pieces(documents: Iterable[Document], keys: Sequence[str]) -> Iterator[tuple[str, PieceInfo]]:
+    """Every piece of every document, key by key, in order."""
+    for document in documents:
+        for key_index, key in enumerate(keys):
+            first = True
+            for text, last in _with_last(document.texts[key]):
+                closes = last and key_index == len(keys) - 1
+                yield text, PieceInfo(key_index, first, last, closes)
+                first = False
+
+
+def group_pieces(pieces: Iterable[tuple[str, PieceInfo]], task_chars: int = TASK_CHARS) -> Iterator[Task]:
+    """Consecutive pieces in groups of about `task_chars` characters."""
+    task = Task()
+    for text, info in pieces:
+        task.texts.append(text)
+        task.infos.append(info)
+        task.chars += len(text)
+        if task.chars >= task_chars:
+            yield task
+            task = Task()
+    if task.texts:
+        yield task
+
+
+class TokenizerPool:
+    """Tokenizes tasks in order, in `workers` processes (in this process for one)."""
+
+    def __init__(self, config: EncodeConfig, workers: int) -> None:
+        self.config = config
+        self.workers = workers
+        self._pool = multiprocessing.get_context().Pool(workers) if workers > 1 else None
+
+    def __enter__(self) -> "TokenizerPool":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+
+    def map_ordered(self, tasks: Iterable[Task]) -> Iterator[tuple[list[PieceInfo], list[np.ndarray]]]:
+        """(piece infos, token arrays) per task, in task order, a bounded number in flight."""
+        if self._pool is None:
+            for task in tasks:
+                yield task.infos, encode_task(self.config, task.texts, task.infos)
+            return
+        in_flight: deque = deque()
+        for task in tasks:
+            result = self._pool.apply_async(encode_task, (self.config, task.texts, task.infos))
+            in_flight.append((task.infos, result))
+            if len(in_flight) >= 2 * self.workers + 2:
+                infos, result = in_flight.popleft()
+                yield infos, result.get()
+        while in_flight:
+            infos, result = in_flight.popleft()
+            yield infos, result.get()
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron's naming: one dataset per JSON key."""
+    return f"{output_prefix}_{key}_document"
+
+
+class DatasetWriters:
+    """One builder per JSON key; removes partial files unless finalized."""
+
+    def __init__(self, prefixes: Sequence[str], dtype: type[np.number]) -> None:
+        self.prefixes = list(prefixes)
+        self.builders: list[IndexedDatasetBuilder] = []
+        for prefix in self.prefixes:
+            os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+            self.builders.append(IndexedDatasetBuilder(bin_path(prefix), dtype=dtype))
+        self.tokens = [0] * len(self.prefixes)
+
+    def __enter__(self) -> "DatasetWriters":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is not None:
+            for builder in self.builders:
+                builder.abort()
+
+    def write(self, info: PieceInfo, tokens: np.ndarray) -> None:
+        """Append a piece to its key's open sequence, closing the document on its last piece."""
+        builder = self.builders[info.key_index]
+        builder.add_tokens(tokens)
+        self.tokens[info.key_index] += len(tokens)
+        if info.last:
+            builder.end_item()
+            builder.end_document()
+
+    def finalize(self) -> None:
+        """Write every key's index and move the files into place."""
+        for builder, prefix in zip(self.builders, self.prefixes):
+            builder.finalize(idx_path(prefix))
+
+
+class Progress:
+    """A tqdm bar with documents/s and tokens/s on a terminal; log lines otherwise."""
+
+    def __init__(self, enabled: bool, log_interval: int, position: int = 0, label: str = "") -> None:
+        self.documents = 0
+        self.tokens = 0
+        self.start = time.perf_counter()
+        self._log_interval = max(1, log_interval)
+        self._label = label
+        self._bar = None
+        self._log = enabled and not sys.stderr.isatty()
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(desc=label or "documents", unit=" docs", position=position, dynamic_ncols=True)
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def add(self, documents: int, tokens: int) -> None:
+        self.documents += documents
+        self.tokens += tokens
+        if self._bar is not None:
+            self._bar.update(documents)
+            self._bar.set_postfix_str(f"{self.tokens_per_second:,.0f} tokens/s", refresh=False)
+        elif self._log and documents and self.documents % self._log_interval == 0:
+            print(f"{self._label}{self.documents:,} documents, {self.tokens:,} tokens, "
+                  f"{self.documents / self.elapsed:,.1f} docs/s, {self.tokens_per_second:,.0f} tokens/s",
+                  file=sys.stderr, flush=True)
+
+    @property
+    def elapsed(self) -> float:
+        return max(time.perf_counter() - self.start, 1e-9)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.elapsed
+
+
+@dataclass
+class PreprocessSummary:
+    """What a run did: documents and tokens written, inputs skipped and why."""
+
+    documents: int = 0
+    tokens: dict[str, int] = field(default_factory=dict)  # per output prefix
+    problems: InputProblems = field(default_factory=InputProblems)
+    seconds: float = 0.0
+    dtype: str = ""
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def merge(self, other: "PreprocessSummary") -> None:
+        """Add another summary's counts."""
+        self.documents += other.documents
+        for prefix, count in other.tokens.items():
+            self.tokens[prefix] = self.tokens.get(prefix, 0) + count
+        self.problems.merge(other.problems)
+        self.dtype = self.dtype or other.dtype
+
+    def format(self) -> str:
+        """A few lines for the end of a run."""
+        seconds = max(self.seconds, 1e-9)
+        lines = [
+            f"{self.documents:,} documents, {self.total_tokens:,} tokens in {self.seconds:.1f} s "
+            f"({self.documents / seconds:,.1f} docs/s, {self.total_tokens / seconds:,.0f} tokens/s)",
+            f"skipped: {self.problems.total:,}",
+        ]
+        for reason, entry in self.problems.counts.items():
+            detail = f": {entry.first_detail}" if entry.first_detail else ""
+            lines.append(f"  {reason}: {entry.count:,} (first at {entry.first_location}{detail})")
+        for prefix, count in self.tokens.items():
+            lines.append(f"wrote {prefix}.bin/.idx ({count:,} {self.dtype} tokens)")
+        return "\n".join(lines)
+
+
+def _encode_config(options: PreprocessOptions, tokenizer: Tokenizer) -> EncodeConfig:
+    """Check the tokenizer has the specials asked for, and pick the token dtype."""
+    if options.append_eod:
+        tokenizer.eod  # raises a clear error when the tokenizer has no EOD token
+    if options.prepend_bos:
+        tokenizer.bos
+    dtype = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
+    return EncodeConfig(options.tokenizer_type, options.tokenizer_model, dtype, options.append_eod, options.prepend_bos)
+
+
+def run_partition(
+    files: Sequence[str], prefixes: Sequence[str], options: PreprocessOptions, workers: int, position: int = 0
+) -> PreprocessSummary:
+    """Tokenize `files` into one dataset per key at `prefixes`."""
+    config = _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model))
+    problems = InputProblems(options.skip_invalid)
+    read_options = ReadOptions(tuple(options.json_keys), options.piece_chars, options.split)
+    tasks = group_pieces(document_pieces(read_documents(files, read_options, problems), options.json_keys))
+    label = f"partition {position}: " if options.partitions > 1 else ""
+    with (
+        DatasetWriters(prefixes, np.dtype(config.dtype).type) as writers,
+        Progress(options.show_progress, options.log_interval, position, label) as progress,
+        TokenizerPool(config, workers) as pool,
+    ):
+        for infos, arrays in pool.map_ordered(tasks):
+            for info, tokens in zip(infos, arrays):
+                writers.write(info, tokens)
+                progress.add(int(info.closes_record), len(tokens))
+        writers.finalize()
+    tokens = dict(zip(prefixes, writers.tokens))
+    return PreprocessSummary(progress.documents, tokens, problems, progress.elapsed, config.dtype)
+
+
+def split_contiguous(files: Sequence[str], parts: int) -> list[list[str]]:
+    """`files` in at most `parts` consecutive groups of similar total size (order kept)."""
+    sizes = [_input_size(path) for path in files]
+    target = max(sum(sizes), 1) / parts
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for index, (path, size) in enumerate(zip(files, sizes)):
+        behind = filled >= target * len(groups)  # this group has its share already
+        must_spread = len(files) - index <= parts - len(groups)  # one file per remaining group
+        if groups[-1] and len(groups) < parts and (behind or must_spread):
+            groups.append([])
+        groups[-1].append(path)
+        filled += size
+    return groups
+
+
+def _input_size(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessSummary:
+    """Each group of files in its own process, then the parts merged in input order."""
+    groups = split_contiguous(files, options.partitions)
+    final_prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
+    work_dir = tempfile.mkdtemp(prefix=".partitions-", dir=os.path.dirname(os.path.abspath(final_prefixes[0])))
+    try:
+        part_prefixes = [[os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys] for i in range(len(groups))]
+        workers_each = max(1, options.workers // len(groups))
+        with ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context()) as executor:
+            futures = [
+                executor.submit(run_partition, group, prefixes, options, workers_each, i)
+                for i, (group, prefixes) in enumerate(zip(groups, part_prefixes))
+            ]
+            parts = [future.result() for future in futures]
+        for key_index, final in enumerate(final_prefixes):
+            merge_datasets([prefixes[key_index] for prefixes in part_prefixes], final)
+        return _combine(parts, final_prefixes)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _combine(parts: Sequence[PreprocessSummary], final_prefixes: Sequence[str]) -> PreprocessSummary:
+    """One summary for the merged output: counts added, tokens keyed by final prefix."""
+    summary = PreprocessSummary(dtype=parts[0].dtype)
+    for part in parts:
+        renamed = dict(zip(final_prefixes, part.tokens.values()))
+        summary.merge(PreprocessSummary(part.documents, renamed, part.problems, part.seconds, part.dtype))
+    return summary
+
+
+def preprocess(options: PreprocessOptions) -> PreprocessSummary:
+    """Tokenize `options.inputs` into `PREFIX_{key}_document.{bin,idx}` for each JSON key."""
+    if options.workers < 1 or options.partitions < 1:
+        raise ValueError(f"--workers ({options.workers}) and --partitions ({options.partitions}) must be >= 1")
+    start = time.perf_counter()
+    files = expand_inputs(options.inputs)
+    if options.partitions > 1 and len(files) > 1:
+        summary = _run_partitions(files, options)
+    else:
+        prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
+        summary = run_partition(files, prefixes, options, options.workers)
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron's preprocess_data.py flags, plus a few for long documents and bad input."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("input")
+    group.add_argument("--input", nargs="+", required=True, help="files, globs or directories: .jsonl/.json, .parquet, "
+                       "datasets save_to_disk directories; any other file is one plain-text document")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one dataset each (default: text)")
+    group.add_argument("--split", default="train", help="split read from a saved DatasetDict (default: train)")
+    group.add_argument("--skip-invalid", action="store_true", help="skip and count malformed lines, invalid UTF-8, "
+                       "missing keys and non-string values instead of stopping at the first")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), tiktoken BPE file")
+    group.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    group.add_argument("--prepend-bos", action="store_true", help="start every document with the BOS token")
+    group = parser.add_argument_group("output and runtime")
+    group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.{bin,idx}")
+    group.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
+    group.add_argument("--partitions", type=int, default=1, help="process groups of input files in parallel, then merge")
+    group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines when not on a terminal")
+    group.add_argument("--piece-chars", type=int, default=DEFAULT_PIECE_CHARS,
+                       help="long documents are tokenized in line-aligned pieces of about this many characters")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
+    """The parsed flags as options."""
+    return PreprocessOptions(
+        inputs=tuple(args.input), output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model, json_keys=tuple(args.json_keys), workers=args.workers,
+        partitions=args.partitions, append_eod=args.append_eod, prepend_bos=args.prepend_bos,
+        skip_invalid=args.skip_invalid, log_interval=args.log_interval, piece_chars=args.piece_chars,
+        split=args.split, show_progress=not args.no_progress,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: 0 on success, 1 with a one-line error on bad input."""
+    args = build_parser().parse_args(argv)
+    try:
+        summary = preprocess(options_from_args(args))
+    except (InvalidInputError, ValueError, FileNotFoundError) as error:
+        print(f"preprocess_data: error: {error}", file=sys.stderr)
+        return 1
+    print(summary.format())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

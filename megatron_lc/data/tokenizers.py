@@ -1,0 +1,388 @@
+"""Tokenizers behind one small interface, built from local files only.
+
+`build_tokenizer(tokenizer_type, tokenizer_model)` returns an object with
+`tokenize(text) -> list[int]` (no special tokens added), `detokenize(ids) -> str`,
+`vocab_size`, `eod` (the end-of-document id appended between documents) and `bos`.
+
+Types (Megatron's names): `SentencePieceTokenizer` (a `.model` file),
+`HuggingFaceTokenizer` (a `tokenizer.json` or a directory holding one, or any local
+directory `transformers.AutoTokenizer` loads), `TikTokenizer` (a tiktoken BPE file such
+as Llama 3's `tokenizer.model`), and `ByteTokenizer` (no file: UTF-8 bytes plus BOS/EOD).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+
+class Tokenizer(ABC):
+    """The interface preprocessing and training rely on."""
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS/EOD."""
+
+    @abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of `ids` (special tokens are dropped where the library allows)."""
+
+    def tokenize_piece(self, text: str, first: bool) -> list[int]:
+        """Ids of one piece of a long document that is tokenized piece by piece; a piece
+        other than the first follows a newline. Pieces cut after newlines give the ids
+        of the whole document for byte-level BPE tokenizers, hence this default."""
+        return self.tokenize(text)
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included: every id is in `[0, vocab_size)`."""
+
+    @property
+    @abstractmethod
+    def eod(self) -> int:
+        """End-of-document id."""
+
+    @property
+    @abstractmethod
+    def bos(self) -> int:
+        """Beginning-of-sequence id."""
+
+
+def _missing_special(kind: str, source: str) -> ValueError:
+    return ValueError(f"{source}: the tokenizer defines no {kind} token")
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, then BOS (256) and EOD (257): needs no file."""
+
+    BOS_ID = 256
+    EOD_ID = 257
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def eod(self) -> int:
+        return self.EOD_ID
+
+    @property
+    def bos(self) -> int:
+        return self.BOS_ID
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece `.model`; EOD is its end-of-sentence piece (`</s>`)."""
+
+    def __init__(self, model_path: str | os.PathLike) -> None:
+        import sentencepiece
+
+        self.model_path = os.fspath(model_path)
+        self._processor = sentencepiece.SentencePieceProcessor(model_file=self.model_path)
+        self._newline_ids = self._processor.encode("\n")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._processor.encode(text)
+
+    def tokenize_piece(self, text: str, first: bool) -> list[int]:
+        """SentencePiece marks the start of every input with a dummy-prefix space; a
+        continuation is encoded after a newline whose ids are then dropped, so the
+        pieces of a document cut after newlines give the ids of the whole document."""
+        if first:
+            return self.tokenize(text)
+        ids = self._processor.encode("\n" + text)
+        prefix = len(self._newline_ids)
+        return ids[prefix:] if ids[:prefix] == self._newline_ids else self.tokenize(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._processor.decode([int(i) for i in ids])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._processor.get_piece_size()
+
+    @property
+    def eod(self) -> int:
+        return self._special(self._processor.eos_id(), "end-of-sentence (EOD)")
+
+    @property
+    def bos(self) -> int:
+        return self._special(self._processor.bos_id(), "beginning-of-sentence (BOS)")
+
+    def _special(self, token_id: int, kind: str) -> int:
+        if token_id < 0:  # SentencePiece reports a disabled piece as -1
+            raise _missing_special(kind, self.model_path)
+        return token_id
+
+
+# Names under which end-of-document and beginning-of-sequence tokens commonly appear,
+# used when a bare tokenizer.json comes without a tokenizer_config.json.
+_EOD_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>")
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<|bos|>")
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face fast tokenizer read from a local `tokenizer.json` (or its directory)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self.path = os.fspath(path)
+        json_path = Path(self.path) / "tokenizer.json" if os.path.isdir(self.path) else Path(self.path)
+        self._tokenizer = RustTokenizer.from_file(str(json_path))
+        config = _read_tokenizer_config(json_path.parent / "tokenizer_config.json")
+        self._eod = self._resolve(config.get("eos_token"), _EOD_NAMES)
+        self._bos = self._resolve(config.get("bos_token"), _BOS_NAMES)
+
+    def _resolve(self, configured: object, fallback_names: tuple[str, ...]) -> int | None:
+        """The configured token's id, else the first well-known name the vocabulary has."""
+        if isinstance(configured, dict):
+            configured = configured.get("content")
+        names = (configured,) if isinstance(configured, str) else fallback_names
+        for name in names:
+            token_id = self._tokenizer.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return None
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        if self._eod is None:
+            raise _missing_special("end-of-document (eos_token)", self.path)
+        return self._eod
+
+    @property
+    def bos(self) -> int:
+        if self._bos is None:
+            raise _missing_special("beginning-of-sequence (bos_token)", self.path)
+        return self._bos
+
+
+def _read_tokenizer_config(path: Path) -> dict:
+    """`tokenizer_config.json` next to the tokenizer, or an empty config."""
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as stream:
+        return json.load(stream)
+
+
+class TransformersTokenizer(Tokenizer):
+    """Any local directory `transformers.AutoTokenizer` loads (e.g. only a slow tokenizer)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from transformers import AutoTokenizer
+
+        self.path = os.fspath(path)
+        self._tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    @property
+    def eod(self) -> int:
+        if self._tokenizer.eos_token_id is None:
+            raise _missing_special("end-of-document (eos_token)", self.path)
+        return self._tokenizer.eos_token_id
+
+    @property
+    def bos(self) -> int:
+        if self._tokenizer.bos_token_id is None:
+            raise _missing_special("beginning-of-sequence (bos_token)", self.path)
+        return self._tokenizer.bos_token_id
+
+
+# Llama 3's pre-tokenization pattern and special tokens, which follow the BPE ranks.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_NUM_SPECIAL_TOKENS = 256
+
+
+def llama3_special_tokens() -> list[str]:
+    """Llama 3's 256 special tokens, in id order after the BPE ranks."""
+    named = [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|reserved_special_token_2|>",
+        "<|reserved_special_token_3|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|reserved_special_token_4|>",
+        "<|eot_id|>",
+    ]
+    reserved = [f"<|reserved_special_token_{i}|>" for i in range(5, LLAMA3_NUM_SPECIAL_TOKENS - 5)]
+    return named + reserved
+
+
+def load_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+    """A tiktoken BPE file: one `base64(token) rank` pair per line."""
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as stream:
+        for line_number, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError as error:
+                raise ValueError(f"{os.fspath(path)}:{line_number}: not a 'base64 rank' line ({error})") from None
+    return ranks
+
+
+# tiktoken's merge loop is quadratic in the length of one pre-token, and a run of
+# whitespace or non-whitespace can be one pre-token: runs are cut at this length.
+MAX_RUN_CHARS = 25_000
+_LONG_RUN = re.compile(rf"(?<!\S)\S{{{MAX_RUN_CHARS},}}|(?<!\s)\s{{{MAX_RUN_CHARS},}}")
+
+
+def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> Iterator[str]:
+    """`text` in consecutive parts, none holding a (non-)whitespace run longer than `max_run`."""
+    pattern = _LONG_RUN if max_run == MAX_RUN_CHARS else re.compile(rf"(?<!\S)\S{{{max_run},}}|(?<!\s)\s{{{max_run},}}")
+    start = 0
+    for match in pattern.finditer(text):
+        for cut in range(match.start() + max_run, match.end(), max_run):
+            yield text[start:cut]
+            start = cut
+    yield text[start:]
+
+
+class TikTokenizer(Tokenizer):
+    """A tiktoken BPE file (Llama 3's `tokenizer.model`) with Llama 3's pattern and specials."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        import tiktoken
+
+        self.path = os.fspath(path)
+        ranks = load_tiktoken_ranks(self.path)
+        specials = {name: len(ranks) + i for i, name in enumerate(llama3_special_tokens())}
+        self._encoding = tiktoken.Encoding(
+            name=Path(self.path).name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+        )
+        self._num_ranks = len(ranks)
+
+    def tokenize(self, text: str) -> list[int]:
+        if len(text) <= MAX_RUN_CHARS:
+            return self._encoding.encode_ordinary(text)
+        ids: list[int] = []
+        for part in split_long_runs(text):
+            ids.extend(self._encoding.encode_ordinary(part))
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._encoding.decode([int(i) for i in ids if int(i) < self._num_ranks])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._encoding.n_vocab
+
+    @property
+    def eod(self) -> int:
+        return self._encoding.encode_single_token("<|end_of_text|>")
+
+    @property
+    def bos(self) -> int:
+        return self._encoding.encode_single_token("<|begin_of_text|>")
+
+
+def _build_huggingface(path: str) -> Tokenizer:
+    """A fast tokenizer when a tokenizer.json is there, else whatever transformers loads."""
+    if os.path.isfile(path) or os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return HuggingFaceTokenizer(path)
+    return TransformersTokenizer(path)
+
+
+# Builders from a model path, by Megatron's type names (and their SentencePiece aliases).
+_BUILDERS_FROM_FILE = {
+    "SentencePieceTokenizer": SentencePieceTokenizer,
+    "GPTSentencePieceTokenizer": SentencePieceTokenizer,
+    "Llama2Tokenizer": SentencePieceTokenizer,
+    "HuggingFaceTokenizer": _build_huggingface,
+    "TikTokenizer": TikTokenizer,
+}
+TOKENIZER_TYPES = (*_BUILDERS_FROM_FILE, "ByteTokenizer")
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | None = None) -> Tokenizer:
+    """The tokenizer of Megatron type name `tokenizer_type`, loaded from `tokenizer_model`."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
+    if tokenizer_type == "ByteTokenizer":
+        return ByteTokenizer()
+    if tokenizer_model is None:
+        raise ValueError(f"{tokenizer_type} needs a tokenizer model path (--tokenizer-model)")
+    path = os.fspath(tokenizer_model)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer model not found: {path} (for {tokenizer_type})")
+    return _BUILDERS_FROM_FILE[tokenizer_type](path)
+
+
+def train_sentencepiece(
+    sentences: Iterable[str],
+    output_prefix: str | os.PathLike,
+    vocab_size: int,
+    model_type: str = "bpe",
+    max_sentences: int = 1_000_000,
+) -> str:
+    """Train a Llama-style SentencePiece model and return the path of its `.model` file.
+
+    As Llama 2's: no normalisation and whitespace kept as is (newlines and indentation
+    matter in books and code), byte fallback for unseen characters, digits split,
+    `<unk>`=0, `<s>`=1, `</s>`=2."""
+    import sentencepiece
+
+    prefix = os.fspath(output_prefix)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        byte_fallback=True,
+        split_digits=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        input_sentence_size=max_sentences,
+        shuffle_input_sentence=True,
+        max_sentence_length=1 << 16,
+        hard_vocab_limit=False,  # a small corpus may not support the full vocabulary
+        minloglevel=2,
+    )
+    return prefix + ".model"

@@ -1,0 +1,117 @@
+"""Apply parallelism and the memory stack to a meta-device LLaMA, in a fixed order.
+
+    model = build_model(config)                      # meta: no rank holds real weights
+    offload = parallelize_llama(model, pstate, opts, devices)
+    materialize(model, devices, seed)                # real (sharded) weights
+
+Order: attention backend (context parallelism) -> memory stack (recompute, offload,
+tiling) -> FSDP2 (blocks, embedding, head, root last). Each step is one short function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from megatron_lc.attention.registry import build_attention_backend
+from megatron_lc.devices import Devices
+from megatron_lc.memory.offload import OffloadScheduler
+from megatron_lc.models.llama.model import Transformer
+from megatron_lc.parallel_state import ParallelState
+
+
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """How to run the model; flags of the same names in `megatron_lc.config`."""
+
+    cp_impl: str = "ulysses"
+    """Context-parallel attention backend when cp > 1: ulysses | untied_ulysses."""
+    attention_kernel: str = "auto"
+    """Local attention kernel: auto | flash_attn | sdpa_flash | cpu_flash | reference."""
+    heads_per_stage: int | None = None
+    """Untied Ulysses heads per stage (a multiple of cp); None: cp."""
+    recompute_granularity: str = "none"
+    """none | full | selective."""
+    offload_activations: bool = False
+    """Keep the checkpointed block inputs in host memory (needs full recompute)."""
+    offload_keep_last: int = 1
+    """Last layers whose inputs stay on the accelerator (needed first in backward)."""
+    mlp_tiles: int | None = None
+    """Sequence tiles of the MLP; None: untiled."""
+    loss_tiles: int | None = None
+    """Row tiles of the fused output projection + cross-entropy; None: untiled."""
+    param_dtype: torch.dtype = torch.float32
+    """FSDP compute dtype of parameters (bf16 with --bf16)."""
+    reduce_dtype: torch.dtype = torch.float32
+    """FSDP gradient reduce-scatter dtype."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after each block's forward (re-gathered in backward)."""
+    fsdp_cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory."""
+
+    def validate(self) -> None:
+        if self.recompute_granularity not in ("none", "full", "selective"):
+            raise ValueError(f"--recompute-granularity {self.recompute_granularity!r}: expected none, full or selective")
+        if self.offload_activations and self.recompute_granularity != "full":
+            raise ValueError("--offload-activations offloads the checkpointed block inputs: "
+                             "it needs --recompute-granularity full")
+
+
+def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: ParallelizeOptions,
+                            devices: Devices) -> None:
+    c = model.config
+    model.set_attention_backend(build_attention_backend(
+        opts.cp_impl if pstate.cp_size > 1 else "local", c.kv_channels, devices.accelerator, pstate,
+        kernel=opts.attention_kernel, heads_per_stage=opts.heads_per_stage,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups,
+    ))
+
+
+def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: Devices) -> OffloadScheduler | None:
+    offload = None
+    if opts.offload_activations:
+        offload = OffloadScheduler(model.config.num_layers, keep_last=opts.offload_keep_last,
+                                   accelerator=devices.accelerator, host=devices.host)
+    for layer in model.layers:
+        layer.memory.recompute = opts.recompute_granularity
+        layer.memory.offload = offload
+        layer.mlp.num_tiles = opts.mlp_tiles
+    model.head.loss_tiles = opts.loss_tiles
+    return offload
+
+
+def apply_fsdp(model: Transformer, pstate: ParallelState, opts: ParallelizeOptions) -> None:
+    """fully_shard each block, the embedding and the head (unless tied to it), then the root."""
+    kwargs = dict(
+        mesh=pstate.fsdp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if opts.fsdp_cpu_offload else None,
+    )
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=opts.reshard_after_forward, **kwargs)
+    if not model.config.tie_embeddings:  # a shared weight must live in one FSDP unit: the root
+        fully_shard(model.embed_tokens, reshard_after_forward=opts.reshard_after_forward, **kwargs)
+        fully_shard(model.head, reshard_after_forward=False, **kwargs)  # backward starts with it
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def parallelize_llama(model: Transformer, pstate: ParallelState, opts: ParallelizeOptions,
+                      devices: Devices) -> OffloadScheduler | None:
+    """Apply CP -> memory stack -> FSDP to a meta-device model; returns the offload scheduler, if any."""
+    opts.validate()
+    apply_attention_backend(model, pstate, opts, devices)
+    offload = apply_memory_stack(model, opts, devices)
+    if pstate.distributed:
+        apply_fsdp(model, pstate, opts)
+    return offload
+
+
+def materialize(model: Transformer, devices: Devices, seed: int = 0, fsdp_cpu_offload: bool = False) -> None:
+    """Allocate (sharded) parameters and initialise them; the same seed on every rank."""
+    model.to_empty(device=torch.device("cpu") if fsdp_cpu_offload else devices.accelerator)
+    model.tie_weights()
+    torch.manual_seed(seed)
+    model.init_weights()

@@ -1,0 +1,36 @@
+"""AdamW on (sharded) parameters, global-norm gradient clipping, warmup + cosine schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),
+                    eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW; fused on CUDA (torch's own kernel), foreach elsewhere."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                             fused=fused or None, foreach=None if fused else True)
+
+
+def clip_grad_norm(parameters, max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of all gradients (over every shard), and clipping to max_norm when set."""
+    with_grad = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in with_grad], norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # sums the per-shard partial norms over the mesh
+    if max_norm is not None and max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach=True)
+    return total
+
+
+def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Learning-rate multiplier at `step` (0-based): linear warmup, then cosine down to min_ratio."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

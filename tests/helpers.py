@@ -1,0 +1,78 @@
+"""Shared test helpers: multi-process gloo runs, reference batches and their sharding."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_lc.parallel_state import local_sequence_slice
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, fn, world_size, port, args):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    """Run fn(rank, world_size, *args) in `world_size` gloo processes; a failure in any fails the test."""
+    mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: tuple
+
+
+def make_batch(num_samples: int, seq_length: int, vocab: int, *, seed: int = 0, num_docs: int = 3,
+               ignore_fraction: float = 0.0) -> tuple[Batch, list[tuple]]:
+    """Random tokens with packed documents of uneven lengths and unevenly ignored labels.
+
+    Returns the full batch and each sample's own cu_seqlens (needed to re-flatten a subset).
+    """
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (num_samples, seq_length + 1), generator=g)
+    labels = tokens[:, 1:].clone()
+    if ignore_fraction:  # ignore a prefix of the first sample only: ranks hold different valid counts
+        labels[0, : int(seq_length * ignore_fraction)] = -100
+    per_sample = []
+    for _ in range(num_samples):
+        cuts = sorted(torch.randperm(seq_length - 1, generator=g)[: num_docs - 1].add(1).tolist())
+        per_sample.append((0, *cuts, seq_length))
+    positions = torch.arange(seq_length).expand(num_samples, seq_length)
+    return Batch(tokens[:, :-1], labels, positions, flatten_cu_seqlens(per_sample, seq_length)), per_sample
+
+
+def flatten_cu_seqlens(per_sample: list[tuple], seq_length: int) -> tuple:
+    out = [0]
+    for b, cu in enumerate(per_sample):
+        out += [b * seq_length + c for c in cu[1:]]
+    return tuple(out)
+
+
+def shard_batch(batch: Batch, per_sample, dp_rank: int, dp: int, cp_rank: int, cp: int) -> Batch:
+    """This rank's samples (by dp rank) and sequence slice (by cp rank); boundaries stay global."""
+    B = batch.input_ids.shape[0] // dp
+    S = batch.input_ids.shape[1]
+    rows = slice(dp_rank * B, (dp_rank + 1) * B)
+    cols = local_sequence_slice(S, cp_rank, cp)
+    return Batch(batch.input_ids[rows, cols], batch.labels[rows, cols], batch.position_ids[rows, cols],
+                 flatten_cu_seqlens(per_sample[rows], S))

@@ -1,0 +1,209 @@
+"""checkpoint_block (with and without host offload) and the offload scheduler."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_lc.memory import (
+    OffloadScheduler,
+    checkpoint_block,
+    linear_cross_entropy,
+    tiled_linear_cross_entropy,
+    tiled_swiglu_mlp,
+)
+
+CPU = torch.device("cpu")
+
+
+class Block(nn.Module):
+    """A pre-norm residual block: x + W2 silu(W1 RMSNorm(x)); optionally a tiled SwiGLU."""
+
+    def __init__(self, hidden, ffn, mlp_tiles=None):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+        self.mlp_tiles = mlp_tiles
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        h = self.norm(x)
+        if self.mlp_tiles is None:
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + tiled_swiglu_mlp(
+            h, self.gate.weight, self.up.weight, self.down.weight, self.mlp_tiles
+        )
+
+
+def _stack(num_blocks=3, hidden=16, ffn=48, mlp_tiles=None):
+    torch.manual_seed(1)
+    return nn.ModuleList(Block(hidden, ffn, mlp_tiles) for _ in range(num_blocks))
+
+
+def _run(blocks, x, mode, offload=None):
+    for i, block in enumerate(blocks):
+        x = (
+            block(x)
+            if mode == "plain"
+            else checkpoint_block(block, x, offload=offload, layer_idx=i)
+        )
+    return x
+
+
+def _param_grads(blocks):
+    grads = {name: p.grad.clone() for name, p in blocks.named_parameters()}
+    blocks.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_rel_close(got, want, rel):
+    err = (got - want).abs().max().item()
+    assert err <= rel * max(want.abs().max().item(), 1e-30), f"error {err:.3g}"
+
+
+@pytest.mark.parametrize("use_offload", [False, True])
+def test_checkpoint_block_matches_plain(use_offload):
+    blocks = _stack()
+    x = torch.randn(2, 10, 16, requires_grad=True)
+    grad_out = torch.randn(2, 10, 16)
+
+    ref = _run(blocks, x, "plain")
+    ref.backward(grad_out)
+    want_x, want = x.grad.clone(), _param_grads(blocks)
+    x.grad = None
+
+    offload = OffloadScheduler(len(blocks), keep_last=1, accelerator=CPU) if use_offload else None
+    out = _run(blocks, x, "checkpoint", offload)
+    if use_offload:
+        assert offload.host_bytes_in_use == 2 * x.numel() * 4  # layers 0 and 1 offloaded
+    out.backward(grad_out)
+
+    _assert_rel_close(out, ref, 1e-6)
+    _assert_rel_close(x.grad, want_x, 1e-5)
+    got = _param_grads(blocks)
+    assert got.keys() == want.keys()
+    for name in want:
+        _assert_rel_close(got[name], want[name], 1e-5)
+    if use_offload:
+        assert offload.host_bytes_in_use == 0 and offload.host_bytes_peak == 2 * x.numel() * 4
+
+
+def test_all_techniques_together_match_plain():
+    plain, tiled = _stack(mlp_tiles=None), _stack(mlp_tiles=3)
+    tiled.load_state_dict(plain.state_dict())
+    head = torch.randn(40, 16) * 0.3
+    x = torch.randn(1, 22, 16)
+    labels = torch.randint(0, 40, (22,))
+    labels[3] = -100
+    offload = OffloadScheduler(3, keep_last=1, accelerator=CPU)
+
+    loss, count = linear_cross_entropy(_run(plain, x, "plain")[0], head.requires_grad_(), labels)
+    (loss / count).backward()
+    want, want_head = _param_grads(plain), head.grad.clone()
+    head.grad = None
+    hidden = _run(tiled, x, "checkpoint", offload)[0]
+    tiled_loss, tiled_count = tiled_linear_cross_entropy(hidden, head, labels, 4)
+    (tiled_loss / tiled_count).backward()
+
+    _assert_rel_close(tiled_loss.detach(), loss.detach(), 1e-6)
+    _assert_rel_close(head.grad, want_head, 1e-5)
+    for name, grad in _param_grads(tiled).items():
+        _assert_rel_close(grad, want[name], 1e-5)
+
+
+def test_checkpoint_block_input_without_grad_still_gives_parameter_grads():
+    blocks = _stack(num_blocks=1)
+    x = torch.randn(5, 16)
+    checkpoint_block(blocks[0], x).sum().backward()
+    assert all(p.grad is not None for p in blocks.parameters())
+    assert x.grad is None
+
+
+def test_checkpoint_block_preserves_autocast():
+    blocks = _stack(num_blocks=2)
+    x = torch.randn(6, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _run(blocks, x, "plain")
+    ref.float().sum().backward()
+    want = _param_grads(blocks)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _run(blocks, x, "checkpoint")
+    out.float().sum().backward()
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref)
+    for name, grad in _param_grads(blocks).items():
+        torch.testing.assert_close(grad, want[name])
+
+
+def test_checkpoint_block_without_grad_runs_plainly():
+    blocks = _stack(num_blocks=1)
+    x = torch.randn(4, 16)
+    offload = OffloadScheduler(1, keep_last=0, accelerator=CPU)
+    with torch.no_grad():
+        out = checkpoint_block(blocks[0], x, offload=offload, layer_idx=0)
+    assert out.grad_fn is None and offload.host_bytes_peak == 0
+
+
+def test_offload_pool_accounting_and_reuse_across_steps():
+    blocks = _stack(num_blocks=4)
+    offload = OffloadScheduler(4, keep_last=1, keep_first=1, accelerator=CPU)
+    assert [offload.should_offload(i) for i in range(4)] == [False, True, True, False]
+    used = []  # (layer, host buffer address) of every offload, in order
+    original_offload = offload.offload
+
+    def recording_offload(layer_idx, tensor):
+        handle = original_offload(layer_idx, tensor)
+        used.append((layer_idx, handle.host_buffer.data_ptr()))
+        return handle
+
+    offload.offload = recording_offload
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    per_layer = x.numel() * x.element_size()
+    for _step in range(2):
+        offload.reset_peak()
+        out = _run(blocks, x, "checkpoint", offload)
+        assert offload.host_bytes_in_use == 2 * per_layer
+        out.sum().backward()
+        assert offload.host_bytes_in_use == 0
+        assert offload.host_bytes_peak == 2 * per_layer
+    # Steady state: the second step reused the first step's two buffers, nothing new.
+    assert offload.buffers_allocated == 2
+    assert offload.host_bytes_reserved == 2 * per_layer
+    assert [layer for layer, _ in used] == [1, 2, 1, 2]
+    first_step, second_step = {ptr for _, ptr in used[:2]}, {ptr for _, ptr in used[2:]}
+    assert len(first_step) == 2 and first_step == second_step
+
+
+def test_offload_fetch_prefetch_roundtrip_and_errors():
+    offload = OffloadScheduler(3, keep_last=1, accelerator="cpu")
+    a, b = torch.randn(4, 5), torch.randn(4, 5)
+    ha, hb = offload.offload(0, a), offload.offload(1, b)
+    assert offload.host_bytes_in_use == 2 * a.numel() * 4
+    offload.prefetch(0)
+    offload.prefetch(2)  # nothing offloaded there: no-op
+    offload.prefetch(-1)  # before the first layer: no-op
+    assert torch.equal(offload.fetch(hb), b) and torch.equal(offload.fetch(ha), a)
+    assert offload.host_bytes_in_use == 0 and offload.host_bytes_peak == 2 * a.numel() * 4
+    with pytest.raises(RuntimeError, match="layer 1 was already fetched"):
+        offload.fetch(hb)
+    offload.offload(1, b)
+    offload.release_all()
+    assert offload.host_bytes_in_use == 0 and offload.buffers_allocated == 2
+    with pytest.raises(ValueError, match=r"layer_idx=3 outside \[0, 3\)"):
+        offload.should_offload(3)
+    with pytest.raises(ValueError, match="num_layers must be >= 1, got 0"):
+        OffloadScheduler(0, accelerator="cpu")
+    with pytest.raises(ValueError, match="keep_last=-1"):
+        OffloadScheduler(2, keep_last=-1, accelerator="cpu")
+
+
+def test_second_backward_through_offloaded_block_is_a_clear_error():
+    blocks = _stack(num_blocks=2)
+    offload = OffloadScheduler(2, keep_last=1, accelerator=CPU)
+    out = _run(blocks, torch.randn(4, 16, requires_grad=True), "checkpoint", offload)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="layer 0's offloaded input was consumed"):
+        out.sum().backward()
