@@ -180,15 +180,29 @@ class LMHead(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.loss_tiles: int | None = None
 
-    def forward(self, h, labels=None):
-        """Logits [B, S, V] without labels; else (sum of token losses, valid-token count)."""
+    def forward(self, h, labels=None, per_token: bool = False):
+        """Logits [B, S, V] without labels; else (sum of token losses, valid-token count),
+        or with `per_token` (evaluation, no grad) each token's loss [B, S] (0 where ignored)."""
         h = self.norm(h)
         if labels is None:
             return self.lm_head(h)
+        if per_token:
+            return self._token_losses(h, labels)
         flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
         if self.loss_tiles:
             return tiled_linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels, self.loss_tiles)
         return linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels)
+
+    @torch.no_grad()
+    def _token_losses(self, h, labels, rows_per_tile: int = 4096):
+        """Per-token cross-entropy, a tile of rows at a time (never the full logits)."""
+        flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+        out = torch.zeros(flat_labels.shape, dtype=torch.float32, device=h.device)
+        for a in range(0, flat_h.shape[0], rows_per_tile):
+            logits = self.lm_head(flat_h[a:a + rows_per_tile]).float()
+            out[a:a + rows_per_tile] = F.cross_entropy(logits, flat_labels[a:a + rows_per_tile], reduction="none",
+                                                       ignore_index=-100)
+        return out.view(labels.shape)
 
 
 # --- the model ------------------------------------------------------------------------------
@@ -209,8 +223,9 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             self.head.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None):
-        """Logits without labels; with labels, (loss_sum, num_valid) over the local tokens."""
+    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, per_token: bool = False):
+        """Logits without labels; with labels, (loss_sum, num_valid) over the local tokens
+        (or per-token losses with `per_token`, for evaluation)."""
         B, S = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
@@ -220,7 +235,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(position_ids, rope_inv_freq(self.config.kv_channels, self.config.rotary_base, self.config.rope_scaling, h.device), h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, tuple(cu_seqlens))
-        return self.head(h, labels)
+        return self.head(h, labels, per_token)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         for layer in self.layers:

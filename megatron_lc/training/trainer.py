@@ -1,0 +1,263 @@
+"""The training loop: build everything from a TrainConfig, then step, log, evaluate, save.
+
+    python -m megatron_lc.train --model llama3-8b --seq-length 5242880 ...
+    torchrun --nproc-per-node 8 -m megatron_lc.train ...   (also srun / mpirun)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_lc.config import TrainConfig
+from megatron_lc.data.indexed_dataset import IndexedDataset
+from megatron_lc.data.loader import MicroBatchLoader
+from megatron_lc.data.samples import LongSequenceSamples, MockSamples, SampleSource
+from megatron_lc.data.tokenizers import build_tokenizer
+from megatron_lc.devices import Devices, resolve_devices
+from megatron_lc.models.llama import build_model, count_parameters
+from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
+from megatron_lc.parallel_state import LaunchInfo, ParallelDims, ParallelState, detect_launch, init_distributed
+from megatron_lc.training import checkpointing
+from megatron_lc.training.logging import MetricsLogger, default_log_dir
+from megatron_lc.training.optim import build_optimizer, clip_grad_norm, warmup_cosine
+from megatron_lc.training.step import IGNORE_INDEX, forward_backward
+
+# Dense bf16 peak of known accelerators, for MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def set_allocator_defaults() -> None:
+    """expandable_segments avoids the fragmentation that kills million-token steps (kept if the user set it)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def build_sample_source(paths: list[str], cfg: TrainConfig, vocab_size: int, seed: int,
+                        shuffle: bool) -> SampleSource:
+    """Mock tokens, or the indexed dataset at the one prefix given."""
+    if cfg.data.mock_data and not paths:
+        return MockSamples(vocab_size, cfg.data.seq_length, seed)
+    if len(paths) != 1:
+        raise ValueError(f"--data-path takes one prefix, got {len(paths)}: merge them first with "
+                         "tools/merge_datasets.py")
+    return LongSequenceSamples(IndexedDataset(paths[0]), cfg.data.seq_length, seed, shuffle=shuffle)
+
+
+@dataclass
+class Run:
+    """Everything a training run is made of."""
+
+    cfg: TrainConfig
+    launch: LaunchInfo
+    devices: Devices
+    pstate: ParallelState
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    offload: object | None
+    loader: MicroBatchLoader
+    valid_source: SampleSource | None
+    eod_token: int | None
+    accumulation: int
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.launch.rank == 0
+
+
+def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) -> MicroBatchLoader:
+    d = cfg.data
+    return MicroBatchLoader(source, d.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
+                            pstate.cp_size, reset_position_ids=d.reset_position_ids, eod_mask_loss=d.eod_mask_loss,
+                            eod_token=eod)
+
+
+def build_run(cfg: TrainConfig) -> Run:
+    """Validate, initialise processes, build the sharded model, optimizer and data."""
+    launch = detect_launch()
+    cfg.validate(launch.world_size)  # before any process group or accelerator memory
+    set_allocator_defaults()
+    init_distributed()
+    devices = resolve_devices(cfg.train.device, launch.local_rank)
+    if devices.is_cuda:
+        torch.cuda.set_device(devices.accelerator)
+    p = cfg.parallel
+    pstate = ParallelState(ParallelDims(launch.world_size, cp=p.context_parallel_size,
+                                        dp_replicate=p.data_parallel_replicate), devices.accelerator.type)
+    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model) if cfg.data.tokenizer_type else None
+    eod = tokenizer.eod if tokenizer else None
+    model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)
+    opts = cfg.parallelize_options()
+    dtype = torch.bfloat16 if cfg.train.bf16 and not pstate.distributed else torch.float32
+    model = build_model(model_config, device="meta", dtype=dtype)
+    offload = parallelize_llama(model, pstate, opts, devices)
+    materialize(model, devices, seed=cfg.train.seed, fsdp_cpu_offload=p.fsdp_cpu_offload)
+    o = cfg.optim
+    optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                                eps=o.adam_eps)
+    min_ratio = o.min_lr / o.lr if o.lr else 0.0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(
+        s, warmup=o.lr_warmup_iters, total=cfg.train.train_iters, min_ratio=min_ratio))
+    train_source = build_sample_source(cfg.data.data_path, cfg, model_config.vocab_size, cfg.train.seed,
+                                       shuffle=not cfg.data.no_shuffle)
+    valid_source = None
+    if cfg.data.valid_data_path:
+        valid_source = build_sample_source(cfg.data.valid_data_path, cfg, model_config.vocab_size, cfg.train.seed,
+                                           shuffle=False)
+    per_step = cfg.data.micro_batch_size * pstate.dp_size
+    accumulation = (cfg.data.global_batch_size or per_step) // per_step
+    return Run(cfg, launch, devices, pstate, model, optimizer, scheduler, offload,
+               _loader(train_source, cfg, pstate, eod), valid_source, eod, accumulation)
+
+
+def _autocast(run: Run):
+    """bf16 compute in one process (FSDP's mixed-precision policy does it when sharded)."""
+    if run.cfg.train.bf16 and not run.pstate.distributed:
+        return torch.autocast(run.devices.accelerator.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def step_flops(run: Run, tokens: int) -> float:
+    """Model FLOPs of one step: 6 x matmul parameters x tokens + causal attention."""
+    c = run.model.config
+    matmul_params = count_parameters(run.model) - c.vocab_size * c.hidden_size * (0 if c.tie_embeddings else 1)
+    attention = 6 * c.num_layers * c.num_attention_heads * c.kv_channels * run.cfg.data.seq_length * tokens
+    return 6 * matmul_params * tokens + attention
+
+
+def _peak_memory_gib(run: Run) -> float:
+    if run.devices.is_cuda:
+        return torch.cuda.max_memory_allocated(run.devices.accelerator) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB, host process peak
+
+
+def _mfu(run: Run, flops_per_s_per_gpu: float) -> float | None:
+    if not run.devices.is_cuda:
+        return None
+    name = torch.cuda.get_device_name(run.devices.accelerator)
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return flops_per_s_per_gpu / peak if peak else None
+
+
+def evaluate(run: Run, iters: int) -> float:
+    """Mean loss over `iters` validation micro-batches (stream order)."""
+    loader = _loader(run.valid_source, run.cfg, run.pstate, run.eod_token)
+    loss_sum = torch.zeros((), device=run.devices.accelerator)
+    count = torch.zeros((), device=run.devices.accelerator)
+    run.model.eval()
+    with torch.no_grad(), _autocast(run):
+        for _ in range(iters):
+            mb = next(loader).to(run.devices.accelerator)
+            s, _ = run.model(mb.input_ids, mb.position_ids, mb.labels, mb.cu_seqlens)
+            loss_sum += s.float()
+            count += (mb.labels != IGNORE_INDEX).sum()
+    run.model.train()
+    if run.pstate.distributed:
+        dist.all_reduce(loss_sum, group=run.pstate.loss_group)
+        dist.all_reduce(count, group=run.pstate.loss_group)
+    return (loss_sum / count.clamp(min=1)).item()
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def _check_finite(step: int, loss: float, grad_norm: float, skip: bool) -> bool:
+    """True when the step may proceed; raises (or, with skip, returns False) on NaN/Inf."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return True
+    message = f"step {step}: loss {loss}, grad_norm {grad_norm} is not finite"
+    if skip:
+        print(f"{message}: step skipped (--skip-nonfinite)", flush=True)
+        return False
+    raise NonFiniteError(f"{message}; lower --lr, check the data, or pass --skip-nonfinite")
+
+
+def train_one_step(run: Run, step: int) -> dict:
+    start = time.perf_counter()
+    micro_batches = [next(run.loader) for _ in range(run.accumulation)]
+    with _autocast(run):
+        result = forward_backward(run.model, micro_batches, run.pstate, run.devices.accelerator)
+    grad_norm = clip_grad_norm(run.model.parameters(), run.cfg.optim.clip_grad or None)
+    loss, norm = result.loss.item(), grad_norm.item()
+    lr = run.scheduler.get_last_lr()[0]
+    if _check_finite(step, loss, norm, run.cfg.train.skip_nonfinite):
+        run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    elapsed = time.perf_counter() - start
+    tokens = len(micro_batches) * run.cfg.data.micro_batch_size * run.cfg.data.seq_length * run.pstate.dp_size
+    flops_per_gpu = step_flops(run, tokens) / elapsed / run.launch.world_size
+    mfu = _mfu(run, flops_per_gpu)
+    metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / elapsed,
+               "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(run)}
+    if mfu is not None:
+        metrics.update(tflops_per_gpu=flops_per_gpu / 1e12, mfu=mfu)
+    if run.offload is not None:
+        metrics["host_offload_gib"] = run.offload.host_bytes_peak / 2**30
+    return metrics
+
+
+def _checkpoint_extra(run: Run, step: int) -> dict:
+    return {"model_config": dataclasses.asdict(run.model.config), "train_config": run.cfg.to_dict(),
+            "scheduler": run.scheduler.state_dict(), "data": run.loader.state_dict(),
+            "world_size": run.launch.world_size, "rng": checkpointing.rng_state()}
+
+
+def resume(run: Run) -> int:
+    """Load the latest checkpoint under --load; returns the step to start from (0 without one)."""
+    if not run.cfg.checkpoint.load:
+        return 0
+    path = checkpointing.latest_checkpoint(run.cfg.checkpoint.load)
+    if path is None:
+        raise FileNotFoundError(f"--load {run.cfg.checkpoint.load}: no complete checkpoint there")
+    meta = checkpointing.read_meta(path)
+    checkpointing.check_model_matches(meta, run.model.config, path)
+    checkpointing.load_checkpoint(path, run.model, run.optimizer)
+    run.scheduler.load_state_dict(meta["scheduler"])
+    run.loader.load_state_dict(meta["data"])
+    if run.is_logging_rank:
+        print(f"resumed from {path} at step {meta['step']}", flush=True)
+    return int(meta["step"])
+
+
+def save(run: Run, step: int) -> None:
+    c = run.cfg.checkpoint
+    path = checkpointing.save_checkpoint(c.save, step, run.model, run.optimizer, _checkpoint_extra(run, step),
+                                         keep_last=c.keep_last_checkpoints)
+    if run.is_logging_rank:
+        print(f"saved {path}", flush=True)
+
+
+def train(cfg: TrainConfig) -> list[dict]:
+    """Run training to --train-iters; returns the logged metrics."""
+    run = build_run(cfg)
+    start = resume(run)
+    log_dir = cfg.logging.log_dir or str(default_log_dir())
+    logger = MetricsLogger(log_dir, cfg.logging.tensorboard_dir, cfg.train.train_iters, run.is_logging_rank)
+    if run.is_logging_rank:
+        n = count_parameters(run.model)
+        print(f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
+              f"seq {cfg.data.seq_length} | metrics in {log_dir}/metrics.jsonl", flush=True)
+    history = []
+    for step in range(start + 1, cfg.train.train_iters + 1):
+        metrics = train_one_step(run, step)
+        if cfg.logging.eval_interval and run.valid_source is not None and step % cfg.logging.eval_interval == 0:
+            metrics["val_loss"] = evaluate(run, cfg.logging.eval_iters)
+        if step % cfg.logging.log_interval == 0 or step == cfg.train.train_iters:
+            logger.log(metrics)
+        history.append(metrics)
+        c = cfg.checkpoint
+        if c.save and ((c.save_interval and step % c.save_interval == 0) or step == cfg.train.train_iters):
+            save(run, step)
+    logger.close()
+    return history
