@@ -102,6 +102,7 @@ class TrainArgs:
     device: str = flag("auto", "accelerator", choices=("auto", "cuda", "cpu"))
     seed: int = flag(1234, "seed of weights and data order")
     skip_nonfinite: bool = flag(False, "skip a step whose loss or gradient is NaN/Inf instead of stopping")
+    exit_interval: int | None = flag(None, "exit after the step divisible by N (after saving), e.g. to fit a job limit")
 
 
 @dataclass

@@ -61,14 +61,22 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, keep_last: int = 2) -> Path:
-    """Write model + optimizer shards and meta.json atomically; keep the newest `keep_last`."""
+    """Write model (+ optimizer, when given) shards and meta.json atomically; keep the newest `keep_last`.
+
+    Without an optimizer the checkpoint is weights-only (`weights_only` in meta.json): a
+    run loading it starts training at step 0 from these weights (e.g. converted from HF).
+    """
     root, final = Path(root), checkpoint_dir(root, step)
     tmp = root / f".tmp_iter_{step:07d}"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    else:
+        extra = {**extra, "weights_only": True}
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:

@@ -222,6 +222,11 @@ def resume(run: Run) -> int:
         raise FileNotFoundError(f"--load {run.cfg.checkpoint.load}: no complete checkpoint there")
     meta = checkpointing.read_meta(path)
     checkpointing.check_model_matches(meta, run.model.config, path)
+    if meta.get("weights_only"):
+        checkpointing.load_model_weights(path, run.model)
+        if run.is_logging_rank:
+            print(f"loaded weights from {path}; training starts at step 0", flush=True)
+        return 0
     checkpointing.load_checkpoint(path, run.model, run.optimizer)
     run.scheduler.load_state_dict(meta["scheduler"])
     run.loader.load_state_dict(meta["data"])
@@ -257,7 +262,10 @@ def train(cfg: TrainConfig) -> list[dict]:
             logger.log(metrics)
         history.append(metrics)
         c = cfg.checkpoint
-        if c.save and ((c.save_interval and step % c.save_interval == 0) or step == cfg.train.train_iters):
+        exiting = bool(cfg.train.exit_interval) and step % cfg.train.exit_interval == 0
+        if c.save and ((c.save_interval and step % c.save_interval == 0) or step == cfg.train.train_iters or exiting):
             save(run, step)
+        if exiting:
+            break
     logger.close()
     return history

@@ -93,3 +93,17 @@ def test_tied_embeddings_under_fsdp_and_cp_match_single_process():
 
 def test_fsdp_without_cp_matches_single_process():
     run_distributed(check_against_reference, 2, get_config("debug"), 1, ParallelizeOptions(), BATCH)
+
+
+def check_sharded_initialisation(rank, world, config):
+    pstate = ParallelState(ParallelDims(world_size=world, cp=2))
+    model = build_model(config, device="meta")
+    parallelize_llama(model, pstate, ParallelizeOptions(), CPU)
+    materialize(model, CPU, seed=5)
+    reference = build_model(config, device="cpu", seed=5).state_dict()
+    for n, p in model.named_parameters():
+        assert torch.equal(full(p.detach()), reference[n]), n
+
+
+def test_sharded_initialisation_equals_single_process_weights():
+    run_distributed(check_sharded_initialisation, 4, get_config("debug"))

@@ -13,6 +13,7 @@ flattened global batch (B * S tokens), as Python ints.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -241,14 +242,23 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.self_attn.backend = backend
 
+    def initial_value(self, name: str, shape, device, generator: torch.Generator) -> torch.Tensor:
+        """The initial (full) value of parameter `name`: unit norms, Normal(0, init_std) matrices."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=device)
+        return torch.empty(shape, device=device).normal_(0.0, self.config.init_std, generator=generator)
+
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) matrices, unit norms; runs after materialising from meta."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=self.config.init_std, generator=generator)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter from (seed, its name): the same weights on any layout."""
+        for name, param in self.named_parameters():
+            generator = torch.Generator(device=param.device).manual_seed(parameter_seed(seed, name))
+            param.copy_(self.initial_value(name, param.shape, param.device, generator))
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A per-parameter seed, stable across runs and processes."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 def build_model(config: LlamaConfig, device: torch.device | str = "meta", dtype=torch.float32,
@@ -261,7 +271,8 @@ def build_model(config: LlamaConfig, device: torch.device | str = "meta", dtype=
         return model
     model.to_empty(device=device)
     model.tie_weights()
-    model.init_weights(torch.Generator(device=device).manual_seed(seed) if seed is not None else None)
+    if seed is not None:
+        model.init_weights(seed)
     return model
 
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megatron_lc.attention.registry import build_attention_backend
 from megatron_lc.devices import Devices
 from megatron_lc.memory.offload import OffloadScheduler
-from megatron_lc.models.llama.model import Transformer
+from megatron_lc.models.llama.model import Transformer, parameter_seed
 from megatron_lc.parallel_state import ParallelState
 
 
@@ -110,8 +111,28 @@ def parallelize_llama(model: Transformer, pstate: ParallelState, opts: Paralleli
 
 
 def materialize(model: Transformer, devices: Devices, seed: int = 0, fsdp_cpu_offload: bool = False) -> None:
-    """Allocate (sharded) parameters and initialise them; the same seed on every rank."""
+    """Allocate (sharded) parameters and initialise them: the same weights whatever the layout.
+
+    Each parameter's full initial value is drawn from (seed, its name), one parameter at a
+    time, and each rank keeps its own shard, so a run on 8 ranks starts from exactly the
+    weights of a run on 1 (and a resumed run on another world size continues the same run).
+    """
     model.to_empty(device=torch.device("cpu") if fsdp_cpu_offload else devices.accelerator)
     model.tie_weights()
-    torch.manual_seed(seed)
-    model.init_weights()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = model.initial_value(name, param.shape, devices.accelerator, _generator(devices, seed, name))
+            _copy_into_shard(param, full)
+
+
+def _generator(devices: Devices, seed: int, name: str) -> torch.Generator:
+    return torch.Generator(device=devices.accelerator).manual_seed(parameter_seed(seed, name))
+
+
+def _copy_into_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of `full` into a (possibly DTensor) parameter, without communication."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)

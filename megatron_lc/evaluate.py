@@ -1,0 +1,124 @@
+"""Loss of a checkpoint on a dataset, in stream order: `python -m megatron_lc.evaluate`.
+
+    python -m megatron_lc.evaluate --load CKPT --data-path PREFIX --seq-length S \
+        [--num-samples N] [--context-parallel-size CP] [--loss-by-position BUCKETS]
+
+Prints one JSON object: samples, tokens, loss (mean per valid token) and, with
+--loss-by-position, the mean loss in each of BUCKETS equal position ranges of the
+sequence (the long-context curve: does loss keep falling deep into the context?).
+Runs under torchrun like training (dp ranks split the samples, cp ranks the sequence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_lc.config import config_from_values
+from megatron_lc.data.indexed_dataset import IndexedDataset
+from megatron_lc.data.loader import MicroBatchLoader
+from megatron_lc.data.samples import LongSequenceSamples
+from megatron_lc.devices import resolve_devices
+from megatron_lc.models.llama import build_model
+from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
+from megatron_lc.parallel_state import ParallelDims, ParallelState, detect_launch, init_distributed
+from megatron_lc.training import checkpointing
+from megatron_lc.training.step import IGNORE_INDEX
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_lc.evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("--load", required=True, help="checkpoint directory (a --save root or one iter_* directory)")
+    p.add_argument("--data-path", required=True, help="indexed dataset prefix")
+    p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    p.add_argument("--num-samples", type=int, default=None, help="samples to evaluate (default: all whole samples)")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--cp-impl", default="ulysses", choices=("ulysses", "untied_ulysses"))
+    p.add_argument("--loss-by-position", type=int, default=None, metavar="BUCKETS",
+                   help="also report the mean loss in BUCKETS equal position ranges")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    return p
+
+
+def _model_config_from(meta: dict):
+    from megatron_lc.models.llama.model import LlamaConfig, RopeScaling
+
+    values = dict(meta["model_config"])
+    if values.get("rope_scaling"):
+        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+    return LlamaConfig(**values)
+
+
+def evaluate(args) -> dict:
+    launch = detect_launch()
+    path = checkpointing.latest_checkpoint(args.load)
+    if path is None:
+        raise FileNotFoundError(f"--load {args.load}: no complete checkpoint there")
+    meta = checkpointing.read_meta(path)
+    config = _model_config_from(meta)
+    cfg = config_from_values({"context_parallel_size": args.context_parallel_size, "cp_impl": args.cp_impl,
+                              "seq_length": args.seq_length, "data_path": [args.data_path]})
+    cfg.validate(launch.world_size)
+    init_distributed()
+    devices = resolve_devices(args.device, launch.local_rank)
+    pstate = ParallelState(ParallelDims(launch.world_size, cp=args.context_parallel_size), devices.accelerator.type)
+    model = build_model(config, device="meta")
+    parallelize_llama(model, pstate, cfg.parallelize_options(), devices)
+    materialize(model, devices)
+    checkpointing.load_model_weights(path, model)
+    model.eval()
+    source = LongSequenceSamples(IndexedDataset(args.data_path), args.seq_length, seed=0, shuffle=False)
+    total = min(args.num_samples or len(source), len(source))
+    per_step = args.micro_batch_size * pstate.dp_size
+    loader = MicroBatchLoader(source, args.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
+                              pstate.cp_size, num_samples=total - total % per_step)
+    return _loss_over(loader, model, pstate, devices.accelerator, args)
+
+
+def _loss_over(loader, model, pstate, device, args) -> dict:
+    buckets = args.loss_by_position or 1
+    local = args.seq_length // pstate.cp_size
+    sums = torch.zeros(buckets, dtype=torch.float64, device=device)
+    counts = torch.zeros(buckets, dtype=torch.float64, device=device)
+    bucket_of = (torch.arange(local, device=device) + pstate.cp_rank * local) * buckets // args.seq_length
+    samples = 0
+    with torch.no_grad():
+        for mb in loader:
+            mb = mb.to(device)
+            losses = model(mb.input_ids, mb.position_ids, mb.labels, mb.cu_seqlens, per_token=True)
+            valid = (mb.labels != IGNORE_INDEX).double()
+            sums.index_add_(0, bucket_of, (losses.double() * valid).sum(0))
+            counts.index_add_(0, bucket_of, valid.sum(0))
+            samples += mb.input_ids.shape[0] * pstate.dp_size
+    if pstate.distributed:
+        dist.all_reduce(sums, group=pstate.loss_group)
+        dist.all_reduce(counts, group=pstate.loss_group)
+    result = {"samples": samples, "tokens": samples * args.seq_length, "valid_tokens": int(counts.sum().item()),
+              "loss": (sums.sum() / counts.sum().clamp(min=1)).item()}
+    if args.loss_by_position:
+        width = args.seq_length // buckets
+        result["loss_by_position"] = [
+            {"start": b * width, "end": (b + 1) * width, "loss": (sums[b] / counts[b].clamp(min=1)).item()}
+            for b in range(buckets)
+        ]
+    return result
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        result = evaluate(args)
+        if detect_launch().rank == 0:
+            print(json.dumps(result))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,94 @@
+"""The training entry point end to end: validation, multi-rank runs, resume, NaN handling."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_lc.config import parse_config
+from megatron_lc.training import checkpointing
+from megatron_lc.training.trainer import NonFiniteError, train
+from tests.helpers import free_port
+
+BASE = ["--mock-data", "--seq-length", "64", "--lr", "3e-3", "--adam-eps", "1e-4", "--device", "cpu"]
+
+
+def _torchrun(nproc, args, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "-m", "megatron_lc.train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def _losses(log_dir):
+    return [json.loads(line)["loss"] for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-length", "63", "--context-parallel-size", "2"], "--seq-length 63 is not divisible"),
+    (["--context-parallel-size", "3", "--seq-length", "66"], "--num-attention-heads 8 is not divisible"),
+    (["--offload-activations"], "--recompute-granularity full"),
+    (["--global-batch-size", "3", "--micro-batch-size", "2"], "--global-batch-size 3"),
+    (["--model", "llama-7t"], "llama-7t"),
+])
+def test_impossible_configurations_fail_before_any_work(flags, message):
+    cfg = parse_config(BASE + flags)
+    with pytest.raises(ValueError, match=message):
+        cfg.validate(world_size=int(flags[flags.index("--context-parallel-size") + 1])
+                     if "--context-parallel-size" in flags else 1)
+
+
+def test_missing_dataset_names_the_file(tmp_path):
+    cfg = parse_config(["--data-path", str(tmp_path / "corpus_text_document")])
+    with pytest.raises(FileNotFoundError, match="corpus_text_document.bin"):
+        cfg.validate(world_size=1)
+
+
+def test_preset_file_sets_defaults_and_flags_win(tmp_path):
+    preset = tmp_path / "run.yaml"
+    preset.write_text("data:\n  seq_length: 256\n  mock_data: true\nmemory:\n  recompute_granularity: full\n")
+    cfg = parse_config(["--config", str(preset), "--seq-length", "128"])
+    assert cfg.data.seq_length == 128 and cfg.data.mock_data and cfg.memory.recompute_granularity == "full"
+
+
+def test_interrupted_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path):
+    whole = train(parse_config(BASE + ["--train-iters", "4", "--log-dir", str(tmp_path / "whole")]))
+    save = str(tmp_path / "ckpt")
+    first = train(parse_config(BASE + ["--train-iters", "4", "--save", save, "--save-interval", "2",
+                                       "--exit-interval", "2", "--log-dir", str(tmp_path / "a")]))
+    assert len(first) == 2
+    rest = train(parse_config(BASE + ["--train-iters", "4", "--load", save, "--log-dir", str(tmp_path / "b")]))
+    assert [m["step"] for m in rest] == [3, 4]
+    assert [m["loss"] for m in first + rest] == pytest.approx([m["loss"] for m in whole], rel=1e-6)
+
+
+def test_half_written_checkpoint_is_never_picked(tmp_path):
+    (tmp_path / ".tmp_iter_0000004").mkdir()
+    (tmp_path / "iter_0000003").mkdir()  # no meta.json: incomplete
+    assert checkpointing.latest_checkpoint(tmp_path) is None
+
+
+def test_two_rank_context_parallel_run_resumes_on_one_rank(tmp_path):
+    """torchrun, cp=2, Untied-free stack on; its checkpoint resumes in one process, same losses."""
+    reference = train(parse_config(BASE + ["--train-iters", "3", "--log-dir", str(tmp_path / "ref")]))
+    stack = ["--recompute-granularity", "full", "--offload-activations", "--tiled-mlp", "--tiled-loss"]
+    _torchrun(2, BASE + stack + ["--context-parallel-size", "2", "--train-iters", "3", "--save", "ckpt",
+                                 "--exit-interval", "2", "--log-dir", "cp2", "--tensorboard-dir", "tb"], tmp_path)
+    assert any((tmp_path / "tb").iterdir())
+    resumed = train(parse_config(BASE + ["--train-iters", "3", "--load", str(tmp_path / "ckpt"),
+                                         "--log-dir", str(tmp_path / "one")]))
+    losses = _losses(tmp_path / "cp2") + [m["loss"] for m in resumed]
+    assert losses == pytest.approx([m["loss"] for m in reference], rel=1e-5)
+
+
+def test_nonfinite_loss_stops_with_the_step_or_is_skipped(tmp_path):
+    blowup = BASE + ["--train-iters", "4", "--lr", "1e30", "--clip-grad", "0", "--log-dir", str(tmp_path)]
+    with pytest.raises(NonFiniteError, match=r"step \d: loss"):
+        train(parse_config(blowup))
+    history = train(parse_config(blowup + ["--skip-nonfinite"]))
+    assert len(history) == 4
