@@ -269,7 +269,9 @@ def read_json_array(path: str, options: ReadOptions, problems: InputProblems) ->
             detail = f"{error.msg}; the rest of the file is not read"
             problems.invalid(Location(path, items.line), "malformed JSON array", detail)
         except UnicodeDecodeError as error:
-            problems.invalid(Location(path, items.line), "invalid UTF-8", f"{error.reason}; the rest of the file is not read")
+            problems.invalid(
+                Location(path, items.line), "invalid UTF-8", f"{error.reason}; the rest of the file is not read"
+            )
 
 
 def _starts_with_bracket(path: str) -> bool:

@@ -337,7 +337,8 @@ class IndexedDatasetBuilder:
         idx_tmp_path = _temporary_path(final_idx)
         try:
             IndexWriter(idx_tmp_path, self.dtype).write(
-                np.frombuffer(self._sequence_lengths, dtype=np.int64), np.frombuffer(self._document_indices, dtype=np.int64)
+                np.frombuffer(self._sequence_lengths, dtype=np.int64),
+                np.frombuffer(self._document_indices, dtype=np.int64),
             )
             if os.path.exists(final_idx):  # an old index must never describe the new .bin
                 os.remove(final_idx)

@@ -106,7 +106,7 @@ def encode_task(config: EncodeConfig, texts: Sequence[str], infos: Sequence[Piec
     """Token arrays of `texts`, with BOS/EOD added at document starts/ends as configured."""
     tokenizer = cached_tokenizer(config.tokenizer_type, config.tokenizer_model)
     arrays = []
-    for text, info in zip(texts, infos):
+    for text, info in zip(texts, infos, strict=True):
         ids = tokenizer.tokenize_piece(text, info.first)
         if info.first and config.prepend_bos:
             ids = [tokenizer.bos, *ids]
@@ -220,7 +220,7 @@ class DatasetWriters:
 
     def finalize(self) -> None:
         """Write every key's index and move the files into place."""
-        for builder, prefix in zip(self.builders, self.prefixes):
+        for builder, prefix in zip(self.builders, self.prefixes, strict=True):
             builder.finalize(idx_path(prefix))
 
 
@@ -254,9 +254,12 @@ class Progress:
             self._bar.update(documents)
             self._bar.set_postfix_str(f"{self.tokens_per_second:,.0f} tokens/s", refresh=False)
         elif self._log and documents and self.documents % self._log_interval == 0:
-            print(f"{self._label}{self.documents:,} documents, {self.tokens:,} tokens, "
-                  f"{self.documents / self.elapsed:,.1f} docs/s, {self.tokens_per_second:,.0f} tokens/s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self._label}{self.documents:,} documents, {self.tokens:,} tokens, "
+                f"{self.documents / self.elapsed:,.1f} docs/s, {self.tokens_per_second:,.0f} tokens/s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     @property
     def elapsed(self) -> float:
@@ -307,10 +310,8 @@ class PreprocessSummary:
 
 def _encode_config(options: PreprocessOptions, tokenizer: Tokenizer) -> EncodeConfig:
     """Check the tokenizer has the specials asked for, and pick the token dtype."""
-    if options.append_eod:
-        tokenizer.eod  # raises a clear error when the tokenizer has no EOD token
-    if options.prepend_bos:
-        tokenizer.bos
+    # reading the ids raises a clear error, before any work, when the tokenizer lacks them
+    _ = (tokenizer.eod if options.append_eod else None, tokenizer.bos if options.prepend_bos else None)
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
     return EncodeConfig(options.tokenizer_type, options.tokenizer_model, dtype, options.append_eod, options.prepend_bos)
 
@@ -330,11 +331,11 @@ def run_partition(
         TokenizerPool(config, workers) as pool,
     ):
         for infos, arrays in pool.map_ordered(tasks):
-            for info, tokens in zip(infos, arrays):
+            for info, tokens in zip(infos, arrays, strict=True):
                 writers.write(info, tokens)
                 progress.add(int(info.closes_record), len(tokens))
         writers.finalize()
-    tokens = dict(zip(prefixes, writers.tokens))
+    tokens = dict(zip(prefixes, writers.tokens, strict=True))
     return PreprocessSummary(progress.documents, tokens, problems, progress.elapsed, config.dtype)
 
 
@@ -344,7 +345,7 @@ def split_contiguous(files: Sequence[str], parts: int) -> list[list[str]]:
     target = max(sum(sizes), 1) / parts
     groups: list[list[str]] = [[]]
     filled = 0
-    for index, (path, size) in enumerate(zip(files, sizes)):
+    for index, (path, size) in enumerate(zip(files, sizes, strict=True)):
         behind = filled >= target * len(groups)  # this group has its share already
         must_spread = len(files) - index <= parts - len(groups)  # one file per remaining group
         if groups[-1] and len(groups) < parts and (behind or must_spread):
@@ -366,12 +367,14 @@ def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessS
     final_prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
     work_dir = tempfile.mkdtemp(prefix=".partitions-", dir=os.path.dirname(os.path.abspath(final_prefixes[0])))
     try:
-        part_prefixes = [[os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys] for i in range(len(groups))]
+        part_prefixes = [
+            [os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys] for i in range(len(groups))
+        ]
         workers_each = max(1, options.workers // len(groups))
         with ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context()) as executor:
             futures = [
                 executor.submit(run_partition, group, prefixes, options, workers_each, i)
-                for i, (group, prefixes) in enumerate(zip(groups, part_prefixes))
+                for i, (group, prefixes) in enumerate(zip(groups, part_prefixes, strict=True))
             ]
             parts = [future.result() for future in futures]
         for key_index, final in enumerate(final_prefixes):
@@ -385,7 +388,7 @@ def _combine(parts: Sequence[PreprocessSummary], final_prefixes: Sequence[str]) 
     """One summary for the merged output: counts added, tokens keyed by final prefix."""
     summary = PreprocessSummary(dtype=parts[0].dtype)
     for part in parts:
-        renamed = dict(zip(final_prefixes, part.tokens.values()))
+        renamed = dict(zip(final_prefixes, part.tokens.values(), strict=True))
         summary.merge(PreprocessSummary(part.documents, renamed, part.problems, part.seconds, part.dtype))
     return summary
 
@@ -409,24 +412,45 @@ def build_parser() -> argparse.ArgumentParser:
     """Megatron's preprocess_data.py flags, plus a few for long documents and bad input."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input")
-    group.add_argument("--input", nargs="+", required=True, help="files, globs or directories: .jsonl/.json, .parquet, "
-                       "datasets save_to_disk directories; any other file is one plain-text document")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one dataset each (default: text)")
+    group.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files, globs or directories: .jsonl/.json, .parquet, "
+        "datasets save_to_disk directories; any other file is one plain-text document",
+    )
+    group.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="fields to tokenize, one dataset each (default: text)"
+    )
     group.add_argument("--split", default="train", help="split read from a saved DatasetDict (default: train)")
-    group.add_argument("--skip-invalid", action="store_true", help="skip and count malformed lines, invalid UTF-8, "
-                       "missing keys and non-string values instead of stopping at the first")
+    group.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="skip and count malformed lines, invalid UTF-8, "
+        "missing keys and non-string values instead of stopping at the first",
+    )
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), tiktoken BPE file")
+    group.add_argument(
+        "--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), tiktoken BPE file"
+    )
     group.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     group.add_argument("--prepend-bos", action="store_true", help="start every document with the BOS token")
     group = parser.add_argument_group("output and runtime")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.{bin,idx}")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
-    group.add_argument("--partitions", type=int, default=1, help="process groups of input files in parallel, then merge")
-    group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines when not on a terminal")
-    group.add_argument("--piece-chars", type=int, default=DEFAULT_PIECE_CHARS,
-                       help="long documents are tokenized in line-aligned pieces of about this many characters")
+    group.add_argument(
+        "--partitions", type=int, default=1, help="process groups of input files in parallel, then merge"
+    )
+    group.add_argument(
+        "--log-interval", type=int, default=1000, help="documents between progress lines when not on a terminal"
+    )
+    group.add_argument(
+        "--piece-chars",
+        type=int,
+        default=DEFAULT_PIECE_CHARS,
+        help="long documents are tokenized in line-aligned pieces of about this many characters",
+    )
     group.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     return parser
 
@@ -434,11 +458,20 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
     """The parsed flags as options."""
     return PreprocessOptions(
-        inputs=tuple(args.input), output_prefix=args.output_prefix, tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model, json_keys=tuple(args.json_keys), workers=args.workers,
-        partitions=args.partitions, append_eod=args.append_eod, prepend_bos=args.prepend_bos,
-        skip_invalid=args.skip_invalid, log_interval=args.log_interval, piece_chars=args.piece_chars,
-        split=args.split, show_progress=not args.no_progress,
+        inputs=tuple(args.input),
+        output_prefix=args.output_prefix,
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        json_keys=tuple(args.json_keys),
+        workers=args.workers,
+        partitions=args.partitions,
+        append_eod=args.append_eod,
+        prepend_bos=args.prepend_bos,
+        skip_invalid=args.skip_invalid,
+        log_interval=args.log_interval,
+        piece_chars=args.piece_chars,
+        split=args.split,
+        show_progress=not args.no_progress,
     )
 
 

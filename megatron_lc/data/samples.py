@@ -175,7 +175,7 @@ class LongSequenceSamples(SampleSource):
         run_starts = np.concatenate(([0], np.flatnonzero(~contiguous) + 1))
         run_counts = np.add.reduceat(counts, run_starts)
         filled = 0
-        for position, count in zip(bin_positions[run_starts].tolist(), run_counts.tolist()):
+        for position, count in zip(bin_positions[run_starts].tolist(), run_counts.tolist(), strict=True):
             out[filled : filled + count] = self.dataset.read_span(position, count)
             filled += count
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import re
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -348,24 +349,41 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | No
     return _BUILDERS_FROM_FILE[tokenizer_type](path)
 
 
+def reservoir_sample(items: Iterable[str], size: int, seed: int) -> list[str]:
+    """A uniform sample of `size` items from a stream of unknown length, fixed by `seed`."""
+    rng = random.Random(seed)
+    sample: list[str] = []
+    for seen, item in enumerate(items):
+        if seen < size:
+            sample.append(item)
+        else:
+            slot = rng.randrange(seen + 1)
+            if slot < size:
+                sample[slot] = item
+    return sample
+
+
 def train_sentencepiece(
     sentences: Iterable[str],
     output_prefix: str | os.PathLike,
     vocab_size: int,
     model_type: str = "bpe",
     max_sentences: int = 1_000_000,
+    seed: int = 0,
 ) -> str:
     """Train a Llama-style SentencePiece model and return the path of its `.model` file.
 
     As Llama 2's: no normalisation and whitespace kept as is (newlines and indentation
     matter in books and code), byte fallback for unseen characters, digits split,
-    `<unk>`=0, `<s>`=1, `</s>`=2."""
+    `<unk>`=0, `<s>`=1, `</s>`=2. At most `max_sentences` sentences, sampled with `seed`,
+    are used: the same corpus and seed give the same model."""
     import sentencepiece
 
     prefix = os.fspath(output_prefix)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    sample = reservoir_sample(sentences, max_sentences, seed)  # SentencePiece's own sampling is unseeded
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
+        sentence_iterator=iter(sample),
         model_prefix=prefix,
         vocab_size=vocab_size,
         model_type=model_type,
@@ -379,8 +397,6 @@ def train_sentencepiece(
         bos_id=1,
         eos_id=2,
         pad_id=-1,
-        input_sentence_size=max_sentences,
-        shuffle_input_sentence=True,
         max_sentence_length=1 << 16,
         hard_vocab_limit=False,  # a small corpus may not support the full vocabulary
         minloglevel=2,

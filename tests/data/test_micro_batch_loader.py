@@ -1,0 +1,83 @@
+"""Micro-batches: data-parallel sharding, batch layout, and exact resumption."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_lc.data.loader import MicroBatchLoader
+from megatron_lc.data.samples import LongSequenceSamples, MockSamples
+
+SEQ_LENGTH = 32
+
+
+@pytest.fixture
+def samples(make_dataset, random_documents):
+    return LongSequenceSamples(make_dataset(random_documents(9, 60, 50)), SEQ_LENGTH, seed=2)
+
+
+def test_dp_ranks_take_consecutive_disjoint_samples_of_each_step(samples):
+    batch_size, dp_size = 2, 3
+    loaders = [MicroBatchLoader(samples, batch_size, dp_rank=r, dp_size=dp_size) for r in range(dp_size)]
+    for step in range(4):
+        for rank, loader in enumerate(loaders):
+            batch = next(loader)
+            first = step * batch_size * dp_size + rank * batch_size
+            expected = np.stack([samples.get(first + b).input_ids for b in range(batch_size)])
+            np.testing.assert_array_equal(batch.input_ids.numpy(), expected)
+
+
+def test_batch_has_local_tensors_and_boundaries_of_the_flattened_batch(samples):
+    loader = MicroBatchLoader(samples, micro_batch_size=3, cp_rank=1, cp_size=4, reset_position_ids=True)
+    batch = next(loader)
+    for tensor in (batch.input_ids, batch.labels, batch.position_ids):
+        assert tensor.dtype == torch.int64 and tensor.shape == (3, SEQ_LENGTH // 4)
+    expected = [0]
+    for b in range(3):
+        expected += [b * SEQ_LENGTH + x for x in samples.get(b).cu_seqlens[1:]]
+    assert batch.cu_seqlens == tuple(expected) and batch.cu_seqlens[-1] == 3 * SEQ_LENGTH
+    assert batch.max_seqlen == max(np.diff(expected))
+    np.testing.assert_array_equal(batch.labels[2].numpy(), samples.get(2, cp_rank=1, cp_size=4).labels)
+
+
+def test_resumed_loader_yields_exactly_what_the_uninterrupted_one_does(samples):
+    settings = dict(micro_batch_size=2, dp_rank=1, dp_size=2, cp_rank=1, cp_size=2)
+    uninterrupted = MicroBatchLoader(samples, **settings)
+    expected = [next(uninterrupted) for _ in range(7)]
+    first_run = MicroBatchLoader(samples, **settings)
+    for _ in range(3):
+        next(first_run)
+    state = first_run.state_dict()
+    assert state == {"consumed_samples": 3 * 2 * 2}
+    resumed = MicroBatchLoader(samples, **settings)
+    resumed.load_state_dict(state)
+    for want in expected[3:]:
+        got = next(resumed)
+        for name in ("input_ids", "labels", "position_ids"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
+        assert got.cu_seqlens == want.cu_seqlens
+
+
+def test_state_from_another_batch_layout_is_rejected(samples):
+    loader = MicroBatchLoader(samples, micro_batch_size=2, dp_size=2)
+    with pytest.raises(ValueError, match="consumed_samples 6 is not a multiple of micro_batch_size x dp_size = 4"):
+        loader.load_state_dict({"consumed_samples": 6})
+
+
+def test_loader_stops_after_num_samples(samples):
+    loader = MicroBatchLoader(samples, micro_batch_size=2, dp_size=2, num_samples=9)
+    assert len(list(loader)) == 2
+
+
+def test_mock_samples_go_through_the_same_loader():
+    loader = MicroBatchLoader(MockSamples(vocab_size=100, seq_length=16, seed=0), 2, cp_rank=0, cp_size=2)
+    batch = next(loader)
+    assert batch.input_ids.shape == (2, 8) and batch.cu_seqlens[-1] == 32
+
+
+def test_bad_parallel_layout_is_rejected_early(samples):
+    with pytest.raises(ValueError, match="dp_rank 2 is not a rank"):
+        MicroBatchLoader(samples, 1, dp_rank=2, dp_size=2)
+    with pytest.raises(ValueError, match="not divisible by the context-parallel size 3"):
+        MicroBatchLoader(samples, 1, cp_size=3)

@@ -1,0 +1,50 @@
+#!/usr/bin/env python3
+"""Concatenate indexed datasets (same dtype) into one, in the order given.
+
+Example:
+    python tools/merge_datasets.py --input data/part0_text_document data/part1_text_document \
+        --output-prefix data/all_text_document
+
+A directory given as input stands for every dataset (`*.idx`) in it, sorted by name.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from megatron_lc.data.indexed_dataset import IndexedDatasetError, merge_datasets  # noqa: E402
+
+
+def expand_prefixes(inputs: list[str]) -> list[str]:
+    """Dataset prefixes; a directory stands for the datasets it holds."""
+    prefixes = []
+    for path in inputs:
+        if os.path.isdir(path):
+            names = sorted(name[: -len(".idx")] for name in os.listdir(path) if name.endswith(".idx"))
+            if not names:
+                raise IndexedDatasetError(f"--input {path}: directory holds no .idx file")
+            prefixes.extend(os.path.join(path, name) for name in names)
+        else:
+            prefixes.append(path[: -len(".idx")] if path.endswith((".idx", ".bin")) else path)
+    return prefixes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True, help="dataset prefixes (or directories of datasets)")
+    parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.{bin,idx}")
+    args = parser.parse_args(argv)
+    try:
+        prefixes = expand_prefixes(args.input)
+        merge_datasets(prefixes, args.output_prefix)
+    except (IndexedDatasetError, ValueError) as error:
+        print(f"merge_datasets: error: {error}", file=sys.stderr)
+        return 1
+    print(f"merged {len(prefixes)} datasets into {args.output_prefix}.bin/.idx")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+#!/usr/bin/env python3
+"""Tokenize corpora into Megatron indexed datasets: PREFIX_{key}_document.{bin,idx}.
+
+Example:
+    python tools/preprocess_data.py --input 'corpus/*.jsonl' --output-prefix data/books \
+        --tokenizer-type TikTokenizer --tokenizer-model llama3/tokenizer.model \
+        --append-eod --workers 8
+
+See docs/data.md for the inputs read, the handling of bad input, and the output.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from megatron_lc.data.preprocess import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
