@@ -258,7 +258,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         metrics = train_one_step(run, step)
         if cfg.logging.eval_interval and run.valid_source is not None and step % cfg.logging.eval_interval == 0:
             metrics["val_loss"] = evaluate(run, cfg.logging.eval_iters)
-        if step % cfg.logging.log_interval == 0 or step == cfg.train.train_iters:
+        if step % cfg.logging.log_interval == 0 or step in (start + 1, cfg.train.train_iters):
             logger.log(metrics)
         history.append(metrics)
         c = cfg.checkpoint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -56,8 +57,11 @@ def save_tokenizer(tokenizer_model: str, save: str) -> None:
                 shutil.copy(f, Path(save) / f.name)
     elif src.suffix == ".json":
         transformers.PreTrainedTokenizerFast(tokenizer_file=str(src)).save_pretrained(save)
-    else:  # a SentencePiece model
-        transformers.LlamaTokenizer(vocab_file=str(src), legacy=False).save_pretrained(save)
+    else:  # a SentencePiece model: transformers' Llama tokenizer reads it as tokenizer.model
+        shutil.copy(src, Path(save) / "tokenizer.model")
+        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
+                  "legacy": False}
+        (Path(save) / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
 def hf_to_checkpoint(load: str, save: str) -> Path:
