@@ -1,0 +1,121 @@
+"""The memory stack, one layer at a time: memory (MemTracker) and step-time overhead, one process.
+
+    python bench/bench_memory_stack.py [--seq-length 8192] [--repeats 3]
+
+Memory rows switch the layers on cumulatively (none -> +checkpointing -> +offload -> +tiled
+MLP -> +tiled loss). Accelerator bytes are MemTracker's peak over one step after a warm-up
+step (so the offload pool, allocated once and reused, is host memory and not counted); host
+bytes are the offload scheduler's own peak. Overhead rows switch each technique on alone and
+give its step time as a ratio to the plain step, all measured in this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import CPU, batch_for, bench_model_config
+from megatron_lc.memory.measure import measure_peak
+from megatron_lc.models.llama import build_model
+from megatron_lc.models.llama.parallelize import ParallelizeOptions, apply_memory_stack
+from megatron_lc.parallel_state import ParallelDims, ParallelState
+from megatron_lc.training.optim import build_optimizer
+from megatron_lc.training.step import forward_backward
+
+PSTATE = ParallelState(ParallelDims(world_size=1))
+FULL = dict(recompute_granularity="full")
+OFFLOAD = dict(FULL, offload_activations=True)
+CUMULATIVE = {
+    "none": {},
+    "+ checkpointing (full)": FULL,
+    "+ offload block inputs": OFFLOAD,
+    "+ tiled MLP": dict(OFFLOAD, mlp_tiles=8),
+    "+ tiled loss": dict(OFFLOAD, mlp_tiles=8, loss_tiles=8),
+}
+ALONE = {
+    "checkpointing (full)": FULL,
+    "checkpointing (selective)": dict(recompute_granularity="selective"),
+    "checkpointing + offload": OFFLOAD,
+    "tiled MLP (8 tiles)": dict(mlp_tiles=8),
+    "tiled loss (8 tiles)": dict(loss_tiles=8),
+    "all of them": dict(OFFLOAD, mlp_tiles=8, loss_tiles=8),
+}
+
+
+def build(opts: dict, config):
+    model = build_model(config, device="cpu", seed=0)
+    offload = apply_memory_stack(model, ParallelizeOptions(**opts), CPU)
+    return model, build_optimizer(model, lr=1e-4), offload
+
+
+def step_fn(model, opt, batch):
+    def step():
+        forward_backward(model, [batch], PSTATE, CPU.accelerator)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def memory_row(opts, config, batch):
+    model, opt, offload = build(opts, config)
+    step = step_fn(model, opt, batch)
+    step()
+    if offload is not None:
+        offload.reset_peak()
+    peak = measure_peak(step, model, opt).by_device["cpu"]
+    host = offload.host_bytes_peak if offload is not None else 0
+    return peak, host
+
+
+def time_row(opts, config, batch, repeats):
+    model, opt, _ = build(opts, config)
+    step = step_fn(model, opt, batch)
+    step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-length", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--skip-timing", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    config = bench_model_config(layers=args.layers, hidden=args.hidden_size, vocab=args.vocab_size)
+    batch = batch_for(config, args.seq_length)
+    print(f"seq_length {args.seq_length}, {config.num_layers} layers, hidden {config.hidden_size}, "
+          f"ffn {config.ffn_hidden_size}, vocab {config.vocab_size}\n")
+    if not args.skip_memory:
+        memory_table(config, batch)
+    if not args.skip_timing:
+        timing_table(config, batch, args.repeats)
+
+
+def memory_table(config, batch) -> None:
+    print("| stack | accelerator peak MiB | activations MiB | temporaries MiB | host (offload) MiB |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, opts in CUMULATIVE.items():
+        peak, host = memory_row(opts, config, batch)
+        print(f"| {name} | {peak['total'] / 2**20:.1f} | {peak['activations'] / 2**20:.1f} | "
+              f"{peak['temporaries'] / 2**20:.1f} | {host / 2**20:.1f} |", flush=True)
+
+
+def timing_table(config, batch, repeats) -> None:
+    base = time_row({}, config, batch, repeats)
+    print(f"\nplain step: {base:.2f} s\n\n| technique alone | step time / plain |\n| --- | ---: |")
+    for name, opts in ALONE.items():
+        print(f"| {name} | {time_row(opts, config, batch, repeats) / base:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
