@@ -1,0 +1,225 @@
+"""Per-GPU and host memory of a configuration, from traced steps of a few layers.
+
+A step of an L-layer model is traced in full when L is small. Otherwise two steps are
+traced, with L1 = 2m and L2 = 2m + 1 layers (m = 2, or one more than the layers whose
+block input is kept on the GPU under offload), and each *phase* of the step (forward
+or backward of a layer counted from the start or from the end, the loss head, the
+embedding, the optimizer step) is extrapolated to L layers on the line through its two
+traced peaks. This is exact, not an approximation: every layer has the same shapes, so
+what a phase holds grows by the same bytes per added layer (sharded parameters,
+gradients and optimizer state; kept or offloaded block inputs), and the layers in the
+middle peak between the first and the last ones (their peak is affine in the layer
+index), so the largest extrapolated phase peak is the step's peak. Tests compare the
+extrapolation with a full trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from dataclasses import dataclass, field
+
+from megatron_lc.config import TrainConfig
+from megatron_lc.planning.standins import DEFAULT_NCCL_GIB_PER_COMMUNICATOR, nccl_bytes
+from megatron_lc.planning.trace import StepTrace, trace_step
+from megatron_lc.planning.tracker import CATEGORIES, PhasePeak
+
+GIB = 1 << 30
+DEFAULT_RESERVE_GIB = 3.0
+"""CUDA context (about 0.5 GiB), cuBLAS workspaces and allocator fragmentation (assumed, see docs)."""
+
+_LAYER_PHASE = re.compile(r"^(fw|bw):layer:(\d+)$")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The cluster a configuration is planned for."""
+
+    num_gpus: int = 8
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    host_memory_gib: float = 2048.0
+    """Host memory per node available for offloaded activations."""
+    reserve_gib: float = DEFAULT_RESERVE_GIB
+    """Per-GPU memory the tracked tensors cannot use (context, workspaces, fragmentation)."""
+    nccl_gib_per_communicator: float = DEFAULT_NCCL_GIB_PER_COMMUNICATOR
+    device: str = "cuda"
+    """cuda: model the CUDA kernels and NCCL; cpu: trace the CPU kernels as they are (validation)."""
+
+
+@dataclass
+class Estimate:
+    """Memory of one configuration on one machine (rank 0's view; every rank holds the same)."""
+
+    seq_length: int
+    gpu_bytes_by_category: dict[str, int]
+    """Peak accelerator bytes by category, NCCL buffers included in communication buffers."""
+    nccl_bytes: int
+    host_bytes_per_gpu: int
+    peak_phase: str
+    top_buffers: list[tuple[str, int, int]]
+    communicators: int
+    traced_layers: tuple[int, ...]
+    machine: Machine
+    seconds: float = 0.0
+    extra_layer_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes by category that the layers beyond the traced ones add at the peak (extrapolation)."""
+
+    @property
+    def gpu_peak_bytes(self) -> int:
+        return sum(self.gpu_bytes_by_category.values())
+
+    @property
+    def gpu_budget_bytes(self) -> int:
+        return int((self.machine.gpu_memory_gib - self.machine.reserve_gib) * GIB)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        return self.host_bytes_per_gpu * min(self.machine.gpus_per_node, self.machine.num_gpus)
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.gpu_peak_bytes <= self.gpu_budget_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_bytes_per_node <= self.machine.host_memory_gib * GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    @property
+    def usage(self) -> float:
+        """The larger of GPU and host use over budget (<= 1 fits); monotone in the sequence length."""
+        gpu = self.gpu_peak_bytes / max(self.gpu_budget_bytes, 1)
+        host = self.host_bytes_per_node / max(self.machine.host_memory_gib * GIB, 1)
+        return max(gpu, host)
+
+    def to_json(self) -> dict:
+        m = self.machine
+        return {
+            "seq_length": self.seq_length, "fits": self.fits, "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
+            "gpu_peak_gib": round(self.gpu_peak_bytes / GIB, 3),
+            "gpu_budget_gib": round(self.gpu_budget_bytes / GIB, 3),
+            "gpu_by_category_gib": {k: round(v / GIB, 3) for k, v in self.gpu_bytes_by_category.items()},
+            "nccl_gib": round(self.nccl_bytes / GIB, 3), "reserve_gib": m.reserve_gib,
+            "gpu_memory_gib": m.gpu_memory_gib,
+            "host_peak_gib": round(self.host_bytes_per_node / GIB, 3),
+            "host_per_gpu_gib": round(self.host_bytes_per_gpu / GIB, 3), "host_memory_gib": m.host_memory_gib,
+            "num_gpus": m.num_gpus, "gpus_per_node": m.gpus_per_node, "peak_phase": self.peak_phase,
+            "top_buffers": [{"name": n, "count": c, "gib": round(b / GIB, 3)} for n, c, b in self.top_buffers],
+            "communicators": self.communicators, "traced_layers": list(self.traced_layers),
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def planning_config(cfg: TrainConfig, seq_length: int | None = None) -> TrainConfig:
+    """A copy of `cfg` that needs no data files (the planner reads none), at `seq_length` if given."""
+    data = dataclasses.replace(cfg.data, mock_data=True, data_path=[], valid_data_path=[],
+                               seq_length=seq_length or cfg.data.seq_length)
+    return dataclasses.replace(cfg, data=data)
+
+
+def traced_layer_counts(cfg: TrainConfig) -> tuple[int, ...]:
+    """Layer counts to trace: all layers, or two small counts to extrapolate from."""
+    mem = cfg.memory
+    m = max(2, mem.offload_keep_last + 1) if mem.offload_activations else 2
+    num_layers = cfg.model_config().num_layers
+    return (num_layers,) if num_layers <= 2 * m + 1 else (2 * m, 2 * m + 1)
+
+
+def anchor(phase: str, num_layers: int, m: int) -> str | None:
+    """The phase's name independent of the layer count: layers by distance from the start or the end.
+
+    None for a middle layer (it peaks between the anchors around it)."""
+    match = _LAYER_PHASE.match(phase)
+    if not match:
+        return phase
+    direction, index = match.group(1), int(match.group(2))
+    if index < m:
+        return f"{direction}:layer:{index}"
+    if index >= num_layers - m:
+        return f"{direction}:layer:-{num_layers - index}"
+    return None
+
+
+def _anchored(trace: StepTrace, m: int) -> dict[str, PhasePeak]:
+    peaks = {}
+    for phase, peak in trace.analysis.phase_peaks.items():
+        name = anchor(phase, trace.num_layers, m)
+        if name is not None:
+            peaks[name] = peak
+    return peaks
+
+
+def _extrapolate(v1: int, v2: int, l1: int, l2: int, target: int) -> int:
+    return v1 + (v2 - v1) * (target - l1) // (l2 - l1)
+
+
+def describe_phase(name: str, num_layers: int) -> str:
+    """A person's words for an anchor: 'backward of layer 31 of 32', 'optimizer step', ..."""
+    if name == "optimizer":
+        return "optimizer step"
+    direction, _, unit = name.partition(":")
+    words = {"fw": "forward", "bw": "backward"}.get(direction, direction)
+    if unit.startswith("layer:"):
+        index = int(unit.split(":")[1])
+        index = index if index >= 0 else num_layers + index
+        return f"{words} of layer {index} (of {num_layers})"
+    return f"{words} of the {unit}" if unit not in ("start",) else f"{words}, before the first layer"
+
+
+@dataclass
+class StepPeak:
+    """The peak of an L-layer step from its traces: where, how much by category, and the host bytes."""
+
+    anchor: str
+    peak: PhasePeak
+    """By category at L layers; `event_index` points into `trace`'s timeline."""
+    extra_layer_bytes: dict[str, int]
+    host_bytes: int
+    trace: StepTrace
+    """The trace whose timeline names the buffers alive at the peak."""
+
+
+def combine(traces: list[StepTrace], num_layers: int, m: int) -> StepPeak:
+    """The step's peak at `num_layers` layers: as traced, or extrapolated phase by phase from two traces."""
+    if len(traces) == 1:
+        t = traces[0]
+        phase = t.analysis.events[t.analysis.peak.event_index].phase
+        return StepPeak(anchor(phase, num_layers, num_layers) or phase, t.analysis.peak, {}, t.analysis.host_peak, t)
+    t1, t2 = traces
+    a1, a2 = _anchored(t1, m), _anchored(t2, m)
+    best = None
+    for name in a1.keys() & a2.keys():
+        by_category = {c: _extrapolate(a1[name].by_category[c], a2[name].by_category[c], t1.num_layers,
+                                       t2.num_layers, num_layers) for c in CATEGORIES}
+        if best is None or sum(by_category.values()) > best.peak.total:
+            extra = {c: by_category[c] - a2[name].by_category[c] for c in CATEGORIES}
+            best = StepPeak(name, PhasePeak(sum(by_category.values()), by_category, a2[name].event_index), extra, 0, t2)
+    best.host_bytes = _extrapolate(t1.analysis.host_peak, t2.analysis.host_peak, t1.num_layers, t2.num_layers,
+                                   num_layers)
+    return best
+
+
+def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) -> Estimate:
+    """Memory of `cfg` (at `seq_length`, default its own) on `machine`."""
+    start = time.perf_counter()
+    cfg = planning_config(cfg, seq_length)
+    cfg.validate(machine.num_gpus)
+    if cfg.parallel.fsdp_cpu_offload:
+        raise ValueError("--fsdp-cpu-offload: the planner does not model FSDP's CPU offload yet")
+    counts = traced_layer_counts(cfg)
+    traces = [trace_step(cfg, machine.num_gpus, n, machine.device) for n in counts]
+    num_layers = cfg.model_config().num_layers
+    m = counts[0] // 2
+    step = combine(traces, num_layers, m)
+    communicators = len(step.trace.analysis.communicators)
+    nccl = nccl_bytes(communicators, machine.nccl_gib_per_communicator) if machine.device == "cuda" else 0
+    by_category = dict(step.peak.by_category)
+    by_category["communication buffers"] += nccl
+    top = step.trace.analysis.top_buffers(step.peak.event_index, lambda d: d == "meta")
+    return Estimate(cfg.data.seq_length, by_category, nccl, step.host_bytes, describe_phase(step.anchor, num_layers),
+                    top, communicators, counts, machine, time.perf_counter() - start, step.extra_layer_bytes)

@@ -1,0 +1,107 @@
+"""Tables for people, JSON for machines, and the memory-against-length plot."""
+
+from __future__ import annotations
+
+from megatron_lc.config import TrainConfig
+from megatron_lc.planning.estimate import GIB, Estimate
+from megatron_lc.planning.search import SearchResult, StackLayer
+from megatron_lc.planning.tracker import CATEGORIES
+
+
+def describe_config(cfg: TrainConfig, num_gpus: int) -> str:
+    """One line: model, length, GPUs and the memory stack switched on."""
+    p, m = cfg.parallel, cfg.memory
+    stack = ["FSDP" if num_gpus > 1 else "no FSDP"]
+    if p.context_parallel_size > 1:
+        stack.append(f"{p.cp_impl} cp={p.context_parallel_size}")
+    if m.recompute_granularity != "none":
+        stack.append(f"{m.recompute_granularity} recompute")
+    stack += [name for name, on in (("offload", m.offload_activations), ("tiled MLP", m.tiled_mlp),
+                                    ("tiled loss", m.tiled_loss)) if on]
+    dtype = "bf16" if cfg.train.bf16 else "fp32"
+    return (f"{cfg.model.model}, {cfg.data.seq_length:,} tokens x {cfg.data.micro_batch_size}, {num_gpus} GPUs, "
+            f"{dtype}; {', '.join(stack)}")
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:8.2f} GiB"
+
+
+def estimate_table(cfg: TrainConfig, e: Estimate) -> str:
+    """The per-GPU breakdown, the host bytes, the verdict and the largest buffers."""
+    m = e.machine
+    lines = [describe_config(cfg, m.num_gpus), f"per-GPU peak, at the {e.peak_phase}:"]
+    lines += [f"  {name:<22}{_gib(e.gpu_bytes_by_category[name])}" for name in CATEGORIES]
+    lines.append(f"  {'total':<22}{_gib(e.gpu_peak_bytes)}   (communication includes {e.nccl_bytes / GIB:.2f} GiB "
+                 f"of NCCL buffers for {e.communicators} communicator(s))")
+    verdict = "fits" if e.fits_gpu else "does NOT fit"
+    lines.append(f"  GPU: {e.gpu_peak_bytes / GIB:.2f} + reserve {m.reserve_gib:.2f} GiB of {m.gpu_memory_gib:.2f} GiB: "
+                 f"{verdict}")
+    verdict = "fits" if e.fits_host else "does NOT fit"
+    lines.append(f"host (offloaded activations): {e.host_bytes_per_gpu / GIB:.2f} GiB per GPU, "
+                 f"{e.host_bytes_per_node / GIB:.2f} GiB per node of {m.host_memory_gib:.0f} GiB: {verdict}")
+    lines.append("largest buffers at the peak (traced layers; layers.N = any layer):")
+    lines += [f"  {b / GIB:8.2f} GiB  {count:>3} x {name}" for name, count, b in e.top_buffers]
+    if any(e.extra_layer_bytes.values()):
+        extra = ", ".join(f"{k} {v / GIB:.2f}" for k, v in e.extra_layer_bytes.items() if v)
+        lines.append(f"  plus, from the untraced layers (GiB): {extra}")
+    lines.append(f"(traced {'/'.join(map(str, e.traced_layers))} layers in {e.seconds:.1f} s)")
+    return "\n".join(lines)
+
+
+def search_json(result: SearchResult) -> dict:
+    """The estimate at the longest length that fits (or the shortest tried), with `max_seq_length`."""
+    shown = result.best or (result.evaluated[0] if result.evaluated else None)
+    out = shown.to_json() if shown else {"seq_length": 0, "fits": False, "gpu_peak_gib": None, "host_peak_gib": None}
+    out["max_seq_length"] = result.max_seq_length
+    out["evaluated"] = [{"seq_length": e.seq_length, "gpu_peak_gib": round(e.gpu_peak_bytes / GIB, 3),
+                         "host_peak_gib": round(e.host_bytes_per_node / GIB, 3), "fits": e.fits}
+                        for e in result.evaluated]
+    return out
+
+
+def ablation_table(rows: list[tuple[StackLayer, SearchResult]]) -> str:
+    """Markdown: the longest context with each layer of the stack added in turn."""
+    lines = ["| stack | longest context | GPU peak there | largest buffer there |", "| --- | ---: | ---: | --- |"]
+    for layer, result in rows:
+        best = result.best
+        if best is None:
+            lines.append(f"| {layer.name} | none fits | | |")
+            continue
+        top = best.top_buffers[0] if best.top_buffers else ("", 0, 0)
+        lines.append(f"| {layer.name} | {result.max_seq_length:,} | {best.gpu_peak_bytes / GIB:.1f} GiB | "
+                     f"{top[1]} x {top[0]} ({top[2] / GIB:.1f} GiB) |")
+    return "\n".join(lines)
+
+
+def ablation_json(rows: list[tuple[StackLayer, SearchResult]]) -> dict:
+    """Every row under `ablation`; at the top level, the last row (the whole stack)."""
+    table = [{"stack": layer.name, **search_json(result)} for layer, result in rows]
+    return {**table[-1], "ablation": table}
+
+
+def plot_memory(rows: list[tuple[StackLayer, SearchResult]], path: str, title: str, budget_gib: float,
+                gpu_memory_gib: float) -> None:
+    """GPU peak against sequence length, one curve per stack layer (every point an estimate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for layer, result in rows:
+        points = sorted((e.seq_length, e.gpu_peak_bytes / GIB) for e in result.evaluated)
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=layer.name)
+    ax.axhline(gpu_memory_gib, color="black", linewidth=1, label=f"GPU memory ({gpu_memory_gib:g} GiB)")
+    ax.axhline(budget_gib, color="black", linestyle="--", linewidth=1, label="minus reserve")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("per-GPU peak (GiB)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

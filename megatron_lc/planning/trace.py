@@ -1,0 +1,124 @@
+"""One training step of our own code, traced with fake tensors on a fake world, for rank 0.
+
+The step is the real one: the model is built on meta, `parallelize_llama` applies
+context parallelism, the memory stack and FSDP2, `materialize` allocates the sharded
+weights, the optimizer state exists (as from step 2 on), and `train_step` runs
+forward/backward over the micro-batches, clips and steps AdamW. Tensors are fake
+(shapes and dtypes, no data), so the big matmuls cost nothing; the accelerator is a
+fake `cpu` and the offload host a fake `meta`, so the tracker tells GPU bytes from host
+bytes. For a CUDA target the attention kernels are the stand-ins of `standins.py`.
+
+The same `run_tracked_step` drives the real CPU runs that validate the planner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megatron_lc.config import TrainConfig
+from megatron_lc.data.loader import Batch
+from megatron_lc.devices import Devices
+from megatron_lc.models.llama import build_model
+from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
+from megatron_lc.parallel_state import ParallelDims, ParallelState
+from megatron_lc.planning.fakes import fake_process_group, representative_tiles
+from megatron_lc.planning.standins import (
+    BufferNamer,
+    cuda_op_models,
+    planned_kernel_name,
+    registered_kernel_models,
+)
+from megatron_lc.planning.tracker import TimelineAnalysis, make_tracker
+from megatron_lc.training.optim import build_optimizer
+from megatron_lc.training.step import train_step
+
+PLANNER_DEVICES = Devices(accelerator=torch.device("cpu"), host=torch.device("meta"))
+
+
+@dataclass
+class StepTrace:
+    """The timeline of one traced step and what it was traced with."""
+
+    analysis: TimelineAnalysis
+    num_layers: int
+    micro_batches: int
+    offload_host_peak: int
+    """The offload scheduler's own count of host bytes (cross-checks the tracked host peak)."""
+
+
+def micro_batches_to_trace(cfg: TrainConfig, dp: int) -> int:
+    """Micro-batches per step, capped at 2: from the second on, each holds the same memory."""
+    d = cfg.data
+    if d.global_batch_size is None:
+        return 1
+    return min(2, d.global_batch_size // (d.micro_batch_size * dp))
+
+
+def synthetic_micro_batch(cfg: TrainConfig, cp: int, device: torch.device) -> Batch:
+    """One micro-batch of this rank's shape (one document per sample), on the host `device`."""
+    B, S = cfg.data.micro_batch_size, cfg.data.seq_length
+    tokens = torch.zeros(B, S // cp, dtype=torch.int64, device=device)
+    positions = torch.zeros(B, S // cp, dtype=torch.int64, device=device)
+    return Batch(tokens, tokens.clone(), positions, tuple(range(0, B * S + 1, S)))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool) -> torch.optim.Optimizer:
+    """The run's AdamW; fused as `build_optimizer` makes it on CUDA, foreach as on CPU."""
+    o = cfg.optim
+    if not fused:
+        return build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                               eps=o.adam_eps)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                             weight_decay=o.weight_decay, fused=True)
+
+
+def initialize_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state as a first step would (zero gradients, one step), then drop the gradients."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_tracked_step(tracker, model, optimizer, micro_batches, pstate: ParallelState, devices: Devices,
+                     clip_grad: float) -> TimelineAnalysis:
+    """One `train_step` under `tracker`; returns the analysed timeline."""
+    with tracker:
+        train_step(model, optimizer, micro_batches, pstate, devices.accelerator, clip_grad)
+    return tracker.analyse()
+
+
+def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    """The run's parallel degrees."""
+    return ParallelDims(world_size, cp=cfg.parallel.context_parallel_size, dp_replicate=cfg.parallel.data_parallel_replicate)
+
+
+def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str = "cuda") -> StepTrace:
+    """Trace one step of `cfg` with `num_layers` blocks on rank 0 of `world_size`, planning for `device`."""
+    namer = BufferNamer()
+    opts = dataclasses.replace(cfg.parallelize_options(),
+                               attention_kernel=planned_kernel_name(cfg.parallel.attention_kernel, device))
+    model_config = dataclasses.replace(cfg.model_config(), num_layers=num_layers)
+    with fake_process_group(world_size), registered_kernel_models(namer), representative_tiles():
+        pstate = ParallelState(parallel_dims(cfg, world_size), device_type="cpu")
+        model = build_model(model_config, device="meta")
+        offload = parallelize_llama(model, pstate, opts, PLANNER_DEVICES)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            materialize(model, PLANNER_DEVICES, cfg.train.seed)
+            optimizer = make_optimizer(model, cfg, fused=device == "cuda")
+            initialize_optimizer_state(model, optimizer)
+            count = micro_batches_to_trace(cfg, pstate.dp_size)
+            batches = [synthetic_micro_batch(cfg, pstate.cp_size, PLANNER_DEVICES.host) for _ in range(count)]
+            tracker = make_tracker(model, optimizer)
+            namer.tracker = tracker
+            with cuda_op_models() if device == "cuda" else contextlib.nullcontext():
+                analysis = run_tracked_step(tracker, model, optimizer, batches, pstate, PLANNER_DEVICES,
+                                            cfg.optim.clip_grad)
+    return StepTrace(analysis, num_layers, count, offload.host_bytes_peak if offload else 0)

@@ -1,0 +1,82 @@
+"""The planner's parts: kernel stand-ins, the length search, the command line."""
+
+import contextlib
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from megatron_lc.config import config_from_values
+from megatron_lc.planning.estimate import GIB, Estimate, Machine
+from megatron_lc.planning.search import find_max_seq_length, length_multiple
+from megatron_lc.planning.standins import BufferNamer, _flash_attn_kernel
+from megatron_lc.planning.tracker import PlannerMemTracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import estimate_memory
+
+
+def test_flash_attn_standin_allocates_the_cuda_backward_workspace():
+    """dq, dk, dv + fp32 dq accumulator + fp32 row sums + dk/dv expanded to all q heads (GQA)."""
+    T, H, Hkv, d = 4096, 4, 1, 128
+    namer = BufferNamer()
+    kernel = _flash_attn_kernel(namer)
+    with FakeTensorMode():
+        q, dout, out = (torch.empty(T, H, d, dtype=torch.bfloat16) for _ in range(3))
+        k, v = (torch.empty(T, Hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        lse = torch.empty(H, T)
+        tracker = PlannerMemTracker()
+        namer.tracker = tracker
+        with tracker:
+            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, (0, T))
+        peak = tracker.analyse().peak.total
+    rows = T + 128  # one segment: 128 spare rows
+    expected = (T * H * d + 2 * T * Hkv * d) * 2 + rows * H * d * 4 + H * rows * 4 + 2 * T * H * d * 2
+    assert peak == expected
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def _fake_estimate(limit: int):
+    """An evaluator whose memory grows a little faster than linearly and fits up to `limit` tokens."""
+    def evaluate(cfg, machine, length):
+        gpu = int(machine.gpu_memory_gib * GIB * (length / limit) ** 1.1)
+        by_category = dict.fromkeys(("parameters", "gradients", "optimizer state", "activations",
+                                     "communication buffers", "temporaries"), 0)
+        by_category["activations"] = gpu
+        return Estimate(length, by_category, 0, 0, "test", [], 0, (1,), machine)
+    return evaluate
+
+
+@pytest.mark.parametrize("limit", [5_000_000, 40_000, 700])
+def test_search_returns_the_longest_fitting_multiple(limit):
+    cfg = config_from_values(dict(model="debug", context_parallel_size=4))
+    machine = Machine(num_gpus=4, gpu_memory_gib=10, reserve_gib=0)
+    result = find_max_seq_length(cfg, machine, evaluate=_fake_estimate(limit))
+    step = length_multiple(cfg)
+    assert result.max_seq_length == (limit // step) * step
+    assert len(result.evaluated) < 4 * math.log2(max(limit, step) / step + 2) + 8
+
+
+def _run_tool(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert estimate_memory.main(argv) == 0
+    return json.loads(out.getvalue())
+
+
+def test_command_line_json_contract():
+    base = ["--model", "debug", "--num-gpus", "2", "--context-parallel-size", "2", "--device", "cpu",
+            "--reserve-gib", "0", "--gpu-memory-gib", "0.2", "--json"]
+    one = _run_tool([*base, "--seq-length", "1024"])
+    assert {"seq_length", "fits", "gpu_peak_gib", "host_peak_gib"} <= one.keys()
+    assert one["seq_length"] == 1024 and one["fits"] is True
+    searched = _run_tool([*base, "--find-max-seq-length", "--recompute-granularity", "full"])
+    assert searched["max_seq_length"] % 1024 == 0 and searched["max_seq_length"] >= 1024
+    assert searched["fits"] is True and searched["seq_length"] == searched["max_seq_length"]
+    longer = [e for e in searched["evaluated"] if e["seq_length"] == searched["max_seq_length"] + 1024]
+    assert longer and not longer[0]["fits"]

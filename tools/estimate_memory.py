@@ -1,0 +1,125 @@
+"""Per-GPU and host memory of a training configuration, and the longest context that fits.
+
+Takes the training flags (python -m megatron_lc.train --help) plus the machine's:
+
+    python tools/estimate_memory.py --model llama3-8b --bf16 --seq-length 5242880 \\
+        --context-parallel-size 8 --recompute-granularity full --offload-activations \\
+        --tiled-mlp --tiled-loss --num-gpus 8 --gpu-memory-gib 80 --host-memory-gib 2048
+
+    ... --find-max-seq-length          the longest length that fits
+    ... --ablate [--plot FILE.png]     the longest length with each memory layer added in turn
+    ... --json                         one JSON object instead of tables
+
+It traces one real training step of the configuration with fake tensors on a fake
+process group (see docs/memory_planner.md); nothing is allocated and no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_lc.config import build_parser, parse_config
+from megatron_lc.planning.estimate import (
+    DEFAULT_RESERVE_GIB,
+    Machine,
+    estimate,
+    planning_config,
+)
+from megatron_lc.planning.standins import DEFAULT_NCCL_GIB_PER_COMMUNICATOR
+
+
+def add_planner_flags(parser: argparse.ArgumentParser) -> None:
+    """The machine and what to compute."""
+    group = parser.add_argument_group("planner")
+    group.add_argument("--num-gpus", type=int, default=8, help="GPUs of the run (the world size) (default: 8)")
+    group.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
+    group.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default: 80)")
+    group.add_argument("--host-memory-gib", type=float, default=2048.0,
+                       help="host memory per node for offloaded activations (default: 2048)")
+    group.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
+                       help="per-GPU memory kept for the CUDA context, workspaces and allocator fragmentation "
+                            f"(default: {DEFAULT_RESERVE_GIB})")
+    group.add_argument("--nccl-gib-per-communicator", type=float, default=DEFAULT_NCCL_GIB_PER_COMMUNICATOR,
+                       help="NCCL buffers per communicator, outside PyTorch's allocator "
+                            f"(default: {DEFAULT_NCCL_GIB_PER_COMMUNICATOR})")
+    group.add_argument("--find-max-seq-length", action="store_true", help="search the longest length that fits")
+    group.add_argument("--ablate", action="store_true",
+                       help="the longest length with each memory layer added in turn (FSDP, Ulysses, "
+                            "checkpointing, offload, tiling, Untied Ulysses)")
+    group.add_argument("--plot", metavar="FILE.png", default=None,
+                       help="plot per-GPU memory against length, one curve per memory layer (runs the ablation)")
+    group.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+PLANNER_FLAGS = ("num_gpus", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "reserve_gib",
+                 "nccl_gib_per_communicator", "find_max_seq_length", "ablate", "plot", "json")
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
+    """(planner flags, TrainConfig) from the command line."""
+    parser = build_parser()
+    parser.prog = "tools/estimate_memory.py"
+    parser.description = __doc__.splitlines()[0]
+    add_planner_flags(parser)
+    args = parser.parse_args(argv)  # validates every flag and serves --help
+    planner_only = argparse.ArgumentParser(add_help=False)
+    add_planner_flags(planner_only)
+    planner, training_argv = planner_only.parse_known_args(argv)
+    cfg = parse_config(training_argv + (["--mock-data"] if not args.data_path else []))
+    return planner, cfg
+
+
+def machine_of(planner: argparse.Namespace, cfg) -> Machine:
+    device = "cpu" if cfg.train.device == "cpu" else "cuda"
+    return Machine(num_gpus=planner.num_gpus, gpus_per_node=planner.gpus_per_node,
+                   gpu_memory_gib=planner.gpu_memory_gib, host_memory_gib=planner.host_memory_gib,
+                   reserve_gib=planner.reserve_gib, nccl_gib_per_communicator=planner.nccl_gib_per_communicator,
+                   device=device)
+
+
+def progress(e) -> None:
+    """Print each estimate of a search on stderr, so a long search shows it is moving."""
+    print(f"  {e.seq_length:>12,} tokens: GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, "
+          f"host/node {e.host_bytes_per_node / 2**30:8.1f} GiB -> {'fits' if e.fits else 'no'}", file=sys.stderr,
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_lc.planning import report, search
+
+    planner, cfg = parse(sys.argv[1:] if argv is None else argv)
+    machine = machine_of(planner, cfg)
+    out: dict = {}
+    if planner.ablate or planner.plot:
+        rows = search.ablate(cfg, machine, on_estimate=progress)
+        out.update(report.ablation_json(rows))
+        if not planner.json:
+            print(report.ablation_table(rows))
+        if planner.plot:
+            title = f"{cfg.model.model} on {machine.num_gpus} GPUs ({machine.gpu_memory_gib:g} GiB)"
+            report.plot_memory(rows, planner.plot, title, machine.gpu_memory_gib - machine.reserve_gib,
+                               machine.gpu_memory_gib)
+    if planner.find_max_seq_length:
+        result = search.find_max_seq_length(cfg, machine, on_estimate=progress)
+        out.update(report.search_json(result))
+        if not planner.json:
+            print(f"longest length that fits: {result.max_seq_length:,} tokens")
+            if result.best:
+                print(report.estimate_table(planning_config(cfg, result.max_seq_length), result.best))
+    if not (planner.ablate or planner.plot or planner.find_max_seq_length):
+        e = estimate(cfg, machine)
+        out.update(e.to_json())
+        if not planner.json:
+            print(report.estimate_table(cfg, e))
+    if planner.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
