@@ -15,8 +15,9 @@ memory: one attention layer (forward + backward of the backend) as cp rank 0 see
     The reduction is compared with the ideal 1 - U/H.
 
 speed: a training step (forward + backward) of a small LLaMA under FSDP with cp = world
-    size, in `--world` gloo processes on this machine; both backends are built from the
-    same weights and timed alternately, step by step; the ratio of medians is reported.
+    size, in `--world` gloo processes on this machine; Ulysses and Untied Ulysses (each
+    `--heads-per-stage`) are built from the same weights and timed alternately, step by
+    step; medians, minima and their ratios to Ulysses are reported.
 
 Examples:
     python bench/bench_untied_ulysses.py memory
@@ -166,28 +167,37 @@ def _speed_worker(rank, world, args, results):
     reference_state = build_model(config, device="cpu", seed=0).state_dict()
     pstate = ParallelState(ParallelDims(world_size=world, cp=world))
     models = {}
-    for name, stage_heads in (("ulysses", None), ("untied_ulysses", (args.heads_per_stage or [None])[0])):
+    for name, stage_heads in _speed_backends(args):
         model = build_model(config, device="meta")
-        parallelize_llama(model, pstate, ParallelizeOptions(cp_impl=name, heads_per_stage=stage_heads), cpu)
+        cp_impl = "ulysses" if stage_heads is None else "untied_ulysses"
+        parallelize_llama(model, pstate, ParallelizeOptions(cp_impl=cp_impl, heads_per_stage=stage_heads), cpu)
         materialize(model, cpu)
         set_model_state_dict(model, reference_state, options=StateDictOptions(full_state_dict=True))
         models[name] = model
     batch, per_sample = make_batch(1, args.seq_length, args.vocab, seed=0, num_docs=3)
     local = shard_batch(batch, per_sample, 0, 1, pstate.cp_rank, world)
-    times = {name: [] for name in models}
-    losses = {}
+    times, cpu_times, losses = {name: [] for name in models}, {name: [] for name in models}, {}
     for step in range(args.warmup + args.steps):
-        for name, model in models.items():
+        for name, model in models.items():  # alternate, so load changes hit every backend alike
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             result = forward_backward(model, [local], pstate, cpu.accelerator)
+            cpu_seconds = torch.tensor(time.process_time() - cpu_start)
             dist.barrier()
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
+                dist.all_reduce(cpu_seconds)  # all ranks' CPU seconds: insensitive to other jobs' load
+                cpu_times[name].append(float(cpu_seconds))
             losses[name] = float(result.loss)
             model.zero_grad(set_to_none=True)
     if rank == 0:
-        results.put({"times": times, "losses": losses})
+        results.put({"times": times, "cpu_times": cpu_times, "losses": losses})
+
+
+def _speed_backends(args) -> list[tuple[str, int | None]]:
+    """(name, heads per stage) of each timed model; None is Ulysses."""
+    stages = args.heads_per_stage or [args.world, 2 * args.world]
+    return [("ulysses", None)] + [(f"untied_ulysses U={u}", u) for u in stages]
 
 
 def run_speed(args) -> dict:
@@ -198,19 +208,26 @@ def run_speed(args) -> dict:
     results = mp.get_context("spawn").SimpleQueue()
     run_distributed(_speed_worker, args.world, args, results)
     out = results.get()
-    medians = {name: statistics.median(t) for name, t in out["times"].items()}
-    return {"median_s": medians, "ratio_untied_over_ulysses": medians["untied_ulysses"] / medians["ulysses"],
-            "losses": out["losses"], "times": out["times"]}
+    times, cpu_times = out["times"], out["cpu_times"]
+    summary = {name: {"median_s": statistics.median(times[name]), "min_s": min(times[name]),
+                      "cpu_s": statistics.median(cpu_times[name])} for name in times}
+    for name, row in summary.items():
+        for key in ("median_s", "min_s", "cpu_s"):
+            row[key.replace("_s", "_ratio")] = row[key] / summary["ulysses"][key]
+        row["loss"] = out["losses"][name]
+    return {"summary": summary, "times": times, "cpu_times": cpu_times}
 
 
 def print_speed(args, result) -> None:
-    m = result["median_s"]
-    print(f"\ntraining step, {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads[0]} kv), "
-          f"d={args.head_dim}, {args.seq_length} tokens, cp={args.world}, {args.world} gloo processes, "
-          f"{args.steps} timed steps after {args.warmup} warm-up")
-    print(f"median step: ulysses {m['ulysses']:.3f} s, untied_ulysses {m['untied_ulysses']:.3f} s, "
-          f"ratio untied/ulysses {result['ratio_untied_over_ulysses']:.3f}")
-    print(f"losses: {result['losses']}")
+    print(f"\ntraining step (forward + backward), {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+          f"({args.kv_heads[0]} kv), d={args.head_dim}, {args.seq_length} tokens, FSDP + cp={args.world}, "
+          f"{args.world} gloo processes, {args.steps} timed steps after {args.warmup} warm-up")
+    print("| backend | median step (s) | min step (s) | CPU s (all ranks) | median / Ulysses | min / Ulysses "
+          "| CPU / Ulysses | loss |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in result["summary"].items():
+        print(f"| {name} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['cpu_s']:.2f} | {r['median_ratio']:.3f} | "
+              f"{r['min_ratio']:.3f} | {r['cpu_ratio']:.3f} | {r['loss']:.6f} |")
 
 
 # --- main ----------------------------------------------------------------------------------
@@ -224,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="kv heads (memory: one table row group each; speed: the first); default: heads, heads/4")
     parser.add_argument("--head-dim", type=int, default=None, help="default: 128 (memory), 32 (speed)")
     parser.add_argument("--hidden", type=int, default=None, help="default: heads * head_dim")
-    parser.add_argument("--heads-per-stage", type=int, nargs="+", default=None, help="default: cp and 2*cp (memory), cp (speed)")
+    parser.add_argument("--heads-per-stage", type=int, nargs="+", default=None, help="default: cp and 2*cp")
     parser.add_argument("--seq-length", type=int, default=None, help="global tokens; default 16384 (memory), 4096 (speed)")
     parser.add_argument("--cp", type=int, default=4, help="memory: fake context-parallel ranks")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="memory: tensor dtype")
