@@ -1,0 +1,540 @@
+"""Untied Ulysses (UPipe): Ulysses context parallelism run over the heads in stages.
+
+Ulysses exchanges all H heads at once, so every Q/K/V/O-shaped buffer around attention
+holds H/cp heads of the full sequence. Untied Ulysses runs the same computation in
+stages of U heads (U a multiple of cp, so U/cp heads per rank per stage): the op takes
+the normed local hidden states and the raw q/k/v weights, and per stage projects only
+that stage's heads, applies rotary, exchanges them (sequence-sharded -> head-sharded),
+runs local attention, exchanges the output back and writes it into one preallocated
+output. Full Q, K and V never exist; the stage buffers are the same every stage.
+
+Head ordering. As in Ulysses, rank r owns q heads [r*H/cp, (r+1)*H/cp) and the kv heads
+they attend with (kv heads replicated first when there are fewer than cp of them).
+Stage j sends to every rank r the j-th block of U/cp heads of its own range, so every
+rank's q heads of a stage belong to kv heads the same rank holds, and the output of
+stage j returns to head slots [r*H/cp + j*U/cp, ...) of every r: the natural order
+`o_proj` expects. Each rank's kv heads are exchanged in rounds; a round's kv heads serve
+all the stages whose q heads use them (one exchange per GQA group), which requires U/cp
+to divide, or be a multiple of, the number of q heads per (replicated) kv head.
+
+Backward saves only x, the weights, the output and each stage's log-sum-exp. Per stage
+it recomputes the projections, rotary and the exchange of q (k and v once per round),
+exchanges the stage's output and output-gradient slices, calls the kernel's backward
+(no attention-forward recompute), sums dK/dV over the round, exchanges the gradients
+back and accumulates dx and the rows of dWq/dWk/dWv in place.
+
+Buffers: what a stage receives lands in buffers of a `StageWorkspace` owned by the
+backend object and reused across stages, layers and steps; it is the only state. Send
+buffers are transient (freed before the attention kernels run, so they never add to the
+peak). Blocks that travel at the same time share one all-to-all, so a stage costs one
+exchange each way. Exchanges are synchronous: overlapping one stage's exchange with the
+previous stage's attention would need a second set of stage buffers, which is the
+memory this backend exists to save.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_lc.attention.kernels import Kernel
+from megatron_lc.attention.ulysses import check_ulysses_shapes, kv_replication
+
+HEADS_PER_STAGE_FLAG = "--untied-heads-per-stage"
+
+
+# --- which heads go where -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How H q heads and Hkv kv heads are split into stages and kv rounds over cp ranks."""
+
+    num_heads: int
+    num_kv_heads: int
+    cp: int
+    heads_per_stage: int
+
+    @property
+    def kv_replication(self) -> int:
+        """Copies of each kv head so every rank receives one (1 when Hkv >= cp)."""
+        return kv_replication(self.num_kv_heads, self.cp)
+
+    @property
+    def q_heads_per_rank(self) -> int:
+        return self.num_heads // self.cp
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.num_kv_heads * self.kv_replication // self.cp
+
+    @property
+    def group_size(self) -> int:
+        """q heads per (replicated) kv head."""
+        return self.num_heads // (self.num_kv_heads * self.kv_replication)
+
+    @property
+    def stage_heads_per_rank(self) -> int:
+        """q heads each rank attends in one stage (U / cp)."""
+        return self.heads_per_stage // self.cp
+
+    @property
+    def kv_heads_per_round(self) -> int:
+        """kv heads each rank receives per kv round."""
+        return max(1, self.stage_heads_per_rank // self.group_size)
+
+    @property
+    def stages_per_round(self) -> int:
+        """Stages that reuse one round's kv heads."""
+        return max(1, self.group_size // self.stage_heads_per_rank)
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_heads // self.heads_per_stage
+
+    @property
+    def num_rounds(self) -> int:
+        return self.num_stages // self.stages_per_round
+
+    def stages(self, kv_round: int) -> range:
+        """Stages served by the kv heads of `kv_round`."""
+        return range(kv_round * self.stages_per_round, (kv_round + 1) * self.stages_per_round)
+
+    def aligned(self) -> bool:
+        """Stages align with GQA groups: U/cp divides, or is a multiple of, the group size."""
+        u, g = self.stage_heads_per_rank, self.group_size
+        return u > 0 and (g % u == 0 or u % g == 0)
+
+
+def valid_heads_per_stage(num_heads: int, num_kv_heads: int, cp: int) -> list[int]:
+    """Every U accepted for this configuration."""
+    return [u for u in range(cp, num_heads + 1, cp)
+            if num_heads % u == 0 and StagePlan(num_heads, num_kv_heads, cp, u).aligned()]
+
+
+def check_untied_shapes(num_heads: int, num_kv_heads: int, cp: int, heads_per_stage: int) -> StagePlan:
+    """Configuration-time check of U against heads, kv heads and cp; returns the plan."""
+    check_ulysses_shapes(num_heads, num_kv_heads, cp)
+    valid = valid_heads_per_stage(num_heads, num_kv_heads, cp)
+    hint = f"valid values here: {', '.join(map(str, valid))}"
+    u = heads_per_stage
+    if not isinstance(u, int) or u <= 0 or u % cp:
+        raise ValueError(f"{HEADS_PER_STAGE_FLAG} {u} must be a positive multiple of --context-parallel-size "
+                         f"{cp} (each rank takes U/cp heads per stage); {hint}")
+    if num_heads % u:
+        raise ValueError(f"{HEADS_PER_STAGE_FLAG} {u} must divide --num-attention-heads {num_heads}; {hint}")
+    plan = StagePlan(num_heads, num_kv_heads, cp, u)
+    if not plan.aligned():
+        raise ValueError(f"{HEADS_PER_STAGE_FLAG} {u}: the {u // cp} heads per rank per stage must divide, or be "
+                         f"a multiple of, the {plan.group_size} q heads sharing a kv head, so stages align with "
+                         f"GQA groups; {hint}")
+    return plan
+
+
+# --- the stage buffers ---------------------------------------------------------------------
+
+
+class StageWorkspace:
+    """Stage buffers by role, reused across stages, layers and steps.
+
+    The backend's only state. Each role holds one buffer, grown to the largest shape it
+    is asked for and handed out as a view of that shape; the op uses a role for one
+    thing at a time and never returns or saves a view of it. Everything is dropped when
+    the op meets an input of another shape, dtype, device or tensor kind (e.g. fake
+    tensors, inference mode), so buffers never accumulate.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._signature: tuple | None = None
+
+    def begin(self, x: torch.Tensor) -> None:
+        """Start one forward or backward of the op on input x."""
+        kind = (type(x), id(getattr(x, "fake_mode", None)), x.is_inference())
+        signature = (tuple(x.shape), x.dtype, x.device, kind)
+        if signature != self._signature:
+            self._buffers.clear()
+            self._signature = signature
+
+    def get(self, role: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """Role `role`'s buffer as a tensor of `shape` (contents undefined), dtype and device of `like`."""
+        numel = math.prod(shape)
+        buf = self._buffers.get(role)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype:
+            del buf
+            self._buffers.pop(role, None)  # free the smaller buffer before its replacement exists
+            buf = self._buffers[role] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel].view(shape)
+
+    def release(self) -> None:
+        """Free every buffer (e.g. before evaluating at another length)."""
+        self._buffers.clear()
+        self._signature = None
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The current buffer of each role (for inspection)."""
+        return dict(self._buffers)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+# --- rotary, in place ----------------------------------------------------------------------
+
+
+def _rotate_(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> None:
+    """Rotate t [..., d] in place (rotate-half convention); `inverse` applies the transpose.
+
+    cos/sin broadcast against t. Forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2. The
+    transpose (the gradient map): x1 = y1 c1 + y2 s2, x2 = y2 c2 - y1 s1.
+    """
+    h = t.shape[-1] // 2
+    t1, t2 = t[..., :h], t[..., h:]
+    c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
+    first = t1.clone()  # half-size temporary: t1 is overwritten before t2 needs it
+    if inverse:
+        t1.mul_(c1).addcmul_(t2, s2)
+        t2.mul_(c2).addcmul_(first, s1, value=-1)
+    else:
+        t1.mul_(c1).addcmul_(t2, s1, value=-1)
+        t2.mul_(c2).addcmul_(first, s2)
+
+
+# --- the op --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """One forward or backward of the op: inputs viewed per sample, and what it fills in."""
+
+    x: torch.Tensor  # [B, s, hidden]
+    cos: torch.Tensor  # [B, 1, s, 1, d]: broadcasts over [B, cp, s, heads, d]
+    sin: torch.Tensor
+    cu_seqlens: tuple
+    out: torch.Tensor  # [B, s, H*d], written in forward, read in backward
+    lses: list  # per stage [U/cp, B*S], appended in forward, read in backward
+    dout: torch.Tensor | None = None
+    dx: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def local_len(self) -> int:
+        return self.x.shape[1]
+
+
+@dataclass
+class _Heads:
+    """One block of heads in an exchange; `width` = heads * d columns per token and rank.
+
+    A block is built in one of three ways:
+    - projected from x: `rows` [cp, width, hidden] are the weight rows destined to each
+      rank, `grad_rows` [cp / replicas, width, hidden] the matching rows of the weight's
+      gradient (None when not needed), each shared by `replicas` consecutive ranks;
+    - a `piece` [B, s, cp, heads, d] of a sequence-sharded tensor (the output or its
+      gradient), rank r getting piece[:, :, r];
+    - a `full` [B*S, heads, d] tensor over the full sequence, sent back to the ranks
+      that own its tokens (the attention output, the attention gradients).
+    The first two arrive as full-sequence heads; a `full` block arrives as this rank's
+    tokens of every source rank's heads.
+    """
+
+    width: int
+    rows: torch.Tensor | None = None
+    grad_rows: torch.Tensor | None = None
+    replicas: int = 1
+    rotary: bool = False
+    piece: torch.Tensor | None = None
+    full: torch.Tensor | None = None
+
+
+class _UntiedUlyssesFunction(torch.autograd.Function):
+    """Autograd around the staged forward and backward of `UntiedUlyssesAttention`."""
+
+    @staticmethod
+    def forward(ctx, x, wq, wk, wv, cos, sin, cu_seqlens, backend):
+        out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens)
+        ctx.save_for_backward(x, wq, wk, wv, cos, sin, out, *lses)
+        ctx.cu_seqlens, ctx.backend = cu_seqlens, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, wq, wk, wv, cos, sin, out, *lses = ctx.saved_tensors
+        grads = ctx.backend.backward_stages(dout, x, wq, wk, wv, cos, sin, out, lses, ctx.cu_seqlens,
+                                            ctx.needs_input_grad[:4])
+        return (*grads, None, None, None, None)
+
+
+@dataclass
+class UntiedUlyssesAttention:
+    """The `untied_ulysses` backend: Ulysses attention in stages of `plan.heads_per_stage` heads.
+
+    Exchanges pack several blocks of heads into one all-to-all, in the layout
+    [B, cp, s, columns]: sent, index 1 is the destination rank; received, the source
+    rank. One all-to-all per sample keeps both sides contiguous. Packing saves
+    collectives: in forward, the output of stage j travels with the q of stage j+1;
+    when a kv round has one stage, its k and v travel with the stage's q (in backward,
+    also with the output and its gradient, and dk, dv return with dq); otherwise k and
+    v travel once per round and their gradients return once, summed.
+
+    Workspace roles: `recv_stage` receives a stage's blocks (and, in backward, the
+    gradients on their way back); `recv_kv` a round's k and v when they travel apart;
+    `dk_sum`, `dv_sum` sum a round's kv gradients over its stages. Send buffers are
+    transient, so none is held while the attention kernels run.
+    """
+
+    head_dim: int
+    kernel: Kernel
+    group: object
+    plan: StagePlan
+    workspace: StageWorkspace = field(default_factory=StageWorkspace)
+
+    @property
+    def cp(self) -> int:
+        return self.plan.cp
+
+    @property
+    def _kv_with_stage(self) -> bool:
+        """k and v travel with the stage's q: every round has one stage."""
+        return self.plan.stages_per_round == 1
+
+    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens):
+        """x [B, S/cp, hidden], cos/sin [B, S/cp, d] -> pre-`o_proj` output [B, S/cp, H*d]."""
+        return _UntiedUlyssesFunction.apply(x, wq, wk, wv, cos, sin, tuple(cu_seqlens), self)
+
+    # --- forward ---
+
+    def forward_stages(self, x, wq, wk, wv, cos, sin, cu_seqlens):
+        """The output [B, S/cp, H*d] and each stage's log-sum-exp [U/cp, B*S]."""
+        out = x.new_empty(*x.shape[:2], self.plan.num_heads * self.head_dim)
+        call = self._begin(x, cos, sin, cu_seqlens, out, [])
+        pending = None  # the last stage's (output, stage), not yet sent back
+        for kv_round in range(self.plan.num_rounds):
+            kv = [self._k_heads(wk, None, kv_round), self._v_heads(wv, None, kv_round)]
+            if not self._kv_with_stage:
+                k, v = map(self._full_sequence, self._exchange(call, kv, "recv_kv"))
+            for stage in self.plan.stages(kv_round):
+                blocks = [*(kv if self._kv_with_stage else []), self._q_heads(wq, None, stage)]
+                received = self._exchange_with_output(call, blocks, pending)
+                if self._kv_with_stage:
+                    k, v = received[:2]
+                o, lse = self.kernel.forward(received[-1], k, v, cu_seqlens)
+                call.lses.append(lse)
+                pending = (o, stage)
+        self._exchange_with_output(call, [], pending)
+        return out, call.lses
+
+    def _exchange_with_output(self, call: _Call, blocks: list[_Heads], pending) -> list[torch.Tensor]:
+        """Exchange `blocks` together with the pending stage output (written into out); returns the
+        blocks over the full sequence."""
+        if pending is not None:
+            o, stage = pending
+            blocks = [*blocks, _Heads(o.shape[1] * self.head_dim, full=o)]
+        received = self._exchange(call, blocks, "recv_stage")
+        if pending is not None:  # this rank's tokens, every source rank's heads of that stage
+            back = received.pop().unflatten(-1, (-1, self.head_dim))
+            self._output_piece(call.out, stage).copy_(back.transpose(1, 2))
+        return [self._full_sequence(t) for t in received]
+
+    # --- backward ---
+
+    def backward_stages(self, dout, x, wq, wk, wv, cos, sin, out, lses, cu_seqlens, needs):
+        """dx, dWq, dWk, dWv (None where not needed), each one buffer filled stage by stage."""
+        call = self._begin(x, cos, sin, cu_seqlens, out, lses)
+        call.dout = dout.contiguous()  # no-op from o_proj
+        call.dx, dwq, dwk, dwv = (torch.zeros_like(t) if need else None for t, need in zip((x, wq, wk, wv), needs))
+        for kv_round in range(self.plan.num_rounds):
+            kv = [self._k_heads(wk, dwk, kv_round), self._v_heads(wv, dwv, kv_round)]
+            if self._kv_with_stage:
+                self._stage_backward(call, self.plan.stages(kv_round)[0], (wq, dwq), kv_heads=kv)
+            else:
+                self._round_backward(call, kv_round, (wq, dwq), kv)
+        return call.dx, dwq, dwk, dwv
+
+    def _round_backward(self, call: _Call, kv_round: int, wq_dwq, kv: list[_Heads]) -> None:
+        """Stages sharing a round's k and v: their kv gradients are summed, then sent back once."""
+        k, v = map(self._full_sequence, self._exchange(call, kv, "recv_kv"))
+        sums = None
+        for stage in self.plan.stages(kv_round):
+            sums = self._stage_backward(call, stage, wq_dwq, kv=(k, v), sums=sums)
+        self._return_grads(call, kv, list(sums), "recv_kv")  # k and v are consumed: recv_kv takes dk, dv
+
+    def _stage_backward(self, call: _Call, stage: int, wq_dwq, *, kv_heads=(), kv=None, sums=None):
+        """One stage: exchange q, o, do (with `kv_heads` when k, v travel with it, else `kv` is given),
+        attention backward, gradients back into dx and dW. Returns the running sums of dk, dv when
+        k, v travel apart."""
+        u = self.plan.stage_heads_per_rank * self.head_dim
+        q_heads = self._q_heads(*wq_dwq, stage)
+        o_heads, do_heads = (_Heads(u, piece=self._output_piece(t, stage)) for t in (call.out, call.dout))
+        received = self._exchange(call, [*kv_heads, q_heads, o_heads, do_heads], "recv_stage")
+        k, v = kv if kv is not None else map(self._full_sequence, received[:2])
+        q, o, do = map(self._full_sequence, received[-3:])
+        dq, dk, dv = self.kernel.backward(do, q, k, v, o, call.lses[stage], call.cu_seqlens)
+        if kv is None:
+            blocks, grads = [*kv_heads, q_heads], [dk, dv, dq]
+        else:
+            sums, blocks, grads = self._sum_kv_grads(sums, dk, dv), [q_heads], [dq]
+        del dq, dk, dv  # `grads` holds the kernel's gradients until they are sent
+        # The received blocks are consumed: recv_stage takes the gradients.
+        self._return_grads(call, blocks, grads, "recv_stage")
+        return sums
+
+    def _sum_kv_grads(self, sums, dk: torch.Tensor, dv: torch.Tensor):
+        """Running sums of a round's dk and dv over its stages, in workspace buffers."""
+        if sums is None:
+            return tuple(self.workspace.get(role, g.shape, g).copy_(g) for role, g in (("dk_sum", dk), ("dv_sum", dv)))
+        return sums[0].add_(dk), sums[1].add_(dv)
+
+    def _return_grads(self, call: _Call, blocks: list[_Heads], grads: list[torch.Tensor], role: str) -> None:
+        """Send each projected block's gradient [B*S, heads, d] back to its tokens' ranks, in one
+        all-to-all; accumulate dx and the blocks' weight-gradient rows. Empties `grads`, so the
+        gradients are freed once sent."""
+        returned = [_Heads(b.width, full=g) for b, g in zip(blocks, grads)]
+        grads.clear()
+        received = self._all_to_all(call, returned, role)  # this rank's tokens, every source rank's heads
+        del returned
+        for block, cols in zip(blocks, self._columns(blocks)):
+            if block.rotary:
+                _rotate_(received[..., cols].unflatten(-1, (-1, self.head_dim)), call.cos, call.sin, inverse=True)
+        self._project_back(call, blocks, received)
+
+    # --- blocks of heads ---
+
+    def _q_heads(self, w, grad, stage: int) -> _Heads:
+        """Stage `stage`'s q heads: the j-th block of U/cp heads of every rank's H/cp."""
+        u = self.plan.stage_heads_per_rank
+        return _Heads(u * self.head_dim, rows=self._q_rows(w, stage), grad_rows=self._q_rows(grad, stage),
+                      rotary=True)
+
+    def _q_rows(self, w, stage: int):
+        """Rows of stage `stage`'s q heads for each rank, [cp, U/cp*d, hidden] (a view); None for None."""
+        if w is None:
+            return None
+        u, d = self.plan.stage_heads_per_rank, self.head_dim
+        per_rank = w.view(self.cp, self.plan.q_heads_per_rank, d, w.shape[-1])
+        return per_rank[:, stage * u:(stage + 1) * u].flatten(1, 2)
+
+    def _k_heads(self, w, grad, kv_round: int) -> _Heads:
+        return self._kv_heads(w, grad, kv_round, rotary=True)
+
+    def _v_heads(self, w, grad, kv_round: int) -> _Heads:
+        return self._kv_heads(w, grad, kv_round, rotary=False)
+
+    def _kv_heads(self, w, grad, kv_round: int, rotary: bool) -> _Heads:
+        """A kv round's heads of weight w: rank r takes its own block, or with replication
+        (one round) kv head r // replication."""
+        p, d, hidden = self.plan, self.head_dim, w.shape[-1]
+        width = p.kv_heads_per_round * d
+        if p.kv_replication > 1:
+            rows = w.view(p.num_kv_heads, 1, d, hidden).expand(-1, p.kv_replication, -1, -1).reshape(self.cp, d, hidden)
+            grad_rows = grad.view(p.num_kv_heads, d, hidden) if grad is not None else None
+            return _Heads(width, rows, grad_rows, replicas=p.kv_replication, rotary=rotary)
+        kh = p.kv_heads_per_round
+
+        def block(t):
+            return t.view(self.cp, p.kv_heads_per_rank, d, hidden)[:, kv_round * kh:(kv_round + 1) * kh].flatten(1, 2)
+
+        return _Heads(width, block(w), block(grad) if grad is not None else None, rotary=rotary)
+
+    def _output_piece(self, t: torch.Tensor, stage: int) -> torch.Tensor:
+        """Stage `stage`'s heads of t [B, S/cp, H*d] as a view [B, S/cp, cp, U/cp, d]."""
+        u, d = self.plan.stage_heads_per_rank, self.head_dim
+        per_rank = t.view(t.shape[0], t.shape[1], self.cp, self.plan.q_heads_per_rank, d)
+        return per_rank[:, :, :, stage * u:(stage + 1) * u]
+
+    # --- exchanges ---
+
+    def _begin(self, x, cos, sin, cu_seqlens, out, lses) -> _Call:
+        self.workspace.begin(x)
+        shape = (x.shape[0], 1, x.shape[1], 1, self.head_dim)
+        return _Call(x, cos.reshape(shape), sin.reshape(shape), cu_seqlens, out, lses)
+
+    def _full_sequence(self, received: torch.Tensor) -> torch.Tensor:
+        """A received block [B, cp, s, width] (index 1: the source rank's tokens) as [B*S, heads, d]; a view."""
+        return received.view(-1, received.shape[-1] // self.head_dim, self.head_dim)  # never a copy
+
+    def _exchange(self, call: _Call, blocks: list[_Heads], role: str) -> list[torch.Tensor]:
+        """`_all_to_all`, returning each received block as a view [B, cp, s, width] (index 1: the source rank)."""
+        recv = self._all_to_all(call, blocks, role)
+        return [recv[..., cols] for cols in self._columns(blocks)]
+
+    def _all_to_all(self, call: _Call, blocks: list[_Heads], role: str) -> torch.Tensor:
+        """Build every block for every rank and exchange them in one all-to-all into role's buffer
+        [B, cp, s, columns] (index 1: the source rank)."""
+        B, s = call.batch, call.local_len
+        if len(blocks) == 1 and blocks[0].full is not None:  # already in exchange layout
+            send = blocks[0].full.contiguous().view(B, self.cp, s, -1)
+        else:
+            send = self._pack(call, blocks)
+        recv = self.workspace.get(role, send.shape, send)
+        for b in range(B):
+            dist.all_to_all_single(recv[b], send[b], group=self.group)
+        return recv
+
+    def _pack(self, call: _Call, blocks: list[_Heads]) -> torch.Tensor:
+        """A send buffer [B, cp, s, columns] holding the blocks side by side (projected ones first)."""
+        B, s, d = call.batch, call.local_len, self.head_dim
+        send = call.x.new_empty(B, self.cp, s, sum(b.width for b in blocks))
+        projected = [b for b in blocks if b.rows is not None]
+        if projected:
+            self._project_into(call, projected, send[..., :sum(b.width for b in projected)])
+        for block, cols in zip(blocks, self._columns(blocks)):
+            part = send[..., cols]
+            if block.rotary:
+                _rotate_(part.unflatten(-1, (-1, d)), call.cos, call.sin)
+            elif block.piece is not None:
+                part.unflatten(-1, (-1, d)).copy_(block.piece.transpose(1, 2))
+            elif block.full is not None:
+                part.copy_(block.full.view(B, self.cp, s, -1))
+        return send
+
+    @staticmethod
+    def _columns(blocks: list[_Heads]) -> list[slice]:
+        """Column range of each block in a packed exchange."""
+        starts = [0]
+        for block in blocks:
+            starts.append(starts[-1] + block.width)
+        return [slice(a, b) for a, b in itertools.pairwise(starts)]
+
+    # --- projections ---
+
+    @staticmethod
+    def _stacked_rows(blocks: list[_Heads]) -> torch.Tensor:
+        """The blocks' weight rows side by side: [cp, sum of widths, hidden]."""
+        return blocks[0].rows if len(blocks) == 1 else torch.cat([block.rows for block in blocks], dim=1)
+
+    def _project_into(self, call: _Call, blocks: list[_Heads], send: torch.Tensor) -> None:
+        """send[b, r] = x[b] @ (blocks' rows for rank r)^T: one GEMM per sample and rank."""
+        for r in range(self.cp):
+            # One rank's rows at a time: stacking every rank's would add a weight-slice copy
+            # to the moment both exchange buffers are full.
+            rows = torch.cat([block.rows[r] for block in blocks]) if len(blocks) > 1 else blocks[0].rows[r]
+            for b in range(call.batch):
+                torch.mm(call.x[b], rows.t(), out=send[b, r])
+
+    def _project_back(self, call: _Call, blocks: list[_Heads], grad: torch.Tensor) -> None:
+        """The transpose of `_project_into` for grad [B, cp, s, columns] (the blocks side by side):
+        dx += grad @ rows, and the blocks' weight-gradient rows += grad^T x."""
+        rows = self._stacked_rows(blocks) if call.dx is not None else None
+        stacked = None  # the weight gradient of every rank's rows, [cp, columns, hidden]
+        if any(block.grad_rows is not None for block in blocks):
+            stacked = grad.new_empty(self.cp, grad.shape[-1], call.x.shape[-1])
+        for r in range(self.cp):
+            for b in range(call.batch):
+                if rows is not None:
+                    call.dx[b].addmm_(grad[b, r], rows[r])
+                if stacked is not None:
+                    stacked[r].addmm_(grad[b, r].t(), call.x[b], beta=0 if b == 0 else 1)
+        for block, cols in zip(blocks, self._columns(blocks)):
+            if stacked is not None and block.grad_rows is not None:
+                per_rank = stacked[:, cols]
+                if block.replicas > 1:  # ranks sharing a replicated kv head: their gradients add up
+                    per_rank = per_rank.unflatten(0, (-1, block.replicas)).sum(dim=1)
+                block.grad_rows.add_(per_rank)

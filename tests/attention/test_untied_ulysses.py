@@ -1,0 +1,221 @@
+"""Untied Ulysses: stage plan, configuration errors, and exactness against Ulysses and one process.
+
+The multi-process checks run in one 4-rank gloo launch: on CPU, starting the processes
+costs far more than the checks themselves. A failing check names its case.
+"""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_lc.attention.kernels import select_kernel
+from megatron_lc.attention.local import LocalAttention
+from megatron_lc.attention.registry import CP_IMPLS, build_attention_backend
+from megatron_lc.attention.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from megatron_lc.attention.ulysses import UlyssesAttention
+from megatron_lc.attention.untied_ulysses import (
+    StagePlan,
+    StageWorkspace,
+    UntiedUlyssesAttention,
+    _rotate_,
+    check_untied_shapes,
+    valid_heads_per_stage,
+)
+from megatron_lc.models.llama import get_config
+from megatron_lc.models.llama.parallelize import ParallelizeOptions
+from megatron_lc.parallel_state import ParallelDims, ParallelState
+from tests.helpers import run_distributed
+from tests.parallel.test_fsdp_ulysses_exactness import BATCH, check_against_reference
+
+CPU = torch.device("cpu")
+
+# --- the stage plan -------------------------------------------------------------------------
+
+
+def _rank_stage_heads(plan: StagePlan, rank: int, stage: int) -> list[int]:
+    """Natural q heads rank `rank` attends in `stage` (the rows the op projects for it)."""
+    u = plan.stage_heads_per_rank
+    return [rank * plan.q_heads_per_rank + stage * u + i for i in range(u)]
+
+
+def _rank_round_kv_heads(plan: StagePlan, rank: int, kv_round: int) -> list[int]:
+    """Original kv heads rank `rank` receives in `kv_round`."""
+    kh, rep = plan.kv_heads_per_round, plan.kv_replication
+    return [(rank * plan.kv_heads_per_rank + kv_round * kh + i) // rep for i in range(kh)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, cp", [(8, 2, 2), (8, 2, 4), (8, 1, 4), (8, 8, 2), (16, 4, 4), (32, 8, 8)])
+def test_every_stage_pairs_each_rank_with_its_own_kv_heads(heads, kv_heads, cp):
+    """Each q head is attended once, by a rank holding its kv head, in the kernel's GQA pairing."""
+    group = heads // kv_heads
+    for stage_heads in valid_heads_per_stage(heads, kv_heads, cp):
+        plan = StagePlan(heads, kv_heads, cp, stage_heads)
+        seen = []
+        for kv_round in range(plan.num_rounds):
+            for stage in plan.stages(kv_round):
+                for rank in range(cp):
+                    q = _rank_stage_heads(plan, rank, stage)
+                    kv = _rank_round_kv_heads(plan, rank, kv_round)
+                    per_kv = len(q) // len(kv)  # the kernel pairs q head i with kv head i // per_kv
+                    assert [kv[i // per_kv] for i in range(len(q))] == [h // group for h in q]
+                    seen += q
+        assert sorted(seen) == list(range(heads))
+        assert plan.num_rounds * plan.kv_heads_per_round == plan.kv_heads_per_rank
+
+
+def test_default_stage_is_one_head_per_rank():
+    plan = check_untied_shapes(32, 8, 8, 8)
+    assert (plan.stage_heads_per_rank, plan.num_stages, plan.stages_per_round, plan.num_rounds) == (1, 4, 4, 1)
+
+
+# --- configuration errors ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage_heads, match", [
+    (3, "must be a positive multiple of --context-parallel-size 2"),
+    (0, "must be a positive multiple"),
+    (6, "must divide --num-attention-heads 8"),
+])
+def test_bad_heads_per_stage_is_refused_naming_the_flag(stage_heads, match):
+    with pytest.raises(ValueError, match="--untied-heads-per-stage") as info:
+        check_untied_shapes(8, 2, 2, stage_heads)
+    assert match in str(info.value)
+    assert "valid values here: 2, 4, 8" in str(info.value)
+
+
+def test_stages_not_aligned_with_gqa_groups_are_refused():
+    # 24 heads, 8 kv heads (3 q heads each), cp 4: 8 heads per stage is 2 per rank, which splits groups.
+    with pytest.raises(ValueError, match="--untied-heads-per-stage 8: .* 3 q heads sharing a kv head"):
+        check_untied_shapes(24, 8, 4, 8)
+
+
+def test_registry_builds_untied_ulysses_and_checks_the_stage_width():
+    assert "untied_ulysses" in CP_IMPLS
+    pstate = SimpleNamespace(cp_size=4, cp_group=None)  # the registry reads only these
+    backend = build_attention_backend("untied_ulysses", 16, CPU, pstate, num_heads=8, num_kv_heads=2)
+    assert isinstance(backend, UntiedUlyssesAttention) and backend.plan.heads_per_stage == 4
+    with pytest.raises(ValueError, match="--untied-heads-per-stage 2 must be a positive multiple"):
+        build_attention_backend("untied_ulysses", 16, CPU, pstate, heads_per_stage=2, num_heads=8, num_kv_heads=2)
+    with pytest.raises(ValueError, match="--num-attention-heads 6 is not divisible"):
+        build_attention_backend("untied_ulysses", 16, CPU, pstate, num_heads=6, num_kv_heads=2)
+
+
+# --- pieces -------------------------------------------------------------------------------------
+
+
+def test_in_place_rotary_matches_apply_rotary_and_its_transpose_is_the_gradient():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 10, 2, 8, generator=g, dtype=torch.float64)
+    cos, sin = rope_cos_sin(torch.arange(10) * 7, rope_inv_freq(8, 10000.0), torch.float64)
+    rotated = x.clone()
+    _rotate_(rotated, cos.unsqueeze(1), sin.unsqueeze(1))
+    torch.testing.assert_close(rotated, apply_rotary(x, cos, sin))
+    grad = torch.randn(3, 10, 2, 8, generator=g, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    apply_rotary(leaf, cos, sin).backward(grad)
+    _rotate_(grad, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
+    torch.testing.assert_close(grad, leaf.grad)
+
+
+def test_workspace_reuses_one_buffer_per_role_and_drops_them_on_a_new_input_shape():
+    ws = StageWorkspace()
+    x = torch.zeros(1, 8, 4)
+    ws.begin(x)
+    big = ws.get("recv_q", (2, 8, 16), x)
+    ws.begin(x)
+    small = ws.get("recv_q", (2, 8, 8), x)  # a smaller use is a view of the same storage
+    assert small.data_ptr() == big.data_ptr() and ws.nbytes() == big.numel() * 4
+    ws.begin(torch.zeros(1, 16, 4))  # another sequence length: buffers of the old shapes go
+    assert ws.nbytes() == 0
+
+
+# --- exactness, multi-process -------------------------------------------------------------------
+
+HEAD_DIM, HIDDEN = 16, 32
+
+# (samples, seq length, heads, kv heads, heads per stage) for direct comparisons, per cp.
+DIRECT_CASES = {
+    2: [(1, 64, 8, 2, 2), (2, 32, 8, 8, 4)],  # GQA, several stages per kv round; MHA, 2 kv heads per round, B = 2
+    4: [(1, 64, 8, 1, 4), (2, 64, 8, 2, 8), (1, 64, 16, 16, 8)],  # kv replicated x4, x2; MHA
+}
+
+EVERYTHING = {"recompute_granularity": "full", "offload_activations": True, "mlp_tiles": 3, "loss_tiles": 5}
+
+# (name, cp, num_query_groups, heads per stage, memory stack) for the whole model under FSDP.
+MODEL_CASES = [
+    ("cp2-U2", 2, 2, 2, {}),
+    ("cp2-U4-everything", 2, 2, 4, EVERYTHING),
+    ("cp4-U4-kv2", 4, 2, 4, {}),
+    ("cp4-U8-kv1", 4, 1, 8, {}),
+    ("cp4-U4-kv1-everything", 4, 1, 4, EVERYTHING),
+]
+
+
+def _direct_inputs(B, S, H, Hkv):
+    """x, weights, output gradient and rotary tables of a global batch with two documents per sample."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, S, HIDDEN, generator=g)
+    wq, wk, wv = (torch.randn(n * HEAD_DIM, HIDDEN, generator=g) * HIDDEN ** -0.5 for n in (H, Hkv, Hkv))
+    dout = torch.randn(B, S, H * HEAD_DIM, generator=g)
+    cos, sin = rope_cos_sin(torch.arange(S).expand(B, S), rope_inv_freq(HEAD_DIM, 10000.0), torch.float32)
+    cu = sum(((b * S, b * S + S // 3 + 1) for b in range(B)), ()) + (B * S,)
+    return x, (wq, wk, wv), dout, cos, sin, cu
+
+
+def _output_and_grads(backend, x, weights, dout, cos, sin, cu):
+    leaves = [t.clone().requires_grad_() for t in (x, *weights)]
+    out = backend(*leaves, cos, sin, cu)
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _check_direct(pstate: ParallelState, case) -> None:
+    """Untied output and local gradients equal Ulysses' on the same inputs, and the whole equals one process."""
+    B, S, H, Hkv, stage_heads = case
+    cp, rank, kernel = pstate.cp_size, pstate.cp_rank, select_kernel(CPU)
+    x, weights, dout, cos, sin, cu = _direct_inputs(B, S, H, Hkv)
+    mine = slice(rank * S // cp, (rank + 1) * S // cp)
+    local = (x[:, mine], weights, dout[:, mine], cos[:, mine], sin[:, mine], cu)
+    untied = UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, check_untied_shapes(H, Hkv, cp, stage_heads))
+    out, grads = _output_and_grads(untied, *local)
+    buffers = {role: buf.data_ptr() for role, buf in untied.workspace.buffers().items()}
+    assert "recv_stage" in buffers
+    _output_and_grads(untied, *local)  # a second step runs in the same buffers
+    assert buffers == {role: buf.data_ptr() for role, buf in untied.workspace.buffers().items()}
+    ulysses_out, ulysses_grads = _output_and_grads(UlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, cp), *local)
+    torch.testing.assert_close(out, ulysses_out)
+    for grad, expected in zip(grads, ulysses_grads):
+        torch.testing.assert_close(grad, expected)
+    ref_out, ref_grads = _output_and_grads(LocalAttention(HEAD_DIM, kernel), x, weights, dout, cos, sin, cu)
+    torch.testing.assert_close(out, ref_out[:, mine], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], ref_grads[0][:, mine], rtol=1e-4, atol=1e-5)
+    for grad, expected in zip(grads[1:], ref_grads[1:]):
+        dist.all_reduce(grad, group=pstate.cp_group)  # each rank holds its tokens' share
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
+
+
+def _run_all(rank, world):
+    for cp, cases in DIRECT_CASES.items():
+        pstate = ParallelState(ParallelDims(world_size=world, cp=cp))
+        for case in cases:
+            _named(f"direct cp{cp} {case}", _check_direct, pstate, case)
+    for name, cp, kv_heads, stage_heads, stack in MODEL_CASES:
+        config = dataclasses.replace(get_config("debug"), num_query_groups=kv_heads)
+        opts = ParallelizeOptions(cp_impl="untied_ulysses", heads_per_stage=stage_heads, **stack)
+        _named(f"model {name}", check_against_reference, rank, world, config, cp, opts, BATCH)
+
+
+def _named(name, fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:
+        raise AssertionError(f"case {name}: {e}") from e
+
+
+def test_untied_ulysses_equals_ulysses_and_single_process_on_4_ranks():
+    """cp 2 (x dp 2) and 4; U = cp and 2 cp; GQA with cp > kv heads; packed documents; FSDP;
+    full recompute + offload + tiled MLP and loss."""
+    run_distributed(_run_all, 4)
