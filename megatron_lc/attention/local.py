@@ -10,6 +10,13 @@ from megatron_lc.attention.kernels import Kernel, attention
 from megatron_lc.attention.rotary import apply_rotary
 
 
+def project_qkv(x, wq, wk, wv, cos, sin, head_dim: int):
+    """q, k (rotated) and v [B, S, heads, d] of the tokens in x [B, S, hidden]."""
+    q = apply_rotary(F.linear(x, wq).unflatten(-1, (-1, head_dim)), cos, sin)
+    k = apply_rotary(F.linear(x, wk).unflatten(-1, (-1, head_dim)), cos, sin)
+    return q, k, F.linear(x, wv).unflatten(-1, (-1, head_dim))
+
+
 @dataclass
 class LocalAttention:
     """No context parallelism: every rank holds the whole sequence."""
@@ -19,8 +26,5 @@ class LocalAttention:
 
     def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens):
         B, S, _ = x.shape
-        d = self.head_dim
-        q = apply_rotary(F.linear(x, wq).unflatten(-1, (-1, d)), cos, sin)
-        k = apply_rotary(F.linear(x, wk).unflatten(-1, (-1, d)), cos, sin)
-        v = F.linear(x, wv).unflatten(-1, (-1, d))
+        q, k, v = project_qkv(x, wq, wk, wv, cos, sin, self.head_dim)
         return attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, self.kernel).reshape(B, S, -1)

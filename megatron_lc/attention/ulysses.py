@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_lc.attention.kernels import Kernel, attention
-from megatron_lc.attention.rotary import apply_rotary
+from megatron_lc.attention.local import project_qkv
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -103,10 +102,7 @@ class UlyssesAttention:
 
     def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens):
         B, s, _ = x.shape
-        d = self.head_dim
-        q = apply_rotary(F.linear(x, wq).unflatten(-1, (-1, d)), cos, sin)
-        k = apply_rotary(F.linear(x, wk).unflatten(-1, (-1, d)), cos, sin)
-        v = F.linear(x, wv).unflatten(-1, (-1, d))
+        q, k, v = project_qkv(x, wq, wk, wv, cos, sin, self.head_dim)
         rep = kv_replication(k.shape[2], self.cp)
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
