@@ -53,7 +53,7 @@ def free_port() -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work-dir", default="runs/demo", help="where everything is written")
-    p.add_argument("--train-iters", type=int, default=60)
+    p.add_argument("--train-iters", type=int, default=150)
     p.add_argument("--seq-length", type=int, default=512)
     args = p.parse_args()
     start = time.time()
