@@ -24,6 +24,7 @@ from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import LongSequenceSamples
 from megatron_lc.devices import resolve_devices
 from megatron_lc.models.llama import build_model
+from megatron_lc.models.llama.conversion import config_from_meta
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelDims, ParallelState, detect_launch, init_distributed
 from megatron_lc.training import checkpointing
@@ -45,22 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model_config_from(meta: dict):
-    from megatron_lc.models.llama.model import LlamaConfig, RopeScaling
-
-    values = dict(meta["model_config"])
-    if values.get("rope_scaling"):
-        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
-    return LlamaConfig(**values)
-
-
 def evaluate(args) -> dict:
     launch = detect_launch()
     path = checkpointing.latest_checkpoint(args.load)
     if path is None:
         raise FileNotFoundError(f"--load {args.load}: no complete checkpoint there")
     meta = checkpointing.read_meta(path)
-    config = _model_config_from(meta)
+    config = config_from_meta(meta)
     cfg = config_from_values({"context_parallel_size": args.context_parallel_size, "cp_impl": args.cp_impl,
                               "seq_length": args.seq_length, "data_path": [args.data_path]})
     cfg.validate(launch.world_size)

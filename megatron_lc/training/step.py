@@ -10,7 +10,7 @@ mean exactly, whatever the split of valid tokens between ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,10 +54,11 @@ def forward_backward(model, micro_batches: Sequence, pstate: ParallelState, devi
 
 
 def train_step(model, optimizer, micro_batches: Sequence, pstate: ParallelState, device: torch.device,
-               clip_grad: float | None = 1.0) -> StepResult:
-    """forward_backward, clip by the global norm, optimizer step, zero the gradients."""
+               clip_grad: float | None = 1.0, may_step: Callable[[StepResult], bool] | None = None) -> StepResult:
+    """forward_backward, clip by the global norm, optimizer step (unless `may_step` says no), zero grads."""
     result = forward_backward(model, micro_batches, pstate, device)
     result.grad_norm = clip_grad_norm(model.parameters(), clip_grad)
-    optimizer.step()
+    if may_step is None or may_step(result):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return result

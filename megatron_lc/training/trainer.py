@@ -29,8 +29,8 @@ from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import LaunchInfo, ParallelDims, ParallelState, detect_launch, init_distributed
 from megatron_lc.training import checkpointing
 from megatron_lc.training.logging import MetricsLogger, default_log_dir
-from megatron_lc.training.optim import build_optimizer, clip_grad_norm, warmup_cosine
-from megatron_lc.training.step import IGNORE_INDEX, forward_backward
+from megatron_lc.training.optim import build_optimizer, warmup_cosine
+from megatron_lc.training.step import IGNORE_INDEX, train_step
 
 # Dense bf16 peak of known accelerators, for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -185,14 +185,12 @@ def _check_finite(step: int, loss: float, grad_norm: float, skip: bool) -> bool:
 def train_one_step(run: Run, step: int) -> dict:
     start = time.perf_counter()
     micro_batches = [next(run.loader) for _ in range(run.accumulation)]
-    with _autocast(run):
-        result = forward_backward(run.model, micro_batches, run.pstate, run.devices.accelerator)
-    grad_norm = clip_grad_norm(run.model.parameters(), run.cfg.optim.clip_grad or None)
-    loss, norm = result.loss.item(), grad_norm.item()
     lr = run.scheduler.get_last_lr()[0]
-    if _check_finite(step, loss, norm, run.cfg.train.skip_nonfinite):
-        run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    finite = lambda r: _check_finite(step, r.loss.item(), r.grad_norm.item(), run.cfg.train.skip_nonfinite)  # noqa: E731
+    with _autocast(run):
+        result = train_step(run.model, run.optimizer, micro_batches, run.pstate, run.devices.accelerator,
+                            run.cfg.optim.clip_grad or None, may_step=finite)
+    loss, norm = result.loss.item(), result.grad_norm.item()
     run.scheduler.step()
     elapsed = time.perf_counter() - start
     tokens = len(micro_batches) * run.cfg.data.micro_batch_size * run.cfg.data.seq_length * run.pstate.dp_size
@@ -207,7 +205,7 @@ def train_one_step(run: Run, step: int) -> dict:
     return metrics
 
 
-def _checkpoint_extra(run: Run, step: int) -> dict:
+def _checkpoint_extra(run: Run) -> dict:
     return {"model_config": dataclasses.asdict(run.model.config), "train_config": run.cfg.to_dict(),
             "scheduler": run.scheduler.state_dict(), "data": run.loader.state_dict(),
             "world_size": run.launch.world_size, "rng": checkpointing.rng_state()}
@@ -237,7 +235,7 @@ def resume(run: Run) -> int:
 
 def save(run: Run, step: int) -> None:
     c = run.cfg.checkpoint
-    path = checkpointing.save_checkpoint(c.save, step, run.model, run.optimizer, _checkpoint_extra(run, step),
+    path = checkpointing.save_checkpoint(c.save, step, run.model, run.optimizer, _checkpoint_extra(run),
                                          keep_last=c.keep_last_checkpoints)
     if run.is_logging_rank:
         print(f"saved {path}", flush=True)
