@@ -3,9 +3,10 @@
     python bench/bench_memory_stack.py [--seq-length 8192] [--repeats 3]
 
 Memory rows switch the layers on cumulatively (none -> +checkpointing -> +offload -> +tiled
-MLP -> +tiled loss). Accelerator bytes are MemTracker's peak over one step after a warm-up
-step (so the offload pool, allocated once and reused, is host memory and not counted); host
-bytes are the offload scheduler's own peak. Overhead rows switch each technique on alone and
+MLP -> +tiled loss). Each row is one real training step (forward, backward, AdamW) tracked
+by the planner's MemTracker timeline (`measure_real_step`, the same measurement the planner
+is validated against): accelerator peak with its phase, and host bytes. On CPU the offload
+pool lives on the accelerator's device, so the tracker moves its bytes to the host column. Overhead rows switch each technique on alone and
 give its step time as a ratio to the plain step, all measured in this one run.
 """
 
@@ -17,22 +18,25 @@ import time
 import torch
 
 from bench.common import CPU, batch_for, bench_model_config
-from megatron_lc.memory.measure import measure_peak
+from megatron_lc.config import config_from_values
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.parallelize import ParallelizeOptions, apply_memory_stack
 from megatron_lc.parallel_state import ParallelDims, ParallelState
+from megatron_lc.planning.trace import measure_real_step
 from megatron_lc.training.optim import build_optimizer
 from megatron_lc.training.step import forward_backward
 
 PSTATE = ParallelState(ParallelDims(world_size=1))
 FULL = dict(recompute_granularity="full")
 OFFLOAD = dict(FULL, offload_activations=True)
+# Training flags, cumulative.
 CUMULATIVE = {
     "none": {},
-    "+ checkpointing (full)": FULL,
-    "+ offload block inputs": OFFLOAD,
-    "+ tiled MLP": dict(OFFLOAD, mlp_tiles=8),
-    "+ tiled loss": dict(OFFLOAD, mlp_tiles=8, loss_tiles=8),
+    "+ checkpointing (full)": dict(recompute_granularity="full"),
+    "+ offload block inputs": dict(recompute_granularity="full", offload_activations=True),
+    "+ tiled MLP": dict(recompute_granularity="full", offload_activations=True, tiled_mlp=True, tiled_mlp_tiles=8),
+    "+ tiled loss": dict(recompute_granularity="full", offload_activations=True, tiled_mlp=True, tiled_mlp_tiles=8,
+                         tiled_loss=True, tiled_loss_tiles=8),
 }
 ALONE = {
     "checkpointing (full)": FULL,
@@ -59,15 +63,24 @@ def step_fn(model, opt, batch):
     return step
 
 
-def memory_row(opts, config, batch):
-    model, opt, offload = build(opts, config)
-    step = step_fn(model, opt, batch)
-    step()
-    if offload is not None:
-        offload.reset_peak()
-    peak = measure_peak(step, model, opt).by_device["cpu"]
-    host = offload.host_bytes_peak if offload is not None else 0
-    return peak, host
+def memory_row(flags: dict, args, batch):
+    """Accelerator peak overall, within the blocks, within the loss head, its phase; host peak."""
+    cfg = config_from_values({**model_flags(args), "seq_length": args.seq_length, **flags})
+    analysis, host = measure_real_step(cfg, PSTATE, batch, CPU)
+
+    def phase_peak(unit: str) -> int:  # phases are 'fw:layer:3', 'bw:head', 'optimizer', ...
+        return max(p.total for phase, p in analysis.phase_peaks.items() if unit in phase)
+
+    where = analysis.events[analysis.peak.event_index].phase
+    return analysis.peak.total, phase_peak(":layer:"), phase_peak(":head"), where, host
+
+
+def model_flags(args) -> dict:
+    """The benchmark model (as in `bench_model_config`) as training flags."""
+    c = bench_model_config(layers=args.layers, hidden=args.hidden_size, vocab=args.vocab_size)
+    return dict(model="debug", num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
+                num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
+                kv_channels=c.kv_channels, vocab_size=c.vocab_size)
 
 
 def time_row(opts, config, batch, repeats):
@@ -96,18 +109,18 @@ def main() -> None:
     print(f"seq_length {args.seq_length}, {config.num_layers} layers, hidden {config.hidden_size}, "
           f"ffn {config.ffn_hidden_size}, vocab {config.vocab_size}\n")
     if not args.skip_memory:
-        memory_table(config, batch)
+        memory_table(args, batch)
     if not args.skip_timing:
         timing_table(config, batch, args.repeats)
 
 
-def memory_table(config, batch) -> None:
-    print("| stack | accelerator peak MiB | activations MiB | temporaries MiB | host (offload) MiB |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for name, opts in CUMULATIVE.items():
-        peak, host = memory_row(opts, config, batch)
-        print(f"| {name} | {peak['total'] / 2**20:.1f} | {peak['activations'] / 2**20:.1f} | "
-              f"{peak['temporaries'] / 2**20:.1f} | {host / 2**20:.1f} |", flush=True)
+def memory_table(args, batch) -> None:
+    print("| stack | accelerator peak MiB | peak during | peak in blocks | peak in loss head | host (offload) MiB |")
+    print("| --- | ---: | --- | ---: | ---: | ---: |")
+    for name, flags in CUMULATIVE.items():
+        peak, blocks, head, where, host = memory_row(flags, args, batch)
+        print(f"| {name} | {peak / 2**20:.1f} | {where} | {blocks / 2**20:.1f} | {head / 2**20:.1f} | "
+              f"{host / 2**20:.1f} |", flush=True)
 
 
 def timing_table(config, batch, repeats) -> None:

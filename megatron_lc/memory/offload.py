@@ -47,6 +47,9 @@ class OffloadScheduler:
         keep_last, keep_first: layers at each end that stay on the accelerator.
         accelerator: where activations live and come back to (cuda, or cpu in tests).
         host: where offloaded activations live (cpu; pinned when the accelerator is cuda).
+        prefetch: bring a layer's input back while the next layer's backward runs (overlaps
+            the copy, at the cost of one more block input on the accelerator); False: fetch
+            each input only when its own layer's backward needs it.
     """
 
     def __init__(
@@ -57,12 +60,14 @@ class OffloadScheduler:
         keep_first: int = 0,
         accelerator: torch.device | str,
         host: torch.device | str = "cpu",
+        prefetch: bool = True,
     ) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if keep_last < 0 or keep_first < 0:
             raise ValueError(f"keep_last={keep_last} and keep_first={keep_first} must be >= 0")
         self.num_layers, self.keep_last, self.keep_first = num_layers, keep_last, keep_first
+        self.prefetch_enabled = prefetch
         self.accelerator, self.host = torch.device(accelerator), torch.device(host)
         self._is_cuda = self.accelerator.type == "cuda"
         self._pin = self._is_cuda and self.host.type == "cpu"
@@ -148,7 +153,9 @@ class OffloadScheduler:
         handle.to_accelerator_done = self._copy_on_side_stream(handle.on_accelerator, buffer)
 
     def prefetch(self, layer_idx: int) -> None:
-        """Start bringing back ``layer_idx``'s offloaded tensors; no-op if it has none."""
+        """Start bringing back ``layer_idx``'s offloaded tensors; no-op if it has none or prefetch is off."""
+        if not self.prefetch_enabled:
+            return
         for handle in self._pending.get(layer_idx, ()):
             self._start_copy_back(handle)
 

@@ -95,6 +95,25 @@ def run_tracked_step(tracker, model, optimizer, micro_batches, pstate: ParallelS
     return tracker.analyse()
 
 
+def measure_real_step(cfg: TrainConfig, pstate: ParallelState, batch: Batch,
+                      devices: Devices) -> tuple[TimelineAnalysis, int]:
+    """One real training step of `cfg` on this rank, tracked as `trace_step` tracks a fake one.
+
+    Returns the analysed timeline and the offload scheduler's host peak (0 without offload).
+    Where host and accelerator are one device (CPU runs), the offload pool is tracked too;
+    a probe of its reserved bytes moves it from the accelerator's side to the host's.
+    """
+    model = build_model(cfg.model_config(), device="meta")
+    offload = parallelize_llama(model, pstate, cfg.parallelize_options(), devices)
+    materialize(model, devices, cfg.train.seed)
+    optimizer = make_optimizer(model, cfg, fused=False)
+    initialize_optimizer_state(model, optimizer)
+    probe = (lambda: offload.host_bytes_reserved) if offload and devices.host == devices.accelerator else None
+    tracker = make_tracker(model, optimizer, probe, extra=(batch.input_ids, batch.labels, batch.position_ids))
+    analysis = run_tracked_step(tracker, model, optimizer, [batch], pstate, devices, cfg.optim.clip_grad)
+    return analysis, offload.host_bytes_peak if offload else 0
+
+
 def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """The run's parallel degrees."""
     return ParallelDims(world_size, cp=cfg.parallel.context_parallel_size, dp_replicate=cfg.parallel.data_parallel_replicate)

@@ -18,6 +18,8 @@ STACKS = {
     "tiled-loss": ParallelizeOptions(loss_tiles=5),
     "everything": ParallelizeOptions(recompute_granularity="full", offload_activations=True, mlp_tiles=3,
                                      loss_tiles=5),
+    "everything-fetch-on-demand": ParallelizeOptions(recompute_granularity="full", offload_activations=True,
+                                                     offload_prefetch=False, mlp_tiles=3, loss_tiles=5),
 }
 
 
@@ -44,9 +46,11 @@ def test_offload_requires_full_recompute():
         ParallelizeOptions(offload_activations=True).validate()
 
 
-@pytest.mark.parametrize("world, cp", [(2, 2), (4, 4)], ids=["cp2", "cp4"])
-def test_whole_stack_with_fsdp_and_ulysses_matches_single_process(world, cp):
-    run_distributed(check_against_reference, world, get_config("debug"), cp, STACKS["everything"], BATCH)
+@pytest.mark.parametrize("world, cp, stack", [(2, 2, "everything"), (4, 4, "everything"),
+                                              (2, 2, "everything-fetch-on-demand")],
+                         ids=["cp2", "cp4", "cp2-fetch-on-demand"])
+def test_whole_stack_with_fsdp_and_ulysses_matches_single_process(world, cp, stack):
+    run_distributed(check_against_reference, world, get_config("debug"), cp, STACKS[stack], BATCH)
 
 
 def test_selective_recompute_with_fsdp_and_ulysses_matches_single_process():

@@ -16,17 +16,9 @@ from megatron_lc.attention.registry import CP_IMPLS
 from megatron_lc.config import config_from_values
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import Devices
-from megatron_lc.models.llama import build_model
-from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelState
 from megatron_lc.planning.estimate import Machine, estimate
-from megatron_lc.planning.trace import (
-    initialize_optimizer_state,
-    make_optimizer,
-    parallel_dims,
-    run_tracked_step,
-)
-from megatron_lc.planning.tracker import make_tracker
+from megatron_lc.planning.trace import measure_real_step, parallel_dims
 from tests.helpers import run_distributed
 
 CPU = Devices(torch.device("cpu"), torch.device("cpu"))
@@ -44,7 +36,8 @@ DISTRIBUTED = {
     "ulysses-cp4-full-stack-6-layers": dict(context_parallel_size=4, num_layers=6, **FULL_STACK),
 }
 if "untied_ulysses" in CP_IMPLS:
-    DISTRIBUTED["untied-cp4-full-stack"] = dict(context_parallel_size=4, cp_impl="untied_ulysses", **FULL_STACK)
+    DISTRIBUTED["untied-cp4-full-stack-fetch-on-demand"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
+                                                                no_offload_prefetch=True, **FULL_STACK)
 SINGLE = {"one-rank": {}, "one-rank-full-stack": dict(FULL_STACK)}
 
 
@@ -64,17 +57,8 @@ def _real_batch(cfg, pstate):
 def measure(cfg, world_size):
     """(accelerator peak, host peak) of one real training step, as the tracker measures it."""
     pstate = ParallelState(parallel_dims(cfg, world_size))
-    model = build_model(cfg.model_config(), device="meta")
-    offload = parallelize_llama(model, pstate, cfg.parallelize_options(), CPU)
-    materialize(model, CPU, cfg.train.seed)
-    optimizer = make_optimizer(model, cfg, fused=False)
-    initialize_optimizer_state(model, optimizer)
-    batch = _real_batch(cfg, pstate)
-    # On CPU the offload buffers share the accelerator's device: the probe moves them to the host side.
-    probe = (lambda: offload.host_bytes_reserved) if offload else None
-    tracker = make_tracker(model, optimizer, probe, extra=(batch.input_ids, batch.labels, batch.position_ids))
-    analysis = run_tracked_step(tracker, model, optimizer, [batch], pstate, CPU, cfg.optim.clip_grad)
-    return analysis.peak.total, offload.host_bytes_peak if offload else 0
+    analysis, host_peak = measure_real_step(cfg, pstate, _real_batch(cfg, pstate), CPU)
+    return analysis.peak.total, host_peak
 
 
 def _measure_all(rank, world_size, names, out_path):

@@ -39,6 +39,8 @@ class ParallelizeOptions:
     """Keep the checkpointed block inputs in host memory (needs full recompute)."""
     offload_keep_last: int = 1
     """Last layers whose inputs stay on the accelerator (needed first in backward)."""
+    offload_prefetch: bool = True
+    """Bring offloaded inputs back one layer ahead of need (False: on demand, one input less resident)."""
     mlp_tiles: int | None = None
     """Sequence tiles of the MLP; None: untiled."""
     loss_tiles: int | None = None
@@ -74,7 +76,7 @@ def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: De
     offload = None
     if opts.offload_activations:
         offload = OffloadScheduler(model.config.num_layers, keep_last=opts.offload_keep_last,
-                                   accelerator=devices.accelerator, host=devices.host)
+                                   accelerator=devices.accelerator, host=devices.host, prefetch=opts.offload_prefetch)
     for layer in model.layers:
         layer.memory.recompute = opts.recompute_granularity
         layer.memory.offload = offload
