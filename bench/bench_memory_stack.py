@@ -37,6 +37,8 @@ CUMULATIVE = {
     "+ tiled MLP": dict(recompute_granularity="full", offload_activations=True, tiled_mlp=True, tiled_mlp_tiles=8),
     "+ tiled loss": dict(recompute_granularity="full", offload_activations=True, tiled_mlp=True, tiled_mlp_tiles=8,
                          tiled_loss=True, tiled_loss_tiles=8),
+    "+ offload fetch on demand": dict(recompute_granularity="full", offload_activations=True, no_offload_prefetch=True,
+                                      tiled_mlp=True, tiled_mlp_tiles=8, tiled_loss=True, tiled_loss_tiles=8),
 }
 ALONE = {
     "checkpointing (full)": FULL,

@@ -61,16 +61,17 @@ def search_json(result: SearchResult) -> dict:
 
 
 def ablation_table(rows: list[tuple[StackLayer, SearchResult]]) -> str:
-    """Markdown: the longest context with each layer of the stack added in turn."""
-    lines = ["| stack | longest context | GPU peak there | largest buffer there |", "| --- | ---: | ---: | --- |"]
+    """Markdown: the longest context with each layer of the stack added in turn, and what sets the limit."""
+    lines = ["| stack (added in turn) | longest context | GPU peak there | host per node there | "
+             "largest buffers at the limit |", "| --- | ---: | ---: | ---: | --- |"]
     for layer, result in rows:
         best = result.best
         if best is None:
-            lines.append(f"| {layer.name} | none fits | | |")
+            lines.append(f"| {layer.name} | none fits | | | |")
             continue
-        top = best.top_buffers[0] if best.top_buffers else ("", 0, 0)
+        top = "; ".join(f"{count} x {name} ({nbytes / GIB:.1f} GiB)" for name, count, nbytes in best.top_buffers[:2])
         lines.append(f"| {layer.name} | {result.max_seq_length:,} | {best.gpu_peak_bytes / GIB:.1f} GiB | "
-                     f"{top[1]} x {top[0]} ({top[2] / GIB:.1f} GiB) |")
+                     f"{best.host_bytes_per_node / GIB:.0f} GiB | {top} |")
     return "\n".join(lines)
 
 

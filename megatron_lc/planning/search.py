@@ -143,7 +143,7 @@ def default_cp(cfg: TrainConfig, num_gpus: int) -> int:
 
 
 def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
-    """FSDP -> Ulysses -> checkpointing -> offload -> tiling -> Untied Ulysses (when available)."""
+    """FSDP -> Ulysses -> checkpointing -> offload -> tiling -> Untied Ulysses -> offload fetched on demand."""
     def with_(base: TrainConfig, **changes) -> TrainConfig:
         parallel = dataclasses.replace(base.parallel, **{k: v for k, v in changes.items()
                                                          if hasattr(base.parallel, k)})
@@ -151,7 +151,7 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
         return dataclasses.replace(base, parallel=parallel, memory=memory)
 
     fsdp = with_(cfg, context_parallel_size=1, cp_impl="ulysses", recompute_granularity="none",
-                 offload_activations=False, tiled_mlp=False, tiled_loss=False)
+                 offload_activations=False, no_offload_prefetch=False, tiled_mlp=False, tiled_loss=False)
     cp = default_cp(cfg, num_gpus)
     ulysses = with_(fsdp, context_parallel_size=cp)
     checkpointing = with_(ulysses, recompute_granularity="full")
@@ -162,6 +162,7 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
               StackLayer("+ tiled MLP and loss", tiling)]
     if "untied_ulysses" in CP_IMPLS and cp > 1:
         layers.append(StackLayer("+ Untied Ulysses", with_(tiling, cp_impl="untied_ulysses")))
+    layers.append(StackLayer("+ offload fetched on demand", with_(layers[-1].config, no_offload_prefetch=True)))
     return layers
 
 

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_lc.config import config_from_values
 from megatron_lc.planning.estimate import GIB, Estimate, Machine
-from megatron_lc.planning.search import find_max_seq_length, length_multiple
+from megatron_lc.planning.search import find_max_seq_length, length_multiple, stack_layers
 from megatron_lc.planning.standins import BufferNamer, _flash_attn_kernel
 from megatron_lc.planning.tracker import PlannerMemTracker
 
@@ -80,3 +80,22 @@ def test_command_line_json_contract():
     assert searched["fits"] is True and searched["seq_length"] == searched["max_seq_length"]
     longer = [e for e in searched["evaluated"] if e["seq_length"] == searched["max_seq_length"] + 1024]
     assert longer and not longer[0]["fits"]
+
+
+def test_stack_table_switches_on_one_layer_per_row():
+    # Whatever the user switched on, the table starts from plain FSDP and adds one layer per row.
+    cfg = config_from_values(dict(model="debug", recompute_granularity="selective", offload_activations=True,
+                                  tiled_mlp=True, no_offload_prefetch=True))
+    rows = [(layer.name, layer.config.parallel.context_parallel_size, layer.config.parallel.cp_impl,
+             layer.config.memory.recompute_granularity, layer.config.memory.offload_activations,
+             layer.config.memory.tiled_mlp and layer.config.memory.tiled_loss, layer.config.memory.no_offload_prefetch)
+            for layer in stack_layers(cfg, num_gpus=4)]
+    assert rows == [
+        ("FSDP", 1, "ulysses", "none", False, False, False),
+        ("+ Ulysses (cp=4)", 4, "ulysses", "none", False, False, False),
+        ("+ activation checkpointing", 4, "ulysses", "full", False, False, False),
+        ("+ CPU offload", 4, "ulysses", "full", True, False, False),
+        ("+ tiled MLP and loss", 4, "ulysses", "full", True, True, False),
+        ("+ Untied Ulysses", 4, "untied_ulysses", "full", True, True, False),
+        ("+ offload fetched on demand", 4, "untied_ulysses", "full", True, True, True),
+    ]
