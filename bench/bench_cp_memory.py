@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 
 from bench.common import CPU, batch_for, bench_model_config, run_ranks
 from megatron_lc.memory.measure import measure_peak

@@ -3,6 +3,10 @@
 # full checkpointing with block inputs offloaded to host memory, tiled MLP and loss, bf16.
 #
 #   bash examples/pretrain_llama_5m.sh DATA_PREFIX TOKENIZER_MODEL CHECKPOINT_DIR [extra flags...]
+#
+# The planner's limit for this node is 6,164,480 tokens with inputs fetched on demand:
+#   bash examples/pretrain_llama_5m.sh ... --seq-length 6164480 --no-offload-prefetch
+# (check first: python tools/estimate_memory.py --model llama3-8b --bf16 --num-gpus 8 ... --find-max-seq-length)
 set -euo pipefail
 DATA_PATH=${1:?data prefix (PREFIX of PREFIX.bin/.idx)}
 TOKENIZER_MODEL=${2:?Llama 3 tokenizer.model (tiktoken format)}

@@ -13,7 +13,6 @@ import os
 import resource
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
