@@ -46,6 +46,11 @@ def test_offload_requires_full_recompute():
         ParallelizeOptions(offload_activations=True).validate()
 
 
+def test_fetch_on_demand_requires_offload():
+    with pytest.raises(ValueError, match="--no-offload-prefetch .* needs --offload-activations"):
+        ParallelizeOptions(recompute_granularity="full", offload_prefetch=False).validate()
+
+
 @pytest.mark.parametrize("world, cp, stack", [(2, 2, "everything"), (4, 4, "everything"),
                                               (2, 2, "everything-fetch-on-demand")],
                          ids=["cp2", "cp4", "cp2-fetch-on-demand"])

@@ -60,6 +60,9 @@ class ParallelizeOptions:
         if self.offload_activations and self.recompute_granularity != "full":
             raise ValueError("--offload-activations offloads the checkpointed block inputs: "
                              "it needs --recompute-granularity full")
+        if not self.offload_prefetch and not self.offload_activations:
+            raise ValueError("--no-offload-prefetch changes how offloaded block inputs come back: "
+                             "it needs --offload-activations")
 
 
 def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: ParallelizeOptions,
