@@ -1,13 +1,14 @@
 """The memory stack, one layer at a time: memory (MemTracker) and step-time overhead, one process.
 
-    python bench/bench_memory_stack.py [--seq-length 8192] [--repeats 3]
+    python -m bench.bench_memory_stack [--seq-length 8192] [--repeats 3]
 
 Memory rows switch the layers on cumulatively (none -> +checkpointing -> +offload -> +tiled
 MLP -> +tiled loss). Each row is one real training step (forward, backward, AdamW) tracked
 by the planner's MemTracker timeline (`measure_real_step`, the same measurement the planner
 is validated against): accelerator peak with its phase, and host bytes. On CPU the offload
-pool lives on the accelerator's device, so the tracker moves its bytes to the host column. Overhead rows switch each technique on alone and
-give its step time as a ratio to the plain step, all measured in this one run.
+pool lives on the accelerator's device, so the tracker moves its bytes to the host column.
+Overhead rows switch each technique on alone and give its step time as a ratio to the plain
+step, all measured in this one run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from bench.common import CPU, batch_for, bench_model_config
 from megatron_lc.config import config_from_values
 from megatron_lc.models.llama import build_model
-from megatron_lc.models.llama.parallelize import ParallelizeOptions, apply_memory_stack
+from megatron_lc.models.llama.parallelize import apply_memory_stack
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from megatron_lc.planning.trace import measure_real_step
 from megatron_lc.training.optim import build_optimizer
@@ -29,30 +30,40 @@ from megatron_lc.training.step import forward_backward
 PSTATE = ParallelState(ParallelDims(world_size=1))
 FULL = dict(recompute_granularity="full")
 OFFLOAD = dict(FULL, offload_activations=True)
-# Training flags, cumulative.
+MLP_TILES = dict(tiled_mlp=True, tiled_mlp_tiles=8)
+LOSS_TILES = dict(tiled_loss=True, tiled_loss_tiles=8)
+# Training flags, switched on cumulatively (memory) and alone (overhead).
 CUMULATIVE = {
     "none": {},
-    "+ checkpointing (full)": dict(recompute_granularity="full"),
-    "+ offload block inputs": dict(recompute_granularity="full", offload_activations=True),
-    "+ tiled MLP": dict(recompute_granularity="full", offload_activations=True, tiled_mlp=True, tiled_mlp_tiles=8),
-    "+ tiled loss": dict(recompute_granularity="full", offload_activations=True, tiled_mlp=True, tiled_mlp_tiles=8,
-                         tiled_loss=True, tiled_loss_tiles=8),
-    "+ offload fetch on demand": dict(recompute_granularity="full", offload_activations=True, no_offload_prefetch=True,
-                                      tiled_mlp=True, tiled_mlp_tiles=8, tiled_loss=True, tiled_loss_tiles=8),
+    "+ checkpointing (full)": FULL,
+    "+ offload block inputs": OFFLOAD,
+    "+ tiled MLP": dict(OFFLOAD, **MLP_TILES),
+    "+ tiled loss": dict(OFFLOAD, **MLP_TILES, **LOSS_TILES),
+    "+ offload fetch on demand": dict(OFFLOAD, no_offload_prefetch=True, **MLP_TILES, **LOSS_TILES),
 }
 ALONE = {
     "checkpointing (full)": FULL,
     "checkpointing (selective)": dict(recompute_granularity="selective"),
     "checkpointing + offload": OFFLOAD,
-    "tiled MLP (8 tiles)": dict(mlp_tiles=8),
-    "tiled loss (8 tiles)": dict(loss_tiles=8),
-    "all of them": dict(OFFLOAD, mlp_tiles=8, loss_tiles=8),
+    "tiled MLP (8 tiles)": MLP_TILES,
+    "tiled loss (8 tiles)": LOSS_TILES,
+    "all of them": dict(OFFLOAD, **MLP_TILES, **LOSS_TILES),
 }
 
 
-def build(opts: dict, config):
-    model = build_model(config, device="cpu", seed=0)
-    offload = apply_memory_stack(model, ParallelizeOptions(**opts), CPU)
+def train_config(flags: dict, args):
+    """The benchmark model (as in `bench_model_config`) with these training flags."""
+    c = bench_model_config(layers=args.layers, hidden=args.hidden_size, vocab=args.vocab_size)
+    model = dict(model="debug", num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
+                 num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
+                 kv_channels=c.kv_channels, vocab_size=c.vocab_size)
+    return config_from_values({**model, "seq_length": args.seq_length, **flags})
+
+
+def build(flags: dict, args):
+    cfg = train_config(flags, args)
+    model = build_model(cfg.model_config(), device="cpu", seed=0)
+    offload = apply_memory_stack(model, cfg.parallelize_options(), CPU)
     return model, build_optimizer(model, lr=1e-4), offload
 
 
@@ -67,8 +78,7 @@ def step_fn(model, opt, batch):
 
 def memory_row(flags: dict, args, batch):
     """Accelerator peak overall, within the blocks, within the loss head, its phase; host peak."""
-    cfg = config_from_values({**model_flags(args), "seq_length": args.seq_length, **flags})
-    analysis, host = measure_real_step(cfg, PSTATE, batch, CPU)
+    analysis, host = measure_real_step(train_config(flags, args), PSTATE, batch, CPU)
 
     def phase_peak(unit: str) -> int:  # phases are 'fw:layer:3', 'bw:head', 'optimizer', ...
         return max(p.total for phase, p in analysis.phase_peaks.items() if unit in phase)
@@ -77,16 +87,8 @@ def memory_row(flags: dict, args, batch):
     return analysis.peak.total, phase_peak(":layer:"), phase_peak(":head"), where, host
 
 
-def model_flags(args) -> dict:
-    """The benchmark model (as in `bench_model_config`) as training flags."""
-    c = bench_model_config(layers=args.layers, hidden=args.hidden_size, vocab=args.vocab_size)
-    return dict(model="debug", num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
-                num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
-                kv_channels=c.kv_channels, vocab_size=c.vocab_size)
-
-
-def time_row(opts, config, batch, repeats):
-    model, opt, _ = build(opts, config)
+def time_row(flags, args, batch, repeats):
+    model, opt, _ = build(flags, args)
     step = step_fn(model, opt, batch)
     step()
     start = time.perf_counter()
@@ -113,7 +115,7 @@ def main() -> None:
     if not args.skip_memory:
         memory_table(args, batch)
     if not args.skip_timing:
-        timing_table(config, batch, args.repeats)
+        timing_table(args, batch)
 
 
 def memory_table(args, batch) -> None:
@@ -125,11 +127,11 @@ def memory_table(args, batch) -> None:
               f"{host / 2**20:.1f} |", flush=True)
 
 
-def timing_table(config, batch, repeats) -> None:
-    base = time_row({}, config, batch, repeats)
+def timing_table(args, batch) -> None:
+    base = time_row({}, args, batch, args.repeats)
     print(f"\nplain step: {base:.2f} s\n\n| technique alone | step time / plain |\n| --- | ---: |")
-    for name, opts in ALONE.items():
-        print(f"| {name} | {time_row(opts, config, batch, repeats) / base:.2f} |", flush=True)
+    for name, flags in ALONE.items():
+        print(f"| {name} | {time_row(flags, args, batch, args.repeats) / base:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
