@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-
 from bench.common import CPU, batch_for, bench_model_config, run_ranks
 from megatron_lc.memory.measure import measure_peak
 from megatron_lc.models.llama import build_model

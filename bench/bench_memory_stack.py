@@ -108,7 +108,7 @@ def main() -> None:
     p.add_argument("--skip-timing", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(2)
-    config = bench_model_config(layers=args.layers, hidden=args.hidden_size, vocab=args.vocab_size)
+    config = train_config({}, args).model_config()
     batch = batch_for(config, args.seq_length)
     print(f"seq_length {args.seq_length}, {config.num_layers} layers, hidden {config.hidden_size}, "
           f"ffn {config.ffn_hidden_size}, vocab {config.vocab_size}\n")

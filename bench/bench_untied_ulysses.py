@@ -233,6 +233,15 @@ def print_speed(args, result) -> None:
 # --- main ----------------------------------------------------------------------------------
 
 
+def _with_shape_defaults(args: argparse.Namespace, head_dim: int, seq_length: int) -> argparse.Namespace:
+    """A copy of ``args`` with the shapes not given on the command line filled in."""
+    out = argparse.Namespace(**vars(args))
+    out.head_dim = args.head_dim or head_dim
+    out.hidden = args.hidden or args.heads * out.head_dim
+    out.seq_length = args.seq_length or seq_length
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("memory", "speed", "all"))
@@ -256,17 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     report = {}
     if args.what in ("memory", "all"):
-        mem = argparse.Namespace(**vars(args))
-        mem.head_dim = args.head_dim or 128
-        mem.hidden = args.hidden or args.heads * mem.head_dim
-        mem.seq_length = args.seq_length or 16384
+        mem = _with_shape_defaults(args, head_dim=128, seq_length=16384)
         report["memory"] = run_memory(mem)
         print_memory(mem, report["memory"])
     if args.what in ("speed", "all"):
-        speed = argparse.Namespace(**vars(args))
-        speed.head_dim = args.head_dim or 32
-        speed.hidden = args.hidden or args.heads * speed.head_dim
-        speed.seq_length = args.seq_length or 4096
+        speed = _with_shape_defaults(args, head_dim=32, seq_length=4096)
         report["speed"] = run_speed(speed)
         print_speed(speed, report["speed"])
     if args.json:

@@ -164,9 +164,9 @@ class TrainConfig:
         return ParallelizeOptions(
             cp_impl=par.cp_impl, attention_kernel=par.attention_kernel, heads_per_stage=par.untied_heads_per_stage,
             recompute_granularity=mem.recompute_granularity, offload_activations=mem.offload_activations,
-            offload_keep_last=mem.offload_keep_last, offload_prefetch=not mem.no_offload_prefetch, mlp_tiles=plan.mlp_tiles if mem.tiled_mlp else None,
-            loss_tiles=plan.loss_tiles if mem.tiled_loss else None, param_dtype=dtype, reduce_dtype=torch.float32,
-            reshard_after_forward=not par.no_reshard_after_forward, fsdp_cpu_offload=par.fsdp_cpu_offload,
+            offload_keep_last=mem.offload_keep_last, offload_prefetch=not mem.no_offload_prefetch,
+            mlp_tiles=plan.mlp_tiles if mem.tiled_mlp else None, loss_tiles=plan.loss_tiles if mem.tiled_loss else None,
+            param_dtype=dtype, reduce_dtype=torch.float32, reshard_after_forward=not par.no_reshard_after_forward, fsdp_cpu_offload=par.fsdp_cpu_offload,
         )
 
     def validate(self, world_size: int) -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
 
 from megatron_lc.parallel_state import local_sequence_slice
 
@@ -76,3 +78,15 @@ def shard_batch(batch: Batch, per_sample, dp_rank: int, dp: int, cp_rank: int, c
     cols = local_sequence_slice(S, cp_rank, cp)
     return Batch(batch.input_ids[rows, cols], batch.labels[rows, cols], batch.position_ids[rows, cols],
                  flatten_cu_seqlens(per_sample[rows], S))
+
+
+class ResidualMLPBlock(nn.Module):
+    """RMSNorm + MLP residual block: its plain autograd keeps several ffn-wide tensors."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden)
+        self.w1, self.w2 = nn.Linear(hidden, ffn, bias=False), nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return x + self.w2(F.silu(self.w1(self.norm(x))))

@@ -12,19 +12,10 @@ from megatron_lc.memory import (
     tiled_linear_cross_entropy,
     tiled_swiglu_mlp,
 )
+from tests.helpers import ResidualMLPBlock
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
-
-
-class _Block(nn.Module):
-    def __init__(self, hidden, ffn):
-        super().__init__()
-        self.norm = nn.RMSNorm(hidden)
-        self.w1, self.w2 = nn.Linear(hidden, ffn, bias=False), nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        return x + self.w2(F.silu(self.w1(self.norm(x))))
 
 
 def test_offload_roundtrip_uses_pinned_reused_buffers():
@@ -43,7 +34,7 @@ def test_offload_roundtrip_uses_pinned_reused_buffers():
 @pytest.mark.parametrize("use_offload", [False, True])
 def test_checkpoint_stack_on_cuda_matches_plain(use_offload):
     torch.manual_seed(0)
-    blocks = nn.ModuleList(_Block(64, 256) for _ in range(4)).to(CUDA)
+    blocks = nn.ModuleList(ResidualMLPBlock(64, 256) for _ in range(4)).to(CUDA)
     x = torch.randn(2048, 64, device=CUDA, requires_grad=True)
     ref = x
     for block in blocks:

@@ -10,7 +10,6 @@ import contextlib
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -20,6 +19,7 @@ from megatron_lc.memory import (
     linear_cross_entropy,
     tiled_linear_cross_entropy,
 )
+from tests.helpers import ResidualMLPBlock
 
 MIB = 1 << 20
 
@@ -67,18 +67,6 @@ def test_tiled_loss_peak_is_far_below_untiled(fake, n, vocab, hidden_size):
     assert untiled / tiled > 10
 
 
-class _Block(nn.Module):
-    """RMSNorm + MLP residual block: its plain autograd keeps several ffn-wide tensors."""
-
-    def __init__(self, hidden, ffn):
-        super().__init__()
-        self.norm = nn.RMSNorm(hidden)
-        self.w1, self.w2 = nn.Linear(hidden, ffn, bias=False), nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        return x + self.w2(F.silu(self.w1(self.norm(x))))
-
-
 def _activation_bytes(blocks, x, mode, offload=None):
     """(accelerator bytes kept after forward, accelerator peak over the step, host bytes)."""
     tracker = MemTracker()
@@ -102,7 +90,7 @@ def _activation_bytes(blocks, x, mode, offload=None):
 
 def test_checkpoint_and_offload_keep_less_on_the_accelerator():
     hidden, ffn, tokens, layers = 64, 256, 4096, 8
-    blocks = nn.ModuleList(_Block(hidden, ffn) for _ in range(layers))
+    blocks = nn.ModuleList(ResidualMLPBlock(hidden, ffn) for _ in range(layers))
     x = torch.randn(tokens, hidden, requires_grad=True)
     block_input = x.numel() * x.element_size()
     offload = OffloadScheduler(layers, keep_last=1, accelerator="cpu")
@@ -130,7 +118,7 @@ def test_fake_tensors_with_meta_host_count_host_bytes_apart():
     """The planner's setting: fake tensors, accelerator cpu, host meta; the tracker splits them."""
     layers, tokens, hidden = 4, 4096, 64
     with FakeTensorMode():
-        blocks = nn.ModuleList(_Block(hidden, 4 * hidden) for _ in range(layers))
+        blocks = nn.ModuleList(ResidualMLPBlock(hidden, 4 * hidden) for _ in range(layers))
         x = torch.randn(tokens, hidden, requires_grad=True)
         head = torch.randn(1000, hidden, requires_grad=True)
         labels = torch.randint(0, 1000, (tokens,))
