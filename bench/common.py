@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from megatron_lc.data.samples import MockSamples
 from megatron_lc.data.loader import collate
 from megatron_lc.devices import Devices
+from megatron_lc.entry import exit_process
 from megatron_lc.models.llama import get_config
 
 CPU = Devices(torch.device("cpu"), torch.device("cpu"))
@@ -45,6 +46,7 @@ def _entry(rank, fn, world, port, args, queue):
     if rank == 0:
         queue.put(result)
     dist.destroy_process_group()
+    exit_process(0)  # the interpreter's teardown can abort on gloo's threads
 
 
 def run_ranks(fn, world: int, *args):

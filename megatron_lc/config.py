@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import torch
 
+from megatron_lc.data.tokenizers import TOKENIZER_TYPES
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work, named with its flag: one line from rank 0, exit status 2."""
+
 
 def flag(default: Any, help: str, **kwargs) -> Any:
-    """A config field with its help text (and optional argparse extras such as choices)."""
+    """A config field with its help text (and optional argparse extras such as choices; `flag_name`
+    when Megatron-LM spells the flag otherwise than the field name with hyphens)."""
     return field(default=default, metadata={"help": help, **kwargs})
 
 
@@ -73,8 +81,7 @@ class DataArgs:
     valid_data_path: list[str] = flag_list("validation dataset prefixes (default: none)")
     mock_data: bool = flag(False, "deterministic random tokens instead of --data-path")
     tokenizer_type: str | None = flag(None, "tokenizer of the data (for vocab size and generation)",
-                                      choices=(None, "SentencePieceTokenizer", "HuggingFaceTokenizer",
-                                               "TikTokenizer", "ByteTokenizer"))
+                                      choices=(None, *TOKENIZER_TYPES))
     tokenizer_model: str | None = flag(None, "tokenizer file or directory")
     seq_length: int = flag(1024, "tokens per sample")
     micro_batch_size: int = flag(1, "samples per rank per forward/backward")
@@ -88,8 +95,20 @@ class DataArgs:
 @dataclass
 class OptimArgs:
     lr: float = flag(3e-4, "peak learning rate")
-    min_lr: float = flag(3e-5, "learning rate at the end of the cosine decay")
+    min_lr: float = flag(3e-5, "learning rate at the end of the decay (and the floor of inverse-square-root)")
+    lr_decay_style: str = flag("cosine", "learning-rate decay after warmup",
+                               choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    lr_decay_iters: int | None = flag(None, "steps over which the rate decays to --min-lr (default --train-iters)")
     lr_warmup_iters: int = flag(0, "linear warmup steps")
+    lr_warmup_fraction: float | None = flag(None, "warmup as a fraction of --lr-decay-iters (instead of "
+                                            "--lr-warmup-iters)")
+    lr_wsd_decay_iters: int | None = flag(None, "WSD: steps of the final decay (the rate is constant before)")
+    lr_wsd_decay_style: str = flag("linear", "WSD: shape of the final decay", choices=("linear", "cosine"))
+    override_opt_param_scheduler: bool = flag(False, "on resume, take the learning-rate schedule from the command "
+                                              "line, not the checkpoint", flag_name="--override-opt_param-scheduler")
+    use_checkpoint_opt_param_scheduler: bool = flag(False, "on resume, take the learning-rate schedule from the "
+                                                    "checkpoint, whatever the command line says",
+                                                    flag_name="--use-checkpoint-opt_param-scheduler")
     weight_decay: float = flag(0.1, "AdamW weight decay")
     adam_beta1: float = flag(0.9, "AdamW beta1")
     adam_beta2: float = flag(0.95, "AdamW beta2")
@@ -100,17 +119,28 @@ class OptimArgs:
 @dataclass
 class TrainArgs:
     train_iters: int = flag(10, "optimizer steps")
-    bf16: bool = flag(False, "bf16 parameters and compute with fp32 gradient reduction (fp32 without it)")
+    bf16: bool = flag(False, "bf16 compute with fp32 master weights and fp32 gradient reduction (fp32 without it)")
     device: str = flag("auto", "accelerator", choices=("auto", "cuda", "cpu"))
     seed: int = flag(1234, "seed of weights and data order")
     skip_nonfinite: bool = flag(False, "skip a step whose loss or gradient is NaN/Inf instead of stopping")
     exit_interval: int | None = flag(None, "exit after the step divisible by N (after saving), e.g. to fit a job limit")
+    exit_duration_in_mins: float | None = flag(None, "save and exit 0 at the first step boundary after this many "
+                                               "minutes of training")
+    exit_signal_handler: bool = flag(False, "on SIGTERM or SIGUSR1 (preemption, scancel, a time limit with "
+                                     "--signal), save at the next step boundary on every rank and exit 0")
 
 
 @dataclass
 class CheckpointArgs:
     save: str | None = flag(None, "directory to save checkpoints into")
-    load: str | None = flag(None, "directory to resume from (latest complete checkpoint)")
+    load: str | None = flag(None, "directory to resume from (newest intact checkpoint; empty or missing: start "
+                               "from scratch)")
+    finetune: bool = flag(False, "load only the weights from --load and start at step 0 (new optimizer, schedule, "
+                          "data position)")
+    no_load_optim: bool = flag(False, "on resume, do not load the optimizer state")
+    no_load_rng: bool = flag(False, "on resume, do not load the random-number generator state")
+    use_checkpoint_args: bool = flag(False, "take the model's shape (--num-layers, --hidden-size, ...) from the "
+                                     "checkpoint in --load")
     save_interval: int | None = flag(None, "save every N steps (and at the end)")
     keep_last_checkpoints: int = flag(2, "checkpoints kept in --save (older ones are deleted)")
 
@@ -122,6 +152,8 @@ class LoggingArgs:
     tensorboard_dir: str | None = flag(None, "tensorboard event files (default: none)")
     eval_interval: int | None = flag(None, "validation every N steps")
     eval_iters: int = flag(2, "validation micro-batches per evaluation")
+    wandb_project: str | None = flag(None, "Weights & Biases project to log to (needs the wandb package)")
+    wandb_exp_name: str | None = flag(None, "Weights & Biases run name")
 
 
 SECTIONS = {
@@ -171,8 +203,15 @@ class TrainConfig:
 
     def validate(self, world_size: int) -> None:
         """Every impossible combination, with the reason and the fix, before any GPU time is spent."""
-        for check in (self._check_data, self._check_parallel, self._check_memory, self._check_model):
-            check(world_size)
+        checks = (self._check_data, self._check_parallel, self._check_memory, self._check_model,
+                  self._check_run, self._check_schedule, self._check_checkpoint)
+        try:
+            for check in checks:
+                check(world_size)
+        except ConfigError:
+            raise
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from e
 
     def _check_data(self, world_size: int) -> None:
         d = self.data
@@ -199,6 +238,10 @@ class TrainConfig:
         if cp > 1:
             c = self.model_config()
             check_ulysses_shapes(c.num_attention_heads, c.num_query_groups, cp, d.seq_length)
+            if p.cp_impl == "untied_ulysses":
+                from megatron_lc.attention.untied_ulysses import check_untied_shapes
+
+                check_untied_shapes(c.num_attention_heads, c.num_query_groups, cp, p.untied_heads_per_stage or cp)
         dp = world_size // cp
         if d.global_batch_size is not None and d.global_batch_size % (d.micro_batch_size * dp):
             raise ValueError(f"--global-batch-size {d.global_batch_size} is not a multiple of --micro-batch-size "
@@ -208,7 +251,62 @@ class TrainConfig:
         self.parallelize_options().validate()
 
     def _check_model(self, world_size: int) -> None:
+        d = self.data
+        if d.tokenizer_type:
+            from megatron_lc.data.tokenizers import build_tokenizer
+
+            vocab = build_tokenizer(d.tokenizer_type, d.tokenizer_model).vocab_size
+            if self.model.vocab_size is not None and self.model.vocab_size < vocab:
+                raise ConfigError(f"--vocab-size {self.model.vocab_size} is smaller than the vocabulary of "
+                                  f"--tokenizer-model {d.tokenizer_model} ({vocab} ids)")
         self.model_config()  # validates the flavour and overrides
+
+    def _check_schedule(self, world_size: int) -> None:
+        o = self.optim
+        if o.lr < 0 or o.min_lr < 0:
+            raise ConfigError(f"--lr {o.lr} and --min-lr {o.min_lr} must be >= 0")
+        if o.min_lr > o.lr:
+            raise ConfigError(f"--min-lr {o.min_lr} is above --lr {o.lr}: the rate would rise while it decays")
+        if o.lr_warmup_fraction is not None and (o.lr_warmup_iters or not 0 <= o.lr_warmup_fraction <= 1):
+            raise ConfigError(f"--lr-warmup-fraction {o.lr_warmup_fraction}: a fraction in [0, 1], and not "
+                              "together with --lr-warmup-iters")
+        if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
+            raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
+                              "each other: give one")
+        from megatron_lc.training.schedule import schedule_from_config
+
+        schedule_from_config(self)  # decay, warmup and WSD iterations consistent
+
+    def _check_run(self, world_size: int) -> None:
+        t, g = self.train, self.logging
+        if t.train_iters < 1:
+            raise ConfigError(f"--train-iters {t.train_iters}: nothing to train; give at least 1")
+        if g.log_interval < 1:
+            raise ConfigError(f"--log-interval {g.log_interval} must be >= 1")
+        if g.eval_interval is not None and (g.eval_interval < 1 or g.eval_iters < 1):
+            raise ConfigError(f"--eval-interval {g.eval_interval} with --eval-iters {g.eval_iters}: both must be "
+                              ">= 1 (omit --eval-interval for no validation)")
+        if g.eval_interval and not self.data.valid_data_path:
+            raise ConfigError(f"--eval-interval {g.eval_interval} needs validation data: give --valid-data-path")
+        for name, value in (("--exit-interval", t.exit_interval), ("--exit-duration-in-mins", t.exit_duration_in_mins),
+                            ("--save-interval", self.checkpoint.save_interval)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} {value} must be > 0")
+
+    def _check_checkpoint(self, world_size: int) -> None:
+        c = self.checkpoint
+        for name, on in (("--finetune", c.finetune), ("--use-checkpoint-args", c.use_checkpoint_args),
+                         ("--no-load-optim", c.no_load_optim), ("--no-load-rng", c.no_load_rng)):
+            if on and not c.load:
+                raise ConfigError(f"{name} reads the checkpoint in --load: give --load DIR")
+        if c.save:
+            check_writable(c.save, "--save")
+        if self.logging.wandb_project:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError(f"--wandb-project {self.logging.wandb_project} needs the wandb package: "
+                                  "pip install wandb")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -221,15 +319,30 @@ def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def check_writable(directory: str, flag_name: str) -> None:
+    """Create `directory` if needed and prove a file can be written there (before any training time)."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{flag_name} {directory}: not writable ({e.strerror or e})") from e
+
+
 def _add_field(group, f: dataclasses.Field, hint) -> None:
     meta = dict(f.metadata)
     help_text = meta.pop("help", "")
+    names = [_flag_name(f.name)]
+    if "flag_name" in meta:  # Megatron's spelling first, the plain hyphenated one as an alias
+        names.insert(0, meta.pop("flag_name"))
     default = f.default if f.default is not dataclasses.MISSING else None
     if hint is bool:
-        group.add_argument(_flag_name(f.name), action="store_true", default=None, help=help_text)
+        group.add_argument(*names, dest=f.name, action="store_true", default=None, help=help_text)
         return
     kind = _scalar_type(hint)
-    group.add_argument(_flag_name(f.name), type=kind, default=None,
+    group.add_argument(*names, dest=f.name, type=kind, default=None,
                        help=f"{help_text} (default: {default})", **meta)
 
 
@@ -239,8 +352,8 @@ def _scalar_type(hint):
     return args[0] if args else hint
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_lc.train",
+def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_lc.train", exit_on_error=exit_on_error,
                                      description="Train a LLaMA model on long contexts.")
     parser.add_argument("--config", default=None, help="YAML or TOML preset; command-line flags win")
     for section, cls in SECTIONS.items():
@@ -251,8 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_preset(path: str) -> dict:
-    text = Path(path).read_text()
+def _read_preset(path: str) -> dict:
+    """The preset's settings by field name (flat, or grouped by section)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror or e})") from e
     if path.endswith((".yaml", ".yml")):
         import yaml
 
@@ -267,6 +384,35 @@ def _load_preset(path: str) -> dict:
     for key, value in data.items():  # grouped by section or flat
         flat.update(value if key in SECTIONS and isinstance(value, dict) else {key: value})
     return flat
+
+
+def _preset_argv(path: str, values: dict, parser: argparse.ArgumentParser) -> list[str]:
+    """The preset as command-line words, so it is typed and checked exactly like flags."""
+    flags = {a.dest: a for a in parser._actions}  # argparse keeps its actions only here
+    argv = []
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in flags or name == "config":
+            raise ConfigError(f"--config {path}: unknown setting {key!r}")
+        action = flags[name]
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config {path}: {key} must be true or false, got {value!r}")
+            argv += [action.option_strings[0]] if value else []
+        elif value is not None:
+            words = value if isinstance(value, list) else [value]
+            argv += [action.option_strings[0], *(str(w) for w in words)]
+    return argv
+
+
+def _parse_preset(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The preset's values, parsed by the flags' own parser; errors name the file."""
+    argv = _preset_argv(path, _read_preset(path), parser)
+    try:
+        parsed = vars(build_parser(exit_on_error=False).parse_args(argv))
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"--config {path}: {e}") from e
+    return {k: v for k, v in parsed.items() if v is not None and k != "config"}
 
 
 def config_from_values(values: dict) -> TrainConfig:
@@ -284,7 +430,9 @@ def config_from_values(values: dict) -> TrainConfig:
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """TrainConfig from the command line (and the --config preset)."""
-    args = vars(build_parser().parse_args(argv))
-    preset = _load_preset(args.pop("config")) if args.get("config") else {}
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    path = args.pop("config")
+    preset = _parse_preset(path, parser) if path else {}
     values = {**preset, **{k: v for k, v in args.items() if v is not None}}
     return config_from_values(values)

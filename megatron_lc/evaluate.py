@@ -18,11 +18,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_lc.config import config_from_values
+from megatron_lc.config import ConfigError, config_from_values
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import LongSequenceSamples
 from megatron_lc.devices import resolve_devices
+from megatron_lc.entry import run_entry_point
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.conversion import config_from_meta
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
@@ -50,23 +51,28 @@ def evaluate(args) -> dict:
     launch = detect_launch()
     path = checkpointing.latest_checkpoint(args.load)
     if path is None:
-        raise FileNotFoundError(f"--load {args.load}: no complete checkpoint there")
+        raise ConfigError(f"--load {args.load}: no intact checkpoint there")
     meta = checkpointing.read_meta(path)
     config = config_from_meta(meta)
     cfg = config_from_values({"context_parallel_size": args.context_parallel_size, "cp_impl": args.cp_impl,
                               "seq_length": args.seq_length, "data_path": [args.data_path]})
     cfg.validate(launch.world_size)
-    init_distributed()
+    source = LongSequenceSamples(IndexedDataset(args.data_path), args.seq_length, seed=0, shuffle=False)
+    total = min(args.num_samples or len(source), len(source))
+    per_step = args.micro_batch_size * ParallelDims(launch.world_size, cp=args.context_parallel_size).dp
+    if total < per_step:
+        raise ConfigError(f"--data-path {args.data_path} holds {len(source)} whole samples of --seq-length "
+                          f"{args.seq_length}; evaluating needs at least {per_step} (shorten --seq-length)")
     devices = resolve_devices(args.device, launch.local_rank)
+    if devices.is_cuda:
+        torch.cuda.set_device(devices.accelerator)
+    init_distributed(devices.accelerator)
     pstate = ParallelState(ParallelDims(launch.world_size, cp=args.context_parallel_size), devices.accelerator.type)
     model = build_model(config, device="meta")
     parallelize_llama(model, pstate, cfg.parallelize_options(), devices)
     materialize(model, devices)
     checkpointing.load_model_weights(path, model)
     model.eval()
-    source = LongSequenceSamples(IndexedDataset(args.data_path), args.seq_length, seed=0, shuffle=False)
-    total = min(args.num_samples or len(source), len(source))
-    per_step = args.micro_batch_size * pstate.dp_size
     loader = MicroBatchLoader(source, args.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
                               pstate.cp_size, num_samples=total - total % per_step)
     return _loss_over(loader, model, pstate, devices.accelerator, args)
@@ -103,13 +109,13 @@ def _loss_over(loader, model, pstate, device, args) -> dict:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    try:
+
+    def evaluate_and_print() -> None:
         result = evaluate(args)
         if detect_launch().rank == 0:
-            print(json.dumps(result))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            print(json.dumps(result), flush=True)
+
+    run_entry_point(evaluate_and_print)
 
 
 if __name__ == "__main__":

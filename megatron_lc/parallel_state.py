@@ -177,12 +177,28 @@ def _rendezvous_address(launch: LaunchInfo, env: Mapping[str, str]) -> str:
     raise RuntimeError(f"cannot find rank 0's address for launcher {launch.launcher}: set MASTER_ADDR and MASTER_PORT")
 
 
-def init_distributed(backend: str | None = None, env: Mapping[str, str] = os.environ) -> LaunchInfo:
-    """Initialise the default process group from the launcher's environment (no-op for one process)."""
+def process_group_options(accelerator: torch.device | None, backend: str | None = None) -> dict:
+    """Backend (and bound device) for the accelerator the run uses, whatever else the machine has.
+
+    NCCL for CUDA, bound to this rank's device (`device_id`), so the communicator is made on
+    the right GPU at once; gloo for CPU, including `--device cpu` on a machine with GPUs.
+    """
+    on_cuda = accelerator is not None and accelerator.type == "cuda"
+    options = {"backend": backend or ("nccl" if on_cuda else "gloo")}
+    if on_cuda and options["backend"] == "nccl":
+        options["device_id"] = accelerator
+    return options
+
+
+def init_distributed(accelerator: torch.device | None = None, backend: str | None = None,
+                     env: Mapping[str, str] = os.environ) -> LaunchInfo:
+    """Initialise the default process group from the launcher's environment (no-op for one process).
+
+    Call it after `torch.cuda.set_device(accelerator)`: the backend follows the accelerator.
+    """
     launch = detect_launch(env)
     if launch.world_size == 1 or dist.is_initialized():
         return launch
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, init_method=_rendezvous_address(launch, env), rank=launch.rank,
-                            world_size=launch.world_size)
+    dist.init_process_group(init_method=_rendezvous_address(launch, env), rank=launch.rank,
+                            world_size=launch.world_size, **process_group_options(accelerator, backend))
     return launch

@@ -1,23 +1,19 @@
 """Entry point: `python -m megatron_lc.train [flags]`, also under torchrun, srun and mpirun.
 
-`python -m megatron_lc.train --help` lists every flag (Megatron-LM names).
+`python -m megatron_lc.train --help` lists every flag (Megatron-LM names). Exit status:
+0 when the run finished (or saved and stopped on request), 2 on a configuration error
+(one line from rank 0), 1 on any other failure.
 """
 
 import sys
 
-import torch.distributed as dist
-
 from megatron_lc.config import parse_config
+from megatron_lc.entry import run_entry_point
 from megatron_lc.training.trainer import train
 
 
 def main(argv=None) -> None:
-    cfg = parse_config(argv)
-    try:
-        train(cfg)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_entry_point(lambda: train(parse_config(argv)))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron_lc.entry import exit_process
 from megatron_lc.parallel_state import local_sequence_slice
 
 
@@ -25,10 +26,9 @@ def _worker(rank, fn, world_size, port, args):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)  # a failure propagates: mp.spawn reports its traceback and fails the test
+    dist.destroy_process_group()
+    exit_process(0)  # as the entry points do: the interpreter's teardown can abort on gloo's threads
 
 
 def run_distributed(fn, world_size: int, *args) -> None:

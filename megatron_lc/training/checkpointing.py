@@ -9,14 +9,20 @@ A checkpoint is written to `DIR/.tmp_iter_XXXXXXX` and renamed when every rank h
 finished, so a directory named `iter_*` is always complete. DCP stores each tensor with
 its global shape, so a checkpoint loads on any number of ranks (dp or cp changed).
 `meta.json` holds the step, the model shape (a checkpoint of another shape is refused
-with both shapes named), the scheduler, the data position and RNG states.
+with both shapes named), the schedule, the data position, RNG states, and every file
+written with its size. `meta.json` and the marker are written to a temporary name,
+fsynced and renamed, so a crash leaves the old file or the new one, never half of one.
+On load each candidate is verified against its recorded files; a damaged newest
+checkpoint is reported and the newest intact one is used instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from megatron_lc.config import ConfigError
 
 LATEST = "latest_checkpointed_iteration.txt"
 META = "meta.json"
@@ -46,18 +54,85 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"iter_{step:07d}"
 
 
+class DamagedCheckpointError(ValueError):
+    """A checkpoint whose files do not match what was recorded when it was written."""
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write, fsync, rename over `path`, fsync the directory: a reader sees the old text or the new."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def written_files(directory: Path) -> dict[str, int]:
+    """Every file of a checkpoint directory (but meta.json) with its size in bytes."""
+    return {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != META}
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """The checkpoint's meta, once its recorded files are all there at their sizes; else DamagedCheckpointError."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpointError(f"{path / META} is unreadable ({e})") from e
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise DamagedCheckpointError(f"{path / META} has no step")
+    recorded = meta.get("files", {".metadata": None})  # checkpoints older than the file list: DCP's index
+    for name, size in recorded.items():
+        file = path / name
+        actual = file.stat().st_size if file.is_file() else None
+        if actual is None or (size is not None and actual != size):
+            found = "missing" if actual is None else f"{actual} bytes"
+            raise DamagedCheckpointError(f"{file}: {found}, {size} bytes were written" if size is not None
+                                         else f"{file}: missing")
+    return meta
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Checkpoints under root, newest first: the marker's own, then every iter_* by step."""
+    found = sorted(root.glob("iter_*"), reverse=True)
+    try:
+        marked = checkpoint_dir(root, int((root / LATEST).read_text().strip()))
+    except (OSError, ValueError):
+        marked = None  # no marker, or an empty or damaged one: the directories still tell
+    if marked in found:
+        found.remove(marked)
+        found.insert(0, marked)
+    return found
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under root (or root itself when it is one), else None."""
+    """The newest intact checkpoint under root (or root itself when it is one), else None.
+
+    A damaged candidate is reported with what is wrong, and the next older one is tried.
+    """
     root = Path(root)
     if (root / META).exists():
+        verify_checkpoint(root)
         return root
-    marker = root / LATEST
-    if marker.exists():
-        path = checkpoint_dir(root, int(marker.read_text().strip()))
-        if (path / META).exists():
+    for path in _candidates(root):
+        if not (path / META).exists():
+            continue  # never completed: not a checkpoint
+        try:
+            verify_checkpoint(path)
             return path
-    complete = sorted(p for p in root.glob("iter_*") if (p / META).exists())
-    return complete[-1] if complete else None
+        except DamagedCheckpointError as e:
+            if _rank() == 0:
+                warnings.warn(f"skipping damaged checkpoint {path.name}: {e}", stacklevel=2)
+    return None
 
 
 def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, keep_last: int = 2) -> Path:
@@ -80,26 +155,28 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:
-        (tmp / META).write_text(json.dumps({"step": step, **extra}, indent=1, default=str))
+        meta = {"step": step, **extra, "files": written_files(tmp)}
+        write_atomically(tmp / META, json.dumps(meta, indent=1, default=str))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        (root / LATEST).write_text(str(step))
+        fsync_directory(root)
+        write_atomically(root / LATEST, str(step))
         _prune(root, keep_last)
     _barrier()
     return final
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints (intact or not, never the one just written)."""
     complete = sorted(p for p in root.glob("iter_*") if (p / META).exists())
     for old in complete[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def read_meta(path: str | Path) -> dict:
-    meta = Path(path) / META
-    if not meta.exists():
+    if not (Path(path) / META).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META})")
-    return json.loads(meta.read_text())
+    return verify_checkpoint(Path(path))
 
 
 def check_model_matches(meta: dict, model_config, path) -> None:
@@ -110,7 +187,7 @@ def check_model_matches(meta: dict, model_config, path) -> None:
             if k in saved and json.loads(json.dumps(saved[k], default=str)) != json.loads(json.dumps(v, default=str))}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items())
-        raise ValueError(f"checkpoint {path} is of another model ({detail})")
+        raise ConfigError(f"checkpoint {path} is of another model ({detail})")
 
 
 def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
@@ -132,4 +209,14 @@ def load_model_weights(path: str | Path, model) -> dict:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state().tolist()}
+    """This rank's generators (host, and the current CUDA device when there is one)."""
+    state = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))

@@ -1,8 +1,6 @@
-"""AdamW on (sharded) parameters, global-norm gradient clipping, warmup + cosine schedule."""
+"""AdamW on (sharded) parameters and global-norm gradient clipping (the schedule is in schedule.py)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -26,11 +24,3 @@ def clip_grad_norm(parameters, max_norm: float | None) -> torch.Tensor:
     if max_norm is not None and max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach=True)
     return total
-
-
-def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float = 0.1) -> float:
-    """Learning-rate multiplier at `step` (0-based): linear warmup, then cosine down to min_ratio."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -11,13 +11,14 @@ import dataclasses
 import math
 import os
 import resource
+import signal
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_lc.config import TrainConfig
+from megatron_lc.config import ConfigError, TrainConfig
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import LongSequenceSamples, MockSamples, SampleSource
@@ -28,7 +29,8 @@ from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import LaunchInfo, ParallelDims, ParallelState, detect_launch, init_distributed
 from megatron_lc.training import checkpointing
 from megatron_lc.training.logging import MetricsLogger, default_log_dir
-from megatron_lc.training.optim import build_optimizer, warmup_cosine
+from megatron_lc.training.optim import build_optimizer
+from megatron_lc.training.schedule import LRSchedule, schedule_from_config
 from megatron_lc.training.step import IGNORE_INDEX, train_step
 
 # Dense bf16 peak of known accelerators, for MFU.
@@ -61,7 +63,7 @@ class Run:
     pstate: ParallelState
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    schedule: LRSchedule
     offload: object | None
     loader: MicroBatchLoader
     valid_source: SampleSource | None
@@ -85,10 +87,10 @@ def build_run(cfg: TrainConfig) -> Run:
     launch = detect_launch()
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
     set_allocator_defaults()
-    init_distributed()
     devices = resolve_devices(cfg.train.device, launch.local_rank)
     if devices.is_cuda:
         torch.cuda.set_device(devices.accelerator)
+    init_distributed(devices.accelerator)
     p = cfg.parallel
     pstate = ParallelState(ParallelDims(launch.world_size, cp=p.context_parallel_size,
                                         dp_replicate=p.data_parallel_replicate), devices.accelerator.type)
@@ -96,16 +98,12 @@ def build_run(cfg: TrainConfig) -> Run:
     eod = tokenizer.eod if tokenizer else None
     model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)
     opts = cfg.parallelize_options()
-    dtype = torch.bfloat16 if cfg.train.bf16 and not pstate.distributed else torch.float32
-    model = build_model(model_config, device="meta", dtype=dtype)
+    model = build_model(model_config, device="meta", dtype=torch.float32)  # fp32 master weights, also with --bf16
     offload = parallelize_llama(model, pstate, opts, devices)
     materialize(model, devices, seed=cfg.train.seed, fsdp_cpu_offload=p.fsdp_cpu_offload)
     o = cfg.optim
     optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps)
-    min_ratio = o.min_lr / o.lr if o.lr else 0.0
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(
-        s, warmup=o.lr_warmup_iters, total=cfg.train.train_iters, min_ratio=min_ratio))
     train_source = build_sample_source(cfg.data.data_path, cfg, model_config.vocab_size, cfg.train.seed,
                                        shuffle=not cfg.data.no_shuffle)
     valid_source = None
@@ -114,12 +112,12 @@ def build_run(cfg: TrainConfig) -> Run:
                                            shuffle=False)
     per_step = cfg.data.micro_batch_size * pstate.dp_size
     accumulation = (cfg.data.global_batch_size or per_step) // per_step
-    return Run(cfg, launch, devices, pstate, model, optimizer, scheduler, offload,
+    return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg), offload,
                _loader(train_source, cfg, pstate, eod), valid_source, eod, accumulation)
 
 
 def _autocast(run: Run):
-    """bf16 compute in one process (FSDP's mixed-precision policy does it when sharded)."""
+    """bf16 compute over fp32 parameters in one process (FSDP's mixed-precision policy does it when sharded)."""
     if run.cfg.train.bf16 and not run.pstate.distributed:
         return torch.autocast(run.devices.accelerator.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -184,13 +182,14 @@ def _check_finite(step: int, loss: float, grad_norm: float, skip: bool) -> bool:
 def train_one_step(run: Run, step: int) -> dict:
     start = time.perf_counter()
     micro_batches = [next(run.loader) for _ in range(run.accumulation)]
-    lr = run.scheduler.get_last_lr()[0]
+    lr = run.schedule(step - 1)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
     finite = lambda r: _check_finite(step, r.loss.item(), r.grad_norm.item(), run.cfg.train.skip_nonfinite)  # noqa: E731
     with _autocast(run):
         result = train_step(run.model, run.optimizer, micro_batches, run.pstate, run.devices.accelerator,
                             run.cfg.optim.clip_grad or None, may_step=finite)
     loss, norm = result.loss.item(), result.grad_norm.item()
-    run.scheduler.step()
     elapsed = time.perf_counter() - start
     tokens = len(micro_batches) * run.cfg.data.micro_batch_size * run.cfg.data.seq_length * run.pstate.dp_size
     flops_per_gpu = step_flops(run, tokens) / elapsed / run.launch.world_size
@@ -204,31 +203,85 @@ def train_one_step(run: Run, step: int) -> dict:
     return metrics
 
 
+def _data_settings(cfg: TrainConfig, pstate: ParallelState) -> dict:
+    """What fixes which tokens a step reads: a resume must see the same (the position is counted in samples)."""
+    d = cfg.data
+    return {"--data-path": d.data_path, "--seq-length": d.seq_length, "--seed": cfg.train.seed,
+            "--no-shuffle": d.no_shuffle, "--reset-position-ids": d.reset_position_ids,
+            "--eod-mask-loss": d.eod_mask_loss,
+            "--global-batch-size": d.global_batch_size or d.micro_batch_size * pstate.dp_size}
+
+
 def _checkpoint_extra(run: Run) -> dict:
     return {"model_config": dataclasses.asdict(run.model.config), "train_config": run.cfg.to_dict(),
-            "scheduler": run.scheduler.state_dict(), "data": run.loader.state_dict(),
-            "world_size": run.launch.world_size, "rng": checkpointing.rng_state()}
+            "schedule": run.schedule.to_dict(), "data_settings": _data_settings(run.cfg, run.pstate),
+            "data": run.loader.state_dict(), "world_size": run.launch.world_size, "rng": checkpointing.rng_state()}
+
+
+def _differences(saved: dict, current: dict) -> str:
+    return ", ".join(f"{k} {saved[k]} in the checkpoint, {v} now" for k, v in current.items()
+                     if k in saved and saved[k] != v)
+
+
+def resumed_schedule(meta: dict, cfg: TrainConfig, current: LRSchedule, path) -> LRSchedule:
+    """The schedule to continue with: the checkpoint's and the command line's must agree unless a flag chooses."""
+    if "schedule" not in meta or cfg.optim.override_opt_param_scheduler:
+        return current
+    saved = LRSchedule(**meta["schedule"])
+    if saved == current or cfg.optim.use_checkpoint_opt_param_scheduler:
+        return saved
+    diff = _differences(saved.to_dict(), current.to_dict())
+    raise ConfigError(f"checkpoint {path} has another learning-rate schedule ({diff}): pass "
+                      "--override-opt_param-scheduler to use the command line's, or "
+                      "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
+def check_data_settings(meta: dict, cfg: TrainConfig, pstate: ParallelState, path) -> None:
+    """Refuse to continue a data stream under other settings (it would re-read or skip data)."""
+    diff = _differences(meta.get("data_settings", {}), _data_settings(cfg, pstate))
+    if diff:
+        raise ConfigError(f"checkpoint {path} read its data with other settings ({diff}): restore them to "
+                          "resume, or pass --finetune to start a new run from its weights")
+
+
+def apply_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
+    """--use-checkpoint-args: the model's shape from the checkpoint in --load."""
+    path = checkpointing.latest_checkpoint(cfg.checkpoint.load)
+    if path is None:
+        raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {cfg.checkpoint.load}")
+    model = checkpointing.read_meta(path).get("train_config", {}).get("model")
+    if not model:
+        raise ConfigError(f"--use-checkpoint-args: {path} records no model settings")
+    return dataclasses.replace(cfg, model=type(cfg.model)(**model))
+
+
+def _say(run: Run, text: str) -> None:
+    if run.is_logging_rank:
+        print(text, flush=True)
 
 
 def resume(run: Run) -> int:
-    """Load the latest checkpoint under --load; returns the step to start from (0 without one)."""
-    if not run.cfg.checkpoint.load:
+    """Load the newest intact checkpoint under --load; returns the step to start from (0 without one)."""
+    c = run.cfg.checkpoint
+    if not c.load:
         return 0
-    path = checkpointing.latest_checkpoint(run.cfg.checkpoint.load)
+    path = checkpointing.latest_checkpoint(c.load)
     if path is None:
-        raise FileNotFoundError(f"--load {run.cfg.checkpoint.load}: no complete checkpoint there")
+        _say(run, f"--load {c.load}: no checkpoint there yet; training starts from scratch")
+        return 0
     meta = checkpointing.read_meta(path)
     checkpointing.check_model_matches(meta, run.model.config, path)
-    if meta.get("weights_only"):
+    if meta.get("weights_only") or c.finetune:
         checkpointing.load_model_weights(path, run.model)
-        if run.is_logging_rank:
-            print(f"loaded weights from {path}; training starts at step 0", flush=True)
+        _say(run, f"loaded weights from {path}; training starts at step 0")
         return 0
-    checkpointing.load_checkpoint(path, run.model, run.optimizer)
-    run.scheduler.load_state_dict(meta["scheduler"])
+    check_data_settings(meta, run.cfg, run.pstate, path)
+    run.schedule = resumed_schedule(meta, run.cfg, run.schedule, path)
+    checkpointing.load_checkpoint(path, run.model, None if c.no_load_optim else run.optimizer)
     run.loader.load_state_dict(meta["data"])
-    if run.is_logging_rank:
-        print(f"resumed from {path} at step {meta['step']}", flush=True)
+    if not c.no_load_rng and "rng" in meta:
+        checkpointing.set_rng_state(meta["rng"])
+    _say(run, f"resumed from {path} at step {meta['step']}")
     return int(meta["step"])
 
 
@@ -236,33 +289,91 @@ def save(run: Run, step: int) -> None:
     c = run.cfg.checkpoint
     path = checkpointing.save_checkpoint(c.save, step, run.model, run.optimizer, _checkpoint_extra(run),
                                          keep_last=c.keep_last_checkpoints)
-    if run.is_logging_rank:
-        print(f"saved {path}", flush=True)
+    _say(run, f"saved {path}")
+
+
+class StopRequest:
+    """Save and stop at a step boundary on a signal (--exit-signal-handler) or on time (--exit-duration-in-mins).
+
+    A signal may reach only some ranks, and clocks differ: every rank contributes its
+    reason to one all-reduce per step, so all of them stop at the same step.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, cfg: TrainConfig, device: torch.device):
+        self.handle_signals = cfg.train.exit_signal_handler
+        self.deadline = (time.monotonic() + 60 * cfg.train.exit_duration_in_mins
+                         if cfg.train.exit_duration_in_mins else None)
+        self.device = device
+        self.received: int | None = None
+        self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS} if self.handle_signals else {}
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signum
+
+    def reason(self) -> str | None:
+        """Why every rank stops after this step (None: go on)."""
+        if not self.handle_signals and self.deadline is None:
+            return None
+        flags = torch.tensor([self.received is not None, self.deadline is not None and time.monotonic() >= self.deadline],
+                             dtype=torch.int32, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, timed_out = flags.tolist()
+        if signalled:
+            return f"signal {signal.Signals(self.received).name if self.received else 'on another rank'}"
+        return "--exit-duration-in-mins reached" if timed_out else None
+
+    def close(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def _eta_s(step_times: list[float], remaining: int) -> float:
+    """Remaining time from the mean step time, leaving out the first step (warm-up) once others exist."""
+    times = step_times[1:] or step_times
+    return remaining * sum(times) / len(times)
 
 
 def train(cfg: TrainConfig) -> list[dict]:
-    """Run training to --train-iters; returns the logged metrics."""
+    """Run training to --train-iters (or a stop request); returns the logged metrics."""
+    if cfg.checkpoint.use_checkpoint_args:
+        cfg = apply_checkpoint_args(cfg)
     run = build_run(cfg)
     start = resume(run)
+    if start >= cfg.train.train_iters:
+        _say(run, f"the checkpoint is at step {start}, --train-iters is {cfg.train.train_iters}: nothing left to do")
+        return []
     log_dir = cfg.logging.log_dir or str(default_log_dir())
-    logger = MetricsLogger(log_dir, cfg.logging.tensorboard_dir, cfg.train.train_iters, run.is_logging_rank)
-    if run.is_logging_rank:
-        n = count_parameters(run.model)
-        print(f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
-              f"seq {cfg.data.seq_length} | metrics in {log_dir}/metrics.jsonl", flush=True)
-    history = []
-    for step in range(start + 1, cfg.train.train_iters + 1):
-        metrics = train_one_step(run, step)
-        if cfg.logging.eval_interval and run.valid_source is not None and step % cfg.logging.eval_interval == 0:
-            metrics["val_loss"] = evaluate(run, cfg.logging.eval_iters)
-        if step % cfg.logging.log_interval == 0 or step in (start + 1, cfg.train.train_iters):
-            logger.log(metrics)
-        history.append(metrics)
-        c = cfg.checkpoint
-        exiting = bool(cfg.train.exit_interval) and step % cfg.train.exit_interval == 0
-        if c.save and ((c.save_interval and step % c.save_interval == 0) or step == cfg.train.train_iters or exiting):
-            save(run, step)
-        if exiting:
-            break
-    logger.close()
+    logger = MetricsLogger(log_dir, cfg.logging.tensorboard_dir, cfg.train.train_iters, run.is_logging_rank,
+                           wandb=(cfg.logging.wandb_project, cfg.logging.wandb_exp_name, cfg.to_dict()))
+    n = count_parameters(run.model)
+    _say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
+              f"seq {cfg.data.seq_length} | metrics in {log_dir}/metrics.jsonl")
+    stop = StopRequest(cfg, run.devices.accelerator)
+    history, step_times, began = [], [], time.monotonic()
+    try:
+        for step in range(start + 1, cfg.train.train_iters + 1):
+            metrics = train_one_step(run, step)
+            step_times.append(metrics["step_time_s"])
+            metrics.update(elapsed_s=time.monotonic() - began, eta_s=_eta_s(step_times, cfg.train.train_iters - step))
+            if cfg.logging.eval_interval and step % cfg.logging.eval_interval == 0:
+                metrics["val_loss"] = evaluate(run, cfg.logging.eval_iters)
+            if step % cfg.logging.log_interval == 0 or step in (start + 1, cfg.train.train_iters):
+                logger.log(metrics)
+            history.append(metrics)
+            c = cfg.checkpoint
+            exiting = bool(cfg.train.exit_interval) and step % cfg.train.exit_interval == 0
+            reason = stop.reason()
+            if c.save and ((c.save_interval and step % c.save_interval == 0) or step == cfg.train.train_iters
+                           or exiting or reason):
+                save(run, step)
+            if reason:
+                _say(run, f"stopping after step {step}: {reason}" + ("" if c.save else " (no --save: nothing saved)"))
+            if exiting or reason:
+                break
+    finally:
+        stop.close()
+        logger.close()
     return history

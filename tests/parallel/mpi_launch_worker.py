@@ -6,6 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_lc.entry import exit_process
 from megatron_lc.parallel_state import ParallelDims, ParallelState, init_distributed
 
 
@@ -19,6 +20,7 @@ def main(out_prefix: str) -> None:
         json.dump({"launcher": launch.launcher, "rank": launch.rank, "world_size": launch.world_size,
                    "local_rank": launch.local_rank, "cp_rank": pstate.cp_rank, "sum": value.item()}, f)
     dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from megatron_lc.training.optim import clip_grad_norm, warmup_cosine
+from megatron_lc.training.optim import clip_grad_norm
 
 
 def _params_with_grads(*grads):
@@ -25,10 +25,3 @@ def test_clip_grad_norm_leaves_small_gradients_and_skips_missing_ones():
     params.append(torch.nn.Parameter(torch.zeros(2)))  # no gradient
     assert math.isclose(clip_grad_norm(params, 1.0).item(), 0.5, rel_tol=1e-6)
     assert torch.allclose(params[0].grad, torch.tensor([0.3, 0.4]))
-
-
-def test_warmup_then_cosine_schedule():
-    assert warmup_cosine(0, warmup=4, total=10) == 0.25
-    assert warmup_cosine(3, warmup=4, total=10) == 1.0
-    assert math.isclose(warmup_cosine(10, warmup=4, total=10), 0.1)
-    assert warmup_cosine(5, warmup=4, total=10) > warmup_cosine(8, warmup=4, total=10)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lc.config import parse_config
+from megatron_lc.config import ConfigError, parse_config
 from megatron_lc.training import checkpointing
 from megatron_lc.training.trainer import NonFiniteError, train
 from tests.helpers import free_port
@@ -35,6 +35,14 @@ def _losses(log_dir):
     (["--offload-activations"], "--recompute-granularity full"),
     (["--global-batch-size", "3", "--micro-batch-size", "2"], "--global-batch-size 3"),
     (["--model", "llama-7t"], "llama-7t"),
+    (["--train-iters", "0"], "--train-iters 0: nothing to train"),
+    (["--log-interval", "0"], "--log-interval 0 must be >= 1"),
+    (["--eval-interval", "1", "--eval-iters", "0"], "--eval-iters 0"),
+    (["--eval-interval", "2"], "needs validation data"),
+    (["--min-lr", "1e-2"], "--min-lr 0.01 is above --lr"),
+    (["--finetune"], "--finetune reads the checkpoint in --load"),
+    (["--context-parallel-size", "2", "--cp-impl", "untied_ulysses", "--untied-heads-per-stage", "3"],
+     "--untied-heads-per-stage 3"),
 ])
 def test_impossible_configurations_fail_before_any_work(flags, message):
     cfg = parse_config(BASE + flags)
@@ -45,7 +53,7 @@ def test_impossible_configurations_fail_before_any_work(flags, message):
 
 def test_missing_dataset_names_the_file(tmp_path):
     cfg = parse_config(["--data-path", str(tmp_path / "corpus_text_document")])
-    with pytest.raises(FileNotFoundError, match="corpus_text_document.bin"):
+    with pytest.raises(ConfigError, match="corpus_text_document.bin"):
         cfg.validate(world_size=1)
 
 

@@ -1,0 +1,60 @@
+"""How every entry point ends: 0 when done, 2 on a configuration error, 1 on a failure.
+
+A finished distributed run must report success. With gloo, the interpreter's teardown
+after `destroy_process_group()` can still meet the process group's worker threads and
+abort (`terminate called without an active exception`, SIGABRT) although all work is
+done. Once the group is destroyed and output is flushed nothing is left to clean up, so
+the process leaves with `os._exit`. A configuration error is one line from rank 0, with
+no traceback, exit status 2 (every rank reaches the same conclusion from the same flags).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from typing import Callable, NoReturn
+
+import torch.distributed as dist
+
+from megatron_lc.config import ConfigError
+from megatron_lc.parallel_state import detect_launch
+
+EXIT_OK, EXIT_FAILURE, EXIT_CONFIG_ERROR = 0, 1, 2
+
+
+def exit_process(code: int) -> NoReturn:
+    """Flush what was written and leave now (see the module docstring for why not `sys.exit`)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe must not turn success into failure
+            pass
+    os._exit(code)
+
+
+def finish_distributed() -> None:
+    """Tear the process group down after a finished run (every rank reaches this)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_entry_point(main: Callable[[], object]) -> NoReturn:
+    """Run `main()` and exit with its outcome's status; never returns."""
+    try:
+        main()
+    except SystemExit as e:  # argparse's usage errors and --help come before any process group
+        if not dist.is_initialized():
+            raise
+        exit_process(e.code if isinstance(e.code, int) else EXIT_FAILURE)
+    except ConfigError as e:
+        if detect_launch().rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        exit_process(EXIT_CONFIG_ERROR)
+    except BaseException:  # noqa: BLE001 - any other failure: its traceback, then a failing status
+        traceback.print_exc()
+        exit_process(EXIT_FAILURE)  # no teardown: other ranks may still wait in a collective
+    finish_distributed()
+    exit_process(EXIT_OK)
