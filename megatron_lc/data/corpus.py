@@ -1,4 +1,4 @@
-"""Reading raw corpora as a stream of documents, each text in bounded pieces.
+"""Reading raw corpora as a stream of documents, each text whole.
 
 Inputs, by name: `*.jsonl` and `*.json` (JSON lines; a `.json` file whose first
 character is `[` is one JSON array, read incrementally), `*.parquet`, directories
@@ -7,9 +7,11 @@ document per file). `.gz` compression is read transparently for JSON and text.
 Other directories stand for the files inside them (recursively, sorted, hidden
 entries skipped).
 
-Nothing here holds more than one document (and for plain-text files, one piece) in
-memory. Bad input goes through `InputProblems`, which raises with the file and line
-or, with `skip_invalid`, counts the skip for the summary.
+Nothing here holds more than one document in memory. A text is never cut: tokenizers
+are not local (a unigram Viterbi pass over the whole input resolves near-ties by the
+whole input), so only the whole text gives the tokenizer's ids. Bad input goes through
+`InputProblems`, which raises with the file and line or, with `skip_invalid`, counts
+the skip for the summary.
 """
 
 from __future__ import annotations
@@ -19,13 +21,10 @@ import glob
 import gzip
 import json
 import os
+import re
 from dataclasses import dataclass, field
-from typing import IO, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Iterator, Mapping, Sequence
 
-# Long texts are tokenized in pieces of about this many characters, cut after a
-# newline where possible: tokenizer cost stays linear (SentencePiece encodes 1 MB
-# inputs about 3x slower per byte than 16 KB ones) and workers stay balanced.
-DEFAULT_PIECE_CHARS = 16_384
 _READ_BLOCK_BYTES = 1 << 20
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
@@ -93,60 +92,18 @@ class InputProblems:
 
 @dataclass
 class Document:
-    """One input record: for each JSON key, its text as an iterable of pieces."""
+    """One input record: for each JSON key, its whole text."""
 
     location: Location
-    texts: dict[str, Iterable[str]]
+    texts: dict[str, str]
 
 
 @dataclass(frozen=True)
 class ReadOptions:
-    """What to read from each record and how to cut long texts."""
+    """What to read from each record."""
 
     keys: tuple[str, ...] = ("text",)
-    piece_chars: int = DEFAULT_PIECE_CHARS
     split: str = "train"  # the split read from a saved DatasetDict
-
-
-def split_text(text: str, piece_chars: int = DEFAULT_PIECE_CHARS) -> Iterator[str]:
-    """`text` in consecutive pieces of at most `piece_chars` characters; joined, they give
-    `text` back. Cuts fall after a newline that starts a non-blank line where possible,
-    where pre-tokenizers split anyway, so the ids match those of the whole text."""
-    start = 0
-    while len(text) - start > piece_chars:
-        cut = _cut_point(text, start, start + piece_chars)
-        yield text[start:cut]
-        start = cut
-    yield text[start:]
-
-
-def _cut_point(text: str, start: int, limit: int) -> int:
-    """Where to end the piece `text[start:limit]`: after a newline followed by
-    non-whitespace, else after any newline, else after a space, else at `limit`."""
-    newline = text.rfind("\n", start, limit)
-    candidate = newline
-    while candidate >= start and text[candidate + 1].isspace():
-        candidate = text.rfind("\n", start, candidate)
-    if candidate >= start:
-        return candidate + 1
-    return newline + 1 or text.rfind(" ", start, limit) + 1 or limit
-
-
-def _utf8_boundary(block: bytes) -> int:
-    """The end of the last complete UTF-8 character of `block` (its length if it is whole)."""
-    end = len(block)
-    for lead in range(end - 1, max(end - 4, 0) - 1, -1):
-        byte = block[lead]
-        if byte & 0xC0 != 0x80:  # a lead byte or ASCII, not a continuation byte
-            width = 1 if byte < 0x80 else 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
-            return end if lead + width <= end else lead
-    return end
-
-
-def _byte_cut(block: bytes) -> int:
-    """Where to end a piece of `block`: after its last newline, else after its last
-    space, else at the last UTF-8 character boundary."""
-    return block.rfind(b"\n") + 1 or block.rfind(b" ") + 1 or _utf8_boundary(block)
 
 
 def _open_binary(path: str) -> IO[bytes]:
@@ -160,7 +117,7 @@ def _fields_to_document(
     if not isinstance(fields, Mapping):
         problems.invalid(location, "not a JSON object", type(fields).__name__)
         return None
-    texts: dict[str, Iterable[str]] = {}
+    texts: dict[str, str] = {}
     for key in options.keys:
         value = fields.get(key)
         if value is None:
@@ -172,8 +129,24 @@ def _fields_to_document(
         if not value.strip():
             problems.skipped(location, "empty document", f"key {key!r}")
             return None
-        texts[key] = split_text(value, options.piece_chars)
+        surrogate = lone_surrogate(value, key)
+        if surrogate:
+            problems.invalid(location, "lone surrogate (not encodable as UTF-8)", surrogate)
+            return None
+        texts[key] = value
     return Document(location, texts)
+
+
+# JSON's "\ud800" escapes decode to lone surrogates: text no tokenizer can encode as UTF-8.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str, key: str) -> str:
+    """Where `text` holds a lone surrogate, as `U+D800 at character N of 'key'`, else ''."""
+    found = None if text.isascii() else _LONE_SURROGATE.search(text)
+    if found is None:
+        return ""
+    return f"U+{ord(found.group()):04X} at character {found.start() + 1} of {key!r}"
 
 
 def read_json_lines(path: str, options: ReadOptions, problems: InputProblems) -> Iterator[Document]:
@@ -279,72 +252,23 @@ def _starts_with_bracket(path: str) -> bool:
         return stream.read(4096).lstrip()[:1] == b"["
 
 
-def first_invalid_utf8(path: str) -> tuple[int, str] | None:
-    """(line, detail) of the first invalid UTF-8 in a file, or None when it is valid."""
-    line = 1
-    carry = b""
-    with _open_binary(path) as stream:
-        while True:
-            data = stream.read(16 * _READ_BLOCK_BYTES)
-            block = carry + data
-            cut = len(block) if not data else _utf8_boundary(block)
-            try:
-                block[:cut].decode("utf-8")
-            except UnicodeDecodeError as error:
-                line += block.count(b"\n", 0, error.start)
-                return line, f"byte {block[error.start]:#04x} ({error.reason})"
-            if not data:
-                return None
-            line += block.count(b"\n", 0, cut)
-            carry = block[cut:]
-
-
-def text_file_pieces(path: str, piece_chars: int) -> Iterator[str]:
-    """A (valid UTF-8) text file in line-aligned pieces of about `piece_chars` bytes."""
-    carry = b""
-    with _open_binary(path) as stream:
-        while True:
-            data = stream.read(piece_chars)
-            block = carry + data
-            if not data:
-                if block:
-                    yield block.decode("utf-8")
-                return
-            cut = _byte_cut(block)
-            carry = block[cut:]
-            if cut:
-                yield block[:cut].decode("utf-8")
-
-
-def _nonblank(pieces: Iterator[str]) -> Iterator[str] | None:
-    """The same pieces, or None when they are all whitespace (peeks past blank ones)."""
-    blank: list[str] = []
-    for piece in pieces:
-        blank.append(piece)
-        if piece.strip():
-            return _chain(blank, pieces)
-    return None
-
-
-def _chain(first: list[str], rest: Iterator[str]) -> Iterator[str]:
-    yield from first
-    yield from rest
-
-
 def read_text_file(path: str, options: ReadOptions, problems: InputProblems) -> Iterator[Document]:
-    """The whole file as one document, read in pieces; invalid UTF-8 is invalid input."""
+    """The whole file as one document; invalid UTF-8 is invalid input, named by line."""
     location = Location(path, 1)
     if len(options.keys) != 1:
         raise InvalidInputError(f"{path}: a plain-text file has one field, but --json-keys names {len(options.keys)}")
-    invalid = first_invalid_utf8(path)
-    if invalid is not None:
-        problems.invalid(Location(path, invalid[0]), "invalid UTF-8", invalid[1])
+    with _open_binary(path) as stream:
+        data = stream.read()
+    try:
+        text = data.decode("utf-8")  # bytes as they are: CRLF and every space kept
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        problems.invalid(Location(path, line), "invalid UTF-8", f"byte {data[error.start]:#04x} ({error.reason})")
         return
-    pieces = _nonblank(text_file_pieces(path, options.piece_chars))
-    if pieces is None:
+    if not text.strip():
         problems.skipped(location, "empty document", "blank file")
         return
-    yield Document(location, {options.keys[0]: pieces})
+    yield Document(location, {options.keys[0]: text})
 
 
 def read_parquet(path: str, options: ReadOptions, problems: InputProblems) -> Iterator[Document]:

@@ -309,6 +309,18 @@ class IndexedDatasetBuilder:
         self.add_tokens(tokens)
         self.end_item()
 
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents of one sequence each, given back to back (`lengths` sums to
+        `len(tokens)`): one write for many documents."""
+        self._require_no_open_item("add_documents")
+        if int(lengths.sum()) != len(tokens) or (len(lengths) and int(lengths.max()) > np.iinfo(np.int32).max):
+            raise ValueError(f"{self.bin_path}: document lengths do not fit the tokens given")
+        values = self._checked(tokens)
+        self._data_file.write(values.astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
+        first = len(self._sequence_lengths)
+        self._sequence_lengths.frombytes(lengths.astype(np.int64).tobytes())
+        self._document_indices.frombytes(np.arange(first + 1, first + len(lengths) + 1, dtype=np.int64).tobytes())
+
     def end_document(self) -> None:
         """Mark the sequences added since the last call as one document."""
         self._require_no_open_item("end_document")

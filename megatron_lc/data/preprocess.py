@@ -1,9 +1,12 @@
 """Tokenize raw corpora into Megatron indexed datasets (`PREFIX_{key}_document.{bin,idx}`).
 
-The main process reads documents and cuts long texts into pieces; a pool of worker
-processes tokenizes groups of pieces; the main process writes the results in input
-order. At most a few groups are in flight at once, so memory stays bounded however
-large the corpus or its documents. `tools/preprocess_data.py` is the command line.
+Every document is encoded whole, in one tokenizer call: its ids are exactly the
+tokenizer's encoding of the document, whatever the text (a unigram model's Viterbi
+pass, for one, is not local, so pieces encoded apart can differ anywhere). The main
+process reads documents and groups consecutive ones into tasks; `--workers` processes
+encode tasks; the main process writes the results in input order. At most a few tasks
+are in flight, so memory stays bounded by a few tasks and the largest document.
+`tools/preprocess_data.py` is the command line.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from megatron_lc.data.corpus import (
-    DEFAULT_PIECE_CHARS,
     Document,
     InputProblems,
     InvalidInputError,
@@ -41,9 +43,13 @@ from megatron_lc.data.indexed_dataset import (
 )
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
-# Pieces are sent to workers in groups of about this many characters: large enough
-# to amortise inter-process transfer, small enough to keep every worker busy.
+# Documents go to workers in groups of about this many characters: large enough to
+# amortise inter-process transfer, small enough to keep every worker busy.
 TASK_CHARS = 256_000
+
+
+class NoDocumentsError(ValueError):
+    """The inputs hold no text under the keys: nothing is written."""
 
 
 @dataclass(frozen=True)
@@ -61,14 +67,13 @@ class PreprocessOptions:
     prepend_bos: bool = False
     skip_invalid: bool = False
     log_interval: int = 1000
-    piece_chars: int = DEFAULT_PIECE_CHARS
     split: str = "train"
     show_progress: bool = True
 
 
 @dataclass(frozen=True)
 class EncodeConfig:
-    """What a worker needs to turn text pieces into token arrays."""
+    """What a worker needs to turn texts into token arrays."""
 
     tokenizer_type: str
     tokenizer_model: str | None
@@ -77,23 +82,20 @@ class EncodeConfig:
     prepend_bos: bool
 
 
-@dataclass(frozen=True)
-class PieceInfo:
-    """Where a piece belongs: its key, and whether it opens or closes its document."""
-
-    key_index: int
-    first: bool
-    last: bool
-    closes_record: bool  # the last piece of the record's last key
-
-
 @dataclass
 class Task:
-    """A group of consecutive pieces tokenized by one worker call."""
+    """Consecutive records (one text per key each) encoded by one worker call."""
 
-    texts: list[str] = field(default_factory=list)
-    infos: list[PieceInfo] = field(default_factory=list)
+    records: list[tuple[str, ...]] = field(default_factory=list)
     chars: int = 0
+
+
+@dataclass(frozen=True)
+class EncodedKey:
+    """One key's documents of a task: their tokens back to back, and each one's length."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
 
 
 @functools.lru_cache(maxsize=4)
@@ -102,57 +104,42 @@ def cached_tokenizer(tokenizer_type: str, tokenizer_model: str | None) -> Tokeni
     return build_tokenizer(tokenizer_type, tokenizer_model)
 
 
-def encode_task(config: EncodeConfig, texts: Sequence[str], infos: Sequence[PieceInfo]) -> list[np.ndarray]:
-    """Token arrays of `texts`, with BOS/EOD added at document starts/ends as configured."""
+def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]]) -> list[EncodedKey]:
+    """Each key's documents, every text encoded whole, with BOS/EOD as configured."""
     tokenizer = cached_tokenizer(config.tokenizer_type, config.tokenizer_model)
-    arrays = []
-    for text, info in zip(texts, infos, strict=True):
-        ids = tokenizer.tokenize_piece(text, info.first)
-        if info.first and config.prepend_bos:
-            ids = [tokenizer.bos, *ids]
-        if info.last and config.append_eod:
-            ids.append(tokenizer.eod)
-        arrays.append(np.asarray(ids, dtype=config.dtype))
-    return arrays
+    prefix = [tokenizer.bos] if config.prepend_bos else []
+    suffix = [tokenizer.eod] if config.append_eod else []
+    encoded = []
+    for key_index in range(len(records[0])):
+        documents = tokenizer.tokenize_batch([record[key_index] for record in records])
+        flat: list[int] = []
+        for ids in documents:
+            flat += prefix
+            flat += ids
+            flat += suffix
+        extra = len(prefix) + len(suffix)
+        lengths = np.fromiter((len(ids) + extra for ids in documents), dtype=np.int64, count=len(documents))
+        encoded.append(EncodedKey(np.array(flat, dtype=config.dtype), lengths))
+    return encoded
 
 
-def _with_last(items: Iterable[str]) -> Iterator[tuple[str, bool]]:
-    """Each item with whether it is the last one (one item of lookahead)."""
-    iterator = iter(items)
-    previous = next(iterator, None)
-    while previous is not None:
-        following = next(iterator, None)
-        yield previous, following is None
-        previous = following
-
-
-def document_pieces(documents: Iterable[Document], keys: Sequence[str]) -> Iterator[tuple[str, PieceInfo]]:
-    """Every piece of every document, key by key, in order."""
-    for document in documents:
-        for key_index, key in enumerate(keys):
-            first = True
-            for text, last in _with_last(document.texts[key]):
-                closes = last and key_index == len(keys) - 1
-                yield text, PieceInfo(key_index, first, last, closes)
-                first = False
-
-
-def group_pieces(pieces: Iterable[tuple[str, PieceInfo]], task_chars: int = TASK_CHARS) -> Iterator[Task]:
-    """Consecutive pieces in groups of about `task_chars` characters."""
+def group_documents(documents: Iterable[Document], keys: Sequence[str]) -> Iterator[Task]:
+    """Consecutive documents in tasks of about `TASK_CHARS` characters (a longer document
+    is a task of its own: it is never cut)."""
     task = Task()
-    for text, info in pieces:
-        task.texts.append(text)
-        task.infos.append(info)
-        task.chars += len(text)
-        if task.chars >= task_chars:
+    for document in documents:
+        record = tuple(document.texts[key] for key in keys)
+        task.records.append(record)
+        task.chars += sum(len(text) for text in record)
+        if task.chars >= TASK_CHARS:
             yield task
             task = Task()
-    if task.texts:
+    if task.records:
         yield task
 
 
 class TokenizerPool:
-    """Tokenizes tasks in order, in `workers` processes (in this process for one)."""
+    """Encodes tasks in order, in `workers` processes (in this process for one)."""
 
     def __init__(self, config: EncodeConfig, workers: int) -> None:
         self.config = config
@@ -167,22 +154,19 @@ class TokenizerPool:
             self._pool.terminate()
             self._pool.join()
 
-    def map_ordered(self, tasks: Iterable[Task]) -> Iterator[tuple[list[PieceInfo], list[np.ndarray]]]:
-        """(piece infos, token arrays) per task, in task order, a bounded number in flight."""
+    def map_ordered(self, tasks: Iterable[Task]) -> Iterator[list[EncodedKey]]:
+        """Each task's encoding, in task order, a bounded number in flight."""
         if self._pool is None:
             for task in tasks:
-                yield task.infos, encode_task(self.config, task.texts, task.infos)
+                yield encode_task(self.config, task.records)
             return
         in_flight: deque = deque()
         for task in tasks:
-            result = self._pool.apply_async(encode_task, (self.config, task.texts, task.infos))
-            in_flight.append((task.infos, result))
+            in_flight.append(self._pool.apply_async(encode_task, (self.config, task.records)))
             if len(in_flight) >= 2 * self.workers + 2:
-                infos, result = in_flight.popleft()
-                yield infos, result.get()
+                yield in_flight.popleft().get()
         while in_flight:
-            infos, result = in_flight.popleft()
-            yield infos, result.get()
+            yield in_flight.popleft().get()
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
@@ -209,14 +193,11 @@ class DatasetWriters:
             for builder in self.builders:
                 builder.abort()
 
-    def write(self, info: PieceInfo, tokens: np.ndarray) -> None:
-        """Append a piece to its key's open sequence, closing the document on its last piece."""
-        builder = self.builders[info.key_index]
-        builder.add_tokens(tokens)
-        self.tokens[info.key_index] += len(tokens)
-        if info.last:
-            builder.end_item()
-            builder.end_document()
+    def write(self, encoded: Sequence[EncodedKey]) -> None:
+        """Append one task's documents to every key's dataset, one sequence each."""
+        for key_index, key_documents in enumerate(encoded):
+            self.builders[key_index].add_documents(key_documents.tokens, key_documents.lengths)
+            self.tokens[key_index] += len(key_documents.tokens)
 
     def finalize(self) -> None:
         """Write every key's index and move the files into place."""
@@ -316,24 +297,42 @@ def _encode_config(options: PreprocessOptions, tokenizer: Tokenizer) -> EncodeCo
     return EncodeConfig(options.tokenizer_type, options.tokenizer_model, dtype, options.append_eod, options.prepend_bos)
 
 
+def no_documents_error(options: PreprocessOptions, files: Sequence[str], problems: InputProblems) -> NoDocumentsError:
+    """Why nothing was written, and that an existing dataset is left as it was."""
+    keys = " ".join(options.json_keys)
+    prefix = output_prefix_for(options.output_prefix, options.json_keys[0])
+    skipped = ", ".join(f"{entry.count} {reason}" for reason, entry in problems.counts.items()) or "none"
+    return NoDocumentsError(
+        f"no document with text under --json-keys {keys} in {len(files)} input file(s) (skipped: {skipped}); "
+        f"nothing written ({prefix}.bin/.idx left as they were)"
+    )
+
+
 def run_partition(
-    files: Sequence[str], prefixes: Sequence[str], options: PreprocessOptions, workers: int, position: int = 0
+    files: Sequence[str],
+    prefixes: Sequence[str],
+    options: PreprocessOptions,
+    workers: int,
+    position: int = 0,
+    require_documents: bool = True,
 ) -> PreprocessSummary:
-    """Tokenize `files` into one dataset per key at `prefixes`."""
+    """Tokenize `files` into one dataset per key at `prefixes`; with `require_documents`,
+    inputs without any document raise and leave `prefixes` untouched."""
     config = _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model))
     problems = InputProblems(options.skip_invalid)
-    read_options = ReadOptions(tuple(options.json_keys), options.piece_chars, options.split)
-    tasks = group_pieces(document_pieces(read_documents(files, read_options, problems), options.json_keys))
+    read_options = ReadOptions(tuple(options.json_keys), options.split)
+    tasks = group_documents(read_documents(files, read_options, problems), options.json_keys)
     label = f"partition {position}: " if options.partitions > 1 else ""
     with (
         DatasetWriters(prefixes, np.dtype(config.dtype).type) as writers,
         Progress(options.show_progress, options.log_interval, position, label) as progress,
         TokenizerPool(config, workers) as pool,
     ):
-        for infos, arrays in pool.map_ordered(tasks):
-            for info, tokens in zip(infos, arrays, strict=True):
-                writers.write(info, tokens)
-                progress.add(int(info.closes_record), len(tokens))
+        for encoded in pool.map_ordered(tasks):
+            writers.write(encoded)
+            progress.add(len(encoded[0].lengths), sum(len(key.tokens) for key in encoded))
+        if require_documents and progress.documents == 0:
+            raise no_documents_error(options, files, problems)  # the writers drop their temporary files
         writers.finalize()
     tokens = dict(zip(prefixes, writers.tokens, strict=True))
     return PreprocessSummary(progress.documents, tokens, problems, progress.elapsed, config.dtype)
@@ -373,10 +372,12 @@ def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessS
         workers_each = max(1, options.workers // len(groups))
         with ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context()) as executor:
             futures = [
-                executor.submit(run_partition, group, prefixes, options, workers_each, i)
+                executor.submit(run_partition, group, prefixes, options, workers_each, i, False)
                 for i, (group, prefixes) in enumerate(zip(groups, part_prefixes, strict=True))
             ]
             parts = [future.result() for future in futures]
+        if sum(part.documents for part in parts) == 0:
+            raise no_documents_error(options, files, _combine(parts, final_prefixes).problems)
         for key_index, final in enumerate(final_prefixes):
             merge_datasets([prefixes[key_index] for prefixes in part_prefixes], final)
         return _combine(parts, final_prefixes)
@@ -409,7 +410,7 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Megatron's preprocess_data.py flags, plus a few for long documents and bad input."""
+    """Megatron's preprocess_data.py flags, plus a few for bad input and partitions."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input")
     group.add_argument(
@@ -445,12 +446,6 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--log-interval", type=int, default=1000, help="documents between progress lines when not on a terminal"
     )
-    group.add_argument(
-        "--piece-chars",
-        type=int,
-        default=DEFAULT_PIECE_CHARS,
-        help="long documents are tokenized in line-aligned pieces of about this many characters",
-    )
     group.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     return parser
 
@@ -469,7 +464,6 @@ def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
         prepend_bos=args.prepend_bos,
         skip_invalid=args.skip_invalid,
         log_interval=args.log_interval,
-        piece_chars=args.piece_chars,
         split=args.split,
         show_progress=not args.no_progress,
     )

@@ -16,10 +16,9 @@ import base64
 import json
 import os
 import random
-import re
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 
 class Tokenizer(ABC):
@@ -33,11 +32,9 @@ class Tokenizer(ABC):
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of `ids` (special tokens are dropped where the library allows)."""
 
-    def tokenize_piece(self, text: str, first: bool) -> list[int]:
-        """Ids of one piece of a long document that is tokenized piece by piece; a piece
-        other than the first follows a newline. Pieces cut after newlines give the ids
-        of the whole document for byte-level BPE tokenizers, hence this default."""
-        return self.tokenize(text)
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`[tokenize(t) for t in texts]`, in one library call where the library has one."""
+        return [self.tokenize(text) for text in texts]
 
     @property
     @abstractmethod
@@ -92,20 +89,13 @@ class SentencePieceTokenizer(Tokenizer):
 
         self.model_path = os.fspath(model_path)
         self._processor = sentencepiece.SentencePieceProcessor(model_file=self.model_path)
-        self._newline_ids = self._processor.encode("\n")
 
     def tokenize(self, text: str) -> list[int]:
         return self._processor.encode(text)
 
-    def tokenize_piece(self, text: str, first: bool) -> list[int]:
-        """SentencePiece marks the start of every input with a dummy-prefix space; a
-        continuation is encoded after a newline whose ids are then dropped, so the
-        pieces of a document cut after newlines give the ids of the whole document."""
-        if first:
-            return self.tokenize(text)
-        ids = self._processor.encode("\n" + text)
-        prefix = len(self._newline_ids)
-        return ids[prefix:] if ids[:prefix] == self._newline_ids else self.tokenize(text)
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # one thread: parallelism is --workers' processes, not hidden library threads
+        return self._processor.encode(list(texts), num_threads=1)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._processor.decode([int(i) for i in ids])
@@ -262,23 +252,6 @@ def load_tiktoken_ranks(path: str | os.PathLike) -> dict[bytes, int]:
     return ranks
 
 
-# tiktoken's merge loop is quadratic in the length of one pre-token, and a run of
-# whitespace or non-whitespace can be one pre-token: runs are cut at this length.
-MAX_RUN_CHARS = 25_000
-_LONG_RUN = re.compile(rf"(?<!\S)\S{{{MAX_RUN_CHARS},}}|(?<!\s)\s{{{MAX_RUN_CHARS},}}")
-
-
-def split_long_runs(text: str, max_run: int = MAX_RUN_CHARS) -> Iterator[str]:
-    """`text` in consecutive parts, none holding a (non-)whitespace run longer than `max_run`."""
-    pattern = _LONG_RUN if max_run == MAX_RUN_CHARS else re.compile(rf"(?<!\S)\S{{{max_run},}}|(?<!\s)\s{{{max_run},}}")
-    start = 0
-    for match in pattern.finditer(text):
-        for cut in range(match.start() + max_run, match.end(), max_run):
-            yield text[start:cut]
-            start = cut
-    yield text[start:]
-
-
 class TikTokenizer(Tokenizer):
     """A tiktoken BPE file (Llama 3's `tokenizer.model`) with Llama 3's pattern and specials."""
 
@@ -294,12 +267,9 @@ class TikTokenizer(Tokenizer):
         self._num_ranks = len(ranks)
 
     def tokenize(self, text: str) -> list[int]:
-        if len(text) <= MAX_RUN_CHARS:
-            return self._encoding.encode_ordinary(text)
-        ids: list[int] = []
-        for part in split_long_runs(text):
-            ids.extend(self._encoding.encode_ordinary(part))
-        return ids
+        # the whole text in one call: tiktoken's merge is no longer quadratic in a long
+        # pre-token, and a cut inside one would change its ids
+        return self._encoding.encode_ordinary(text)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._encoding.decode([int(i) for i in ids if int(i) < self._num_ranks])

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from megatron_lc.data.corpus import InvalidInputError, split_text
+from megatron_lc.data.corpus import InvalidInputError
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.preprocess import PreprocessOptions, preprocess, split_contiguous
 from megatron_lc.data.tokenizers import ByteTokenizer, build_tokenizer
@@ -125,63 +125,36 @@ def test_several_json_keys_write_one_aligned_dataset_each(run, write_jsonl, outp
 
 def test_bos_and_eod_are_added_at_document_edges_only(run, write_jsonl, output_prefix):
     path = write_jsonl("a.jsonl", [{"text": "ab\n" * 10}])
-    run([path], prepend_bos=True, piece_chars=4)
+    run([path], prepend_bos=True)
     assert read_documents(output_prefix) == [[ByteTokenizer.BOS_ID] + byte_tokens("ab\n" * 10)]
 
 
 # --- long documents, workers, partitions ------------------------------------------------
 
 
-def test_long_document_is_tokenized_in_pieces_into_one_sequence(run, write_jsonl, output_prefix):
-    # one line of multi-byte characters with no newline or space: pieces cut between characters
+def test_long_document_is_one_sequence(run, write_jsonl, output_prefix):
     text = "数据🙂é" * 5000 + "\n" + "word " * 3000
-    run([write_jsonl("a.jsonl", [{"text": text}, {"text": "short"}])], piece_chars=1000)
+    run([write_jsonl("a.jsonl", [{"text": text}, {"text": "short"}])])
     assert read_documents(output_prefix) == [byte_tokens(text), byte_tokens("short")]
 
 
-def test_long_plain_text_file_is_read_in_pieces_into_one_sequence(run, output_prefix, tmp_path):
-    text = "".join(f"line {i} 🙂\n" for i in range(3000)) + "x" * 5000
-    (tmp_path / "book.txt").write_text(text)
-    run([tmp_path / "book.txt"], piece_chars=997)
+def test_long_plain_text_file_is_one_sequence(run, output_prefix, tmp_path):
+    text = "".join(f"line {i} 🙂\r\n" for i in range(3000)) + "x" * 5000
+    (tmp_path / "book.txt").write_bytes(text.encode("utf-8"))  # bytes as they are: CRLF kept
+    run([tmp_path / "book.txt"])
     assert read_documents(output_prefix) == [byte_tokens(text)]
 
 
-def test_split_text_cuts_after_newlines_and_joins_back():
-    text = "aaaa\nbbbb\ncccccccccccc dd\n"
-    pieces = list(split_text(text, 7))
-    assert "".join(pieces) == text
-    assert pieces[:2] == ["aaaa\n", "bbbb\n"] and all(len(p) <= 7 for p in pieces)
-
-
-def test_two_workers_write_the_same_bytes_as_one(run, write_jsonl, output_prefix, corpus_texts, sentencepiece_model):
+def test_two_workers_write_the_same_bytes_as_one(
+    run, write_jsonl, output_prefix, corpus_texts, sentencepiece_model, monkeypatch
+):
+    monkeypatch.setattr("megatron_lc.data.preprocess.TASK_CHARS", 3000)  # many tasks in flight
     path = write_jsonl("a.jsonl", [{"text": t * 30} for t in corpus_texts])
-    settings = dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sentencepiece_model, piece_chars=500)
+    settings = dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sentencepiece_model)
     run([path], workers=1, **settings)
     expected = output_bytes(output_prefix)
     run([path], workers=2, **settings)
     assert output_bytes(output_prefix) == expected
-
-
-@pytest.mark.parametrize("tokenizer_type", ["SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer"])
-def test_pieces_of_a_long_document_give_the_ids_of_the_whole_document(
-    run, write_jsonl, output_prefix, corpus_texts, tokenizer_type, request
-):
-    fixture = {
-        "SentencePieceTokenizer": "sentencepiece_model",
-        "HuggingFaceTokenizer": "huggingface_tokenizer_json",
-        "TikTokenizer": "tiktoken_file",
-    }[tokenizer_type]
-    model = request.getfixturevalue(fixture)
-    # blank lines, indentation and trailing spaces around the places where pieces are cut
-    texts = [(t + "\n\n    indented line  \n\tand a tab\n") * 20 for t in corpus_texts[:4]]
-    run(
-        [write_jsonl("a.jsonl", [{"text": t} for t in texts])],
-        tokenizer_type=tokenizer_type,
-        tokenizer_model=model,
-        piece_chars=300,
-    )
-    tokenizer = build_tokenizer(tokenizer_type, model)
-    assert read_documents(output_prefix) == [tokenizer.tokenize(t) + [tokenizer.eod] for t in texts]
 
 
 def test_partitions_write_the_same_bytes_as_one_pass(run, write_jsonl, output_prefix, corpus_texts):
@@ -290,7 +263,8 @@ def test_parquet_without_the_key_column_reports_each_row(run, tmp_path):
     pq.write_table(pa.table({"content": ["a", "b"]}), tmp_path / "a.parquet")
     with pytest.raises(InvalidInputError, match=r"a\.parquet:row 1: missing key 'text'"):
         run([tmp_path / "a.parquet"])
-    assert run([tmp_path / "a.parquet"], skip_invalid=True).problems.counts["missing key 'text'"].count == 2
+    with pytest.raises(ValueError, match=r"no document .* \(skipped: 2 missing key 'text'\); nothing written"):
+        run([tmp_path / "a.parquet"], skip_invalid=True)
 
 
 def test_failed_run_leaves_no_index_and_no_temporary_files(run, write_jsonl, output_prefix):

@@ -7,13 +7,8 @@ import os
 
 import pytest
 
-from megatron_lc.data.tokenizers import (
-    MAX_RUN_CHARS,
-    ByteTokenizer,
-    build_tokenizer,
-    llama3_special_tokens,
-    split_long_runs,
-)
+from megatron_lc.data.tokenizers import ByteTokenizer, build_tokenizer, llama3_special_tokens
+from adversarial import reference_tiktoken
 
 SAMPLE = "the long context of a book: café naïve 数据 🙂 12345\nand every token counts"
 
@@ -78,18 +73,16 @@ def test_tiktokenizer_encodes_special_token_text_as_plain_text(tiktoken_file):
     assert tokenizer.eod not in ids and tokenizer.detokenize(ids) == "<|end_of_text|>"
 
 
-def test_tiktokenizer_cuts_long_runs_so_cost_stays_linear(tiktoken_file):
+def test_tiktokenizer_encodes_long_runs_whole_in_linear_time(tiktoken_file):
+    import time
+
     tokenizer = build_tokenizer("TikTokenizer", tiktoken_file)
-    text = "x" * (3 * MAX_RUN_CHARS + 5) + " " * (MAX_RUN_CHARS + 1) + "the end"
-    assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
-
-
-def test_split_long_runs_keeps_text_and_bounds_every_run():
-    text = "a" * 25 + " " * 3 + "b" * 7 + "\n" * 12 + "c"
-    parts = list(split_long_runs(text, max_run=10))
-    assert "".join(parts) == text
-    for part in parts:
-        assert max(len(run) for run in part.replace(" ", "\0 \0").replace("\n", "\0\n\0").split("\0")) <= 10
+    encoding = reference_tiktoken(tiktoken_file)
+    text = "x" * 300_000 + " " * 100_001 + "the end"
+    start = time.perf_counter()
+    ids = tokenizer.tokenize(text)
+    assert time.perf_counter() - start < 5.0  # a quadratic merge would take minutes
+    assert ids == encoding.encode_ordinary(text)
 
 
 def test_llama3_special_tokens_match_the_published_layout():
