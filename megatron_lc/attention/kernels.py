@@ -3,37 +3,73 @@
 Every context-parallel backend ends in the same pair of calls on local heads over the
 full sequence:
 
-    out, lse = attention_forward(q, k, v, cu_seqlens)
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu_seqlens)
+    out, lse, state = kernel.forward(q, k, v, cu_seqlens)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, cu_seqlens, state=state)
 
 Layout (as flash-attn's varlen API): q [T, H, d], k and v [T, Hkv, d] with H a multiple
 of Hkv (grouped-query attention), out [T, H, d], lse [H, T] in fp32. T is the total
 number of tokens of the packed batch; `cu_seqlens` is a tuple of Python ints, the
 boundaries of the causal segments (documents, and samples of a micro-batch):
 (0, ..., T). Attention never crosses a boundary and no T x T mask is ever built.
+`state` is a tuple of the tensors the forward returned that its backward needs (the rng
+state of the flash kernels), () for the others.
 
 Implementations, chosen by `select_kernel`:
-- `flash_attn`: flash-attn's varlen kernels (CUDA, when importable).
-- `sdpa_flash`: torch's own CUDA flash kernels, one call per segment.
+- `flash_attn`: flash-attn's varlen kernels (CUDA, flash-attn >= 2.7 importable; fp16/bf16).
+- `sdpa_flash`: torch's own flash kernels, variable-length, one call per micro-batch (CUDA;
+  fp16/bf16).
+- `sdpa_efficient`: torch's memory-efficient kernels, variable-length (CUDA; fp32 too).
 - `cpu_flash`: torch's CPU flash kernel, one call per segment.
 - `reference`: blockwise online softmax in plain PyTorch, O(T) memory; tests the others.
 
-The private aten operators used by the torch kernels are wrapped here and only here.
+The private aten operators used by the torch kernels are wrapped here and only here
+(`TORCH_OPS`), as is the private flash-attn interface.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import warnings
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 CuSeqlens = Sequence[int]
 
-try:  # optional: flash-attn is only on CUDA machines that installed the `gpu` extra
-    import flash_attn.flash_attn_interface as _flash_attn_interface
-except ImportError:  # pragma: no cover - depends on the machine
-    _flash_attn_interface = None
+FLASH_ATTN_MIN_VERSION = (2, 7)
+"""The private `_flash_attn_varlen_*` signatures used below are those of flash-attn 2.7 and later."""
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """'2.7.4.post1' -> (2, 7, 4)."""
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _import_flash_attn():
+    """flash-attn's interface module and why it cannot be used ('' when it can)."""
+    try:  # optional: flash-attn is only on CUDA machines that installed the `gpu` extra
+        import flash_attn
+        import flash_attn.flash_attn_interface as interface
+    except ImportError:  # pragma: no cover - depends on the machine
+        return None, "flash-attn is not installed (pip install 'megatron_lc[gpu]')"
+    version = getattr(flash_attn, "__version__", "0")
+    if _version_tuple(version) < FLASH_ATTN_MIN_VERSION:
+        wanted = ".".join(map(str, FLASH_ATTN_MIN_VERSION))
+        return None, (f"flash-attn {version} is installed but megatron_lc needs flash-attn>={wanted} "
+                      f"(pip install 'flash-attn>={wanted}')")
+    return interface, ""
+
+
+_flash_attn_interface, FLASH_ATTN_PROBLEM = _import_flash_attn()
+if FLASH_ATTN_PROBLEM and "installed but" in FLASH_ATTN_PROBLEM:  # pragma: no cover - depends on the machine
+    warnings.warn(FLASH_ATTN_PROBLEM + "; 'auto' uses torch's kernels instead", stacklevel=1)
 
 
 class Kernel(NamedTuple):
@@ -149,10 +185,10 @@ def reference_forward(q, k, v, cu_seqlens, scale=None, block: int = 128):
     lse = torch.zeros(H, q.shape[0], dtype=acc, device=q.device)
     for a, b in segments(cu_seqlens):
         out[a:b], lse[:, a:b] = _reference_segment_forward(qf[a:b], kf[a:b], vf[a:b], scale, block)
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, ()
 
 
-def reference_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, block: int = 128):
+def reference_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), block: int = 128):
     """Backward of `reference_forward` from (dout, q, k, v, out, lse) alone."""
     scale = _softmax_scale(q.shape[-1], scale)
     H, Hkv = q.shape[1], k.shape[1]
@@ -167,7 +203,124 @@ def reference_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, block: i
     return dq.to(q.dtype), _reduce_kv_grad(dk, Hkv).to(k.dtype), _reduce_kv_grad(dv, Hkv).to(v.dtype)
 
 
-# --- torch's own flash kernels (CPU and CUDA), one call per segment -------------------
+# --- torch's own kernels: the private aten operators, wrapped here and only here -----------
+#
+# Schemas (torch 2.11 and 2.13; only the arguments named below are passed):
+#   _flash_attention_forward(q, k, v, cum_seq_q?, cum_seq_k?, max_q, max_k, dropout_p, is_causal,
+#       return_debug_mask, *, scale) -> (out, logsumexp, rng_state, unused, debug_attn_mask)
+#   _flash_attention_backward(dout, q, k, v, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+#       dropout_p, is_causal, rng_state, unused, *, scale) -> (dq, dk, dv)
+#   _efficient_attention_forward(q, k, v, bias?, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q?,
+#       max_seqlen_k?, dropout_p, custom_mask_type, compute_log_sumexp, *, scale)
+#       -> (out, logsumexp, philox_seed, philox_offset, max_seqlen_batch_q, max_seqlen_batch_k)
+#   _efficient_attention_backward(dout, q, k, v, bias?, out, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q,
+#       max_seqlen_k, logsumexp, dropout_p, philox_seed, philox_offset, custom_mask_type,
+#       bias_requires_grad, *, scale) -> (dq, dk, dv, dbias)
+# With cum_seq given, the flash operators run flash-attention 2's variable-length kernels on
+# [total, heads, d] (one call per packed micro-batch) and take fewer kv heads than q heads
+# (grouped-query attention: the backward sums dk/dv per kv head itself); logsumexp is
+# [heads, total] fp32. The memory-efficient operators take [1, total, heads, d] with equal
+# head counts and return logsumexp [segments, heads, round32(longest)].
+
+TORCH_OPS = {
+    "flash_forward": torch.ops.aten._flash_attention_forward.default,
+    "flash_backward": torch.ops.aten._flash_attention_backward.default,
+    "efficient_forward": torch.ops.aten._efficient_attention_forward.default,
+    "efficient_backward": torch.ops.aten._efficient_attention_backward.default,
+    "cpu_flash_forward": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    "cpu_flash_backward": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+"""The private operators by role; tests swap an entry for a recording stand-in."""
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+CAUSAL_FROM_TOP_LEFT = 1
+"""`custom_mask_type` of the memory-efficient kernels: causal, each segment from its first token."""
+
+_DEVICE_CU_SEQLENS: dict[torch.device, tuple[tuple, torch.Tensor]] = {}
+
+
+def device_cu_seqlens(cu_seqlens: CuSeqlens, device: torch.device) -> torch.Tensor:
+    """cu_seqlens as an int32 tensor on `device`, built once per micro-batch.
+
+    Every layer and every Untied stage of a micro-batch asks for the same boundaries, so
+    the last tensor built on each device is kept and handed out again. On CUDA it is
+    copied from page-locked memory without blocking the host. Tensors made under a fake
+    mode (the planner) are not kept: they belong to that mode.
+    """
+    key = tuple(cu_seqlens)
+    cached = _DEVICE_CU_SEQLENS.get(device)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if device.type == "cuda":
+        tensor = torch.tensor(key, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+    else:
+        tensor = torch.tensor(key, dtype=torch.int32, device=device)
+    if type(tensor) is torch.Tensor:
+        _DEVICE_CU_SEQLENS[device] = (key, tensor)
+    return tensor
+
+
+def max_seqlen(cu_seqlens: CuSeqlens) -> int:
+    """The longest segment."""
+    return max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+
+
+def _check_flash_dtype(q: torch.Tensor, kernel: str) -> None:
+    """Flash kernels take fp16/bf16 only: refuse fp32 with the flags that fix it."""
+    if q.dtype not in FLASH_DTYPES:
+        raise TypeError(f"attention kernel {kernel!r} takes fp16/bf16 inputs, got {q.dtype}: add --bf16, or "
+                        "use --attention-kernel auto (fp32 runs torch's memory-efficient kernel)")
+
+
+def sdpa_flash_forward(q, k, v, cu_seqlens, scale=None):
+    """torch's flash kernel, variable-length: one call for every segment, kv heads as they are."""
+    _check_flash_dtype(q, "sdpa_flash")
+    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
+    out, lse, rng_state, unused, _ = TORCH_OPS["flash_forward"](
+        q, k, v, cu, cu, m, m, 0.0, True, False, scale=_softmax_scale(q.shape[-1], scale))
+    return out, lse, (rng_state, unused)
+
+
+def sdpa_flash_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
+    """Backward of `sdpa_flash_forward`, given the rng tensors its forward returned (`state`)."""
+    _check_flash_dtype(q, "sdpa_flash")
+    rng_state, unused = state
+    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
+    return TORCH_OPS["flash_backward"](dout, q, k, v, out, lse, cu, cu, m, m, 0.0, True, rng_state, unused,
+                                       scale=_softmax_scale(q.shape[-1], scale))
+
+
+def _lse_to_heads_tokens(native: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.Tensor:
+    """Memory-efficient lse [segments, H, padded] -> [H, T] (the module's layout)."""
+    lse = native.new_empty(native.shape[1], cu_seqlens[-1])
+    for i, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        lse[:, a:b] = native[i, :, : b - a]
+    return lse
+
+
+def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None):
+    """torch's memory-efficient kernel (fp32 too), variable-length; kv heads expanded (it has no GQA)."""
+    H = q.shape[1]
+    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
+    out, native_lse, seed, offset, _, _ = TORCH_OPS["efficient_forward"](
+        q.unsqueeze(0), _expand_kv(k, H).unsqueeze(0), _expand_kv(v, H).unsqueeze(0), None, cu, cu, m, m, 0.0,
+        CAUSAL_FROM_TOP_LEFT, True, scale=_softmax_scale(q.shape[-1], scale))
+    return out.squeeze(0), _lse_to_heads_tokens(native_lse, cu_seqlens), (native_lse, seed, offset)
+
+
+def sdpa_efficient_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
+    """Backward of `sdpa_efficient_forward` from the lse and philox tensors its forward returned."""
+    native_lse, seed, offset = state
+    H, Hkv = q.shape[1], k.shape[1]
+    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
+    dq, dk, dv, _ = TORCH_OPS["efficient_backward"](
+        dout.unsqueeze(0), q.unsqueeze(0), _expand_kv(k, H).unsqueeze(0), _expand_kv(v, H).unsqueeze(0), None,
+        out.unsqueeze(0), cu, cu, m, m, native_lse, 0.0, seed, offset, CAUSAL_FROM_TOP_LEFT, False,
+        scale=_softmax_scale(q.shape[-1], scale))
+    return dq.squeeze(0), _reduce_kv_grad(dk.squeeze(0), Hkv), _reduce_kv_grad(dv.squeeze(0), Hkv)
+
+
+# --- torch's CPU flash kernel, one call per segment -----------------------------------------
 
 
 def _to_bhld(t: torch.Tensor) -> torch.Tensor:
@@ -178,102 +331,81 @@ def _from_bhld(t: torch.Tensor) -> torch.Tensor:
     return t.squeeze(0).transpose(0, 1)  # [1, H, L, d] -> [L, H, d]
 
 
-def _per_segment_forward(segment_fn):
-    def forward(q, k, v, cu_seqlens, scale=None):
-        scale = _softmax_scale(q.shape[-1], scale)
-        H = q.shape[1]
-        out = torch.empty_like(q)
-        lse = torch.empty(H, q.shape[0], dtype=_acc_dtype(q), device=q.device)
-        for a, b in segments(cu_seqlens):
-            o, l = segment_fn(_to_bhld(q[a:b]), _to_bhld(_expand_kv(k[a:b], H)), _to_bhld(_expand_kv(v[a:b], H)), scale)
-            out[a:b] = _from_bhld(o)
-            lse[:, a:b] = l.squeeze(0)
-        return out, lse
-
-    return forward
-
-
-def _per_segment_backward(segment_fn):
-    def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None):
-        scale = _softmax_scale(q.shape[-1], scale)
-        H, Hkv = q.shape[1], k.shape[1]
-        dq = torch.zeros_like(q)
-        dk = torch.zeros(k.shape[0], H, k.shape[2], dtype=k.dtype, device=k.device)
-        dv = torch.zeros_like(dk)
-        for a, b in segments(cu_seqlens):
-            args = [_to_bhld(t) for t in (dout[a:b], q[a:b], _expand_kv(k[a:b], H), _expand_kv(v[a:b], H), out[a:b])]
-            seg_lse = lse[:, a:b].unsqueeze(0).to(q.dtype if q.dtype == torch.float64 else torch.float32)
-            gq, gk, gv = segment_fn(*args, seg_lse.contiguous(), scale)
-            dq[a:b], dk[a:b], dv[a:b] = _from_bhld(gq), _from_bhld(gk), _from_bhld(gv)
-        return dq, _reduce_kv_grad(dk, Hkv), _reduce_kv_grad(dv, Hkv)
-
-    return backward
+def cpu_flash_forward(q, k, v, cu_seqlens, scale=None):
+    """torch's CPU flash kernel per segment (it has no variable-length entry point)."""
+    scale = _softmax_scale(q.shape[-1], scale)
+    H = q.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty(H, q.shape[0], dtype=_acc_dtype(q), device=q.device)
+    for a, b in segments(cu_seqlens):
+        o, l = TORCH_OPS["cpu_flash_forward"](_to_bhld(q[a:b]), _to_bhld(_expand_kv(k[a:b], H)),
+                                              _to_bhld(_expand_kv(v[a:b], H)), 0.0, True, scale=scale)
+        out[a:b] = _from_bhld(o)
+        lse[:, a:b] = l.squeeze(0)
+    return out, lse, ()
 
 
-def _cpu_flash_segment_forward(q, k, v, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-
-
-def _cpu_flash_segment_backward(dout, q, k, v, out, lse, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, True, scale=scale
-    )
-
-
-def _cuda_flash_segment_forward(q, k, v, scale):
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
-    return out, lse
-
-
-def _cuda_flash_segment_backward(dout, q, k, v, out, lse, scale):
-    L = q.shape[2]
-    empty = torch.empty(0, dtype=torch.int64, device=q.device)
-    zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, empty, empty, L, L, 0.0, True, zero, zero, scale=scale
-    )
+def cpu_flash_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
+    """Backward of `cpu_flash_forward`, segment by segment."""
+    scale = _softmax_scale(q.shape[-1], scale)
+    H, Hkv = q.shape[1], k.shape[1]
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(k.shape[0], H, k.shape[2], dtype=k.dtype, device=k.device)
+    dv = torch.zeros_like(dk)
+    for a, b in segments(cu_seqlens):
+        args = [_to_bhld(t) for t in (dout[a:b], q[a:b], _expand_kv(k[a:b], H), _expand_kv(v[a:b], H), out[a:b])]
+        seg_lse = lse[:, a:b].unsqueeze(0).to(q.dtype if q.dtype == torch.float64 else torch.float32)
+        gq, gk, gv = TORCH_OPS["cpu_flash_backward"](*args, seg_lse.contiguous(), 0.0, True, scale=scale)
+        dq[a:b], dk[a:b], dv[a:b] = _from_bhld(gq), _from_bhld(gk), _from_bhld(gv)
+    return dq, _reduce_kv_grad(dk, Hkv), _reduce_kv_grad(dv, Hkv)
 
 
 # --- flash-attn varlen --------------------------------------------------------------------
 
 
-def _cu_tensor(cu_seqlens, device):
-    return torch.tensor(list(cu_seqlens), dtype=torch.int32, device=device)
-
-
-def _max_seqlen(cu_seqlens) -> int:
-    return max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
-
-
 def flash_attn_forward(q, k, v, cu_seqlens, scale=None):  # pragma: no cover - needs CUDA
-    cu, m = _cu_tensor(cu_seqlens, q.device), _max_seqlen(cu_seqlens)
-    out, lse, *_ = _flash_attn_interface._flash_attn_varlen_forward(
-        q, k, v, cu, cu, m, m, dropout_p=0.0, softmax_scale=_softmax_scale(q.shape[-1], scale), causal=True
-    )
-    return out, lse
+    """flash-attn's variable-length forward (GQA native); keeps its rng state for the backward."""
+    _check_flash_dtype(q, "flash_attn")
+    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
+    out, lse, _, rng_state = _flash_attn_interface._flash_attn_varlen_forward(
+        q, k, v, cu, cu, m, m, dropout_p=0.0, softmax_scale=_softmax_scale(q.shape[-1], scale), causal=True)
+    return out, lse, (rng_state,)
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None):  # pragma: no cover - needs CUDA
-    cu, m = _cu_tensor(cu_seqlens, q.device), _max_seqlen(cu_seqlens)
+def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):  # pragma: no cover
+    _check_flash_dtype(q, "flash_attn")
+    (rng_state,) = state or (None,)
+    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _flash_attn_interface._flash_attn_varlen_backward(
         dout, q, k, v, out, lse, dq, dk, dv, cu, cu, m, m,
         dropout_p=0.0, softmax_scale=_softmax_scale(q.shape[-1], scale), causal=True,
         window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+        rng_state=rng_state,
     )
     return dq, dk, dv
 
 
+def _by_dtype(low: Kernel, full: Kernel) -> Kernel:
+    """`low` for fp16/bf16 inputs, `full` otherwise: what `auto` runs on CUDA (flash never sees fp32)."""
+
+    def forward(q, k, v, cu_seqlens, scale=None):
+        return (low if q.dtype in FLASH_DTYPES else full).forward(q, k, v, cu_seqlens, scale)
+
+    def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
+        return (low if q.dtype in FLASH_DTYPES else full).backward(dout, q, k, v, out, lse, cu_seqlens, scale, state)
+
+    return Kernel(f"{low.name}|{full.name}", forward, backward)
+
+
 KERNELS: dict[str, Kernel] = {
     "reference": Kernel("reference", reference_forward, reference_backward),
-    "cpu_flash": Kernel(
-        "cpu_flash", _per_segment_forward(_cpu_flash_segment_forward), _per_segment_backward(_cpu_flash_segment_backward)
-    ),
-    "sdpa_flash": Kernel(
-        "sdpa_flash", _per_segment_forward(_cuda_flash_segment_forward), _per_segment_backward(_cuda_flash_segment_backward)
-    ),
+    "cpu_flash": Kernel("cpu_flash", cpu_flash_forward, cpu_flash_backward),
+    "sdpa_flash": Kernel("sdpa_flash", sdpa_flash_forward, sdpa_flash_backward),
+    "sdpa_efficient": Kernel("sdpa_efficient", sdpa_efficient_forward, sdpa_efficient_backward),
     "flash_attn": Kernel("flash_attn", flash_attn_forward, flash_attn_backward),
 }
+CUDA_KERNELS = ("flash_attn", "sdpa_flash", "sdpa_efficient")
 
 
 def flash_attn_available() -> bool:
@@ -281,20 +413,36 @@ def flash_attn_available() -> bool:
 
 
 def select_kernel(device: torch.device, name: str = "auto") -> Kernel:
-    """The kernel for `device`: flash-attn, else torch's flash kernels; or the one named."""
+    """The kernel for `device`, or the one named.
+
+    `auto` on CUDA: flash-attn (else torch's flash kernel) for fp16/bf16 inputs and torch's
+    memory-efficient kernel for fp32, decided per call from the inputs' dtype (autocast
+    decides it at run time); on other devices, torch's CPU flash kernel.
+    """
     if name == "auto":
-        if device.type == "cuda":
-            name = "flash_attn" if flash_attn_available() else "sdpa_flash"
-        else:
-            name = "cpu_flash"
+        if device.type != "cuda":
+            return KERNELS["cpu_flash"]
+        low = KERNELS["flash_attn" if flash_attn_available() else "sdpa_flash"]
+        return _by_dtype(low, KERNELS["sdpa_efficient"])
     if name not in KERNELS:
         raise ValueError(f"attention kernel {name!r}: expected one of auto, {', '.join(KERNELS)}")
     if name == "flash_attn" and not flash_attn_available():
-        raise ImportError("attention kernel 'flash_attn' was asked for but flash-attn is not installed "
-                          "(pip install 'megatron_lc[gpu]'), or use 'auto' to fall back to torch's kernels")
-    if name in ("flash_attn", "sdpa_flash") and device.type != "cuda":
+        raise ImportError(f"attention kernel 'flash_attn' was asked for but {FLASH_ATTN_PROBLEM}; "
+                          "or use 'auto' to fall back to torch's kernels")
+    if name in CUDA_KERNELS and device.type != "cuda":
         raise ValueError(f"attention kernel {name!r} needs a CUDA device, got {device}")
     return KERNELS[name]
+
+
+def resolve_kernel_name(device_type: str, name: str, dtype: torch.dtype, flash_attn_installed: bool) -> str:
+    """The kernel `select_kernel(name)` runs for inputs of `dtype` (what the planner models)."""
+    if name != "auto":
+        return name
+    if device_type != "cuda":
+        return "cpu_flash"
+    if dtype not in FLASH_DTYPES:
+        return "sdpa_efficient"
+    return "flash_attn" if flash_attn_installed else "sdpa_flash"
 
 
 class _Attention(torch.autograd.Function):
@@ -302,15 +450,16 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, kernel, scale):
-        out, lse = kernel.forward(q, k, v, cu_seqlens, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, state = kernel.forward(q, k, v, cu_seqlens, scale)
+        ctx.save_for_backward(q, k, v, out, lse, *state)
         ctx.cu_seqlens, ctx.kernel, ctx.scale = cu_seqlens, kernel, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, ctx.cu_seqlens, ctx.scale)
+        q, k, v, out, lse, *state = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, ctx.cu_seqlens, ctx.scale,
+                                         tuple(state))
         return dq, dk, dv, None, None, None
 
 

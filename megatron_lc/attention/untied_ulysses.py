@@ -216,7 +216,7 @@ class _Call:
     sin: torch.Tensor
     cu_seqlens: tuple
     out: torch.Tensor  # [B, s, H*d], written in forward, read in backward
-    lses: list  # per stage [U/cp, B*S], appended in forward, read in backward
+    lses: list  # per stage (lse [U/cp, B*S], *kernel state), appended in forward, read in backward
     dout: torch.Tensor | None = None
     dx: torch.Tensor | None = None
 
@@ -260,13 +260,17 @@ class _UntiedUlyssesFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, cos, sin, cu_seqlens, backend):
         out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens)
-        ctx.save_for_backward(x, wq, wk, wv, cos, sin, out, *lses)
+        # Each stage's (lse, *kernel state), flattened: save_for_backward takes tensors only.
+        ctx.save_for_backward(x, wq, wk, wv, cos, sin, out, *itertools.chain.from_iterable(lses))
+        ctx.stage_sizes = [len(stage) for stage in lses]
         ctx.cu_seqlens, ctx.backend = cu_seqlens, backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, wq, wk, wv, cos, sin, out, *lses = ctx.saved_tensors
+        x, wq, wk, wv, cos, sin, out, *flat = ctx.saved_tensors
+        ends = list(itertools.accumulate(ctx.stage_sizes))
+        lses = [tuple(flat[end - size:end]) for size, end in zip(ctx.stage_sizes, ends)]
         grads = ctx.backend.backward_stages(dout, x, wq, wk, wv, cos, sin, out, lses, ctx.cu_seqlens,
                                             ctx.needs_input_grad[:4])
         return (*grads, None, None, None, None)
@@ -312,7 +316,7 @@ class UntiedUlyssesAttention:
     # --- forward ---
 
     def forward_stages(self, x, wq, wk, wv, cos, sin, cu_seqlens):
-        """The output [B, S/cp, H*d] and each stage's log-sum-exp [U/cp, B*S]."""
+        """The output [B, S/cp, H*d] and each stage's (log-sum-exp [U/cp, B*S], *kernel state)."""
         out = x.new_empty(*x.shape[:2], self.plan.num_heads * self.head_dim)
         call = self._begin(x, cos, sin, cu_seqlens, out, [])
         pending = None  # the last stage's (output, stage), not yet sent back
@@ -325,8 +329,8 @@ class UntiedUlyssesAttention:
                 received = self._exchange_with_output(call, blocks, pending)
                 if self._kv_with_stage:
                     k, v = received[:2]
-                o, lse = self.kernel.forward(received[-1], k, v, cu_seqlens)
-                call.lses.append(lse)
+                o, lse, state = self.kernel.forward(received[-1], k, v, cu_seqlens)
+                call.lses.append((lse, *state))
                 pending = (o, stage)
         self._exchange_with_output(call, [], pending)
         return out, call.lses
@@ -376,7 +380,8 @@ class UntiedUlyssesAttention:
         received = self._exchange(call, [*kv_heads, q_heads, o_heads, do_heads], "recv_stage")
         k, v = kv if kv is not None else map(self._full_sequence, received[:2])
         q, o, do = map(self._full_sequence, received[-3:])
-        dq, dk, dv = self.kernel.backward(do, q, k, v, o, call.lses[stage], call.cu_seqlens)
+        lse, *state = call.lses[stage]
+        dq, dk, dv = self.kernel.backward(do, q, k, v, o, lse, call.cu_seqlens, state=tuple(state))
         if kv is None:
             blocks, grads = [*kv_heads, q_heads], [dk, dv, dq]
         else:

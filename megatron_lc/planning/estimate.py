@@ -46,6 +46,8 @@ class Machine:
     nccl_gib_per_communicator: float = DEFAULT_NCCL_GIB_PER_COMMUNICATOR
     device: str = "cuda"
     """cuda: model the CUDA kernels and NCCL; cpu: trace the CPU kernels as they are (validation)."""
+    flash_attn: bool = False
+    """flash-attn is installed on the GPUs' machines: `auto` runs it for bf16 (torch's flash kernel otherwise)."""
 
 
 @dataclass
@@ -212,7 +214,7 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     if cfg.parallel.fsdp_cpu_offload:
         raise ValueError("--fsdp-cpu-offload: the planner does not model FSDP's CPU offload yet")
     counts = traced_layer_counts(cfg)
-    traces = [trace_step(cfg, machine.num_gpus, n, machine.device) for n in counts]
+    traces = [trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn) for n in counts]
     num_layers = cfg.model_config().num_layers
     m = counts[0] // 2
     step = combine(traces, num_layers, m)

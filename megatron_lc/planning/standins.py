@@ -62,69 +62,74 @@ def _flash_head_dim(d: int) -> int:
     return _round_up(d, 32) if d <= 192 else 256
 
 
-def _flash_attn_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
-    """flash-attn 2 varlen forward/backward, allocating what the CUDA kernels allocate."""
+def _flash_varlen_kernel(name: str, name_buffer: NameBuffer) -> kernels.Kernel:
+    """flash-attention 2's variable-length forward/backward, allocating what the CUDA kernels allocate.
+
+    flash-attn's `_flash_attn_varlen_*` and torch's `_flash_attention_*` with cum_seq run
+    the same kernels with the same workspaces (torch vendors flash-attention 2).
+    """
 
     def forward(q, k, v, cu_seqlens, scale=None):
+        kernels._check_flash_dtype(q, name)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-        name_buffer(lse, "flash-attn log-sum-exp")
-        return out, lse
+        name_buffer(lse, "flash log-sum-exp")
+        return out, lse, (torch.empty(2, dtype=torch.int64, device=q.device),)
 
-    def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None):
+    def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rows, heads, d = q.shape
         padded_rows = rows + FLASH_ROW_PAD * (len(cu_seqlens) - 1)
         workspace = [torch.empty(heads, padded_rows, dtype=torch.float32, device=q.device),
                      torch.empty(padded_rows, heads, _flash_head_dim(d), dtype=torch.float32, device=q.device)]
-        name_buffer(workspace[0], "flash-attn bwd softmax row sums (fp32)")
-        name_buffer(workspace[1], "flash-attn bwd dq accumulator (fp32)")
+        name_buffer(workspace[0], "flash bwd softmax row sums (fp32)")
+        name_buffer(workspace[1], "flash bwd dq accumulator (fp32)")
         if k.shape[1] != heads:  # GQA: dk, dv for every q head, then summed per kv head
             expanded = [torch.empty(k.shape[0], heads, d, dtype=k.dtype, device=k.device) for _ in range(2)]
             for t in expanded:
-                name_buffer(t, "flash-attn bwd dk/dv expanded to q heads")
+                name_buffer(t, "flash bwd dk/dv expanded to q heads")
             torch.sum(expanded[0].unflatten(1, (k.shape[1], -1)), dim=2, out=dk)
             torch.sum(expanded[1].unflatten(1, (k.shape[1], -1)), dim=2, out=dv)
             workspace += expanded
         del workspace
         return dq, dk, dv
 
-    return kernels.Kernel(PLANNED_PREFIX + "flash_attn", forward, backward)
+    return kernels.Kernel(PLANNED_PREFIX + name, forward, backward)
+
+
+def _flash_attn_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
+    return _flash_varlen_kernel("flash_attn", name_buffer)
 
 
 def _sdpa_flash_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
-    """torch's CUDA flash kernels per segment (our wrapper as written), plus their backward workspace."""
-    sdpa = kernels.KERNELS["sdpa_flash"]
-
-    def segment_backward(dout, q, k, v, out, lse, scale):
-        _, heads, length, d = q.shape
-        workspace = [torch.empty(1, heads, _round_up(length, 128), dtype=torch.float32, device=q.device),
-                     torch.empty(1, _round_up(length, 128), heads, _flash_head_dim(d), dtype=torch.float32,
-                                 device=q.device)]
-        name_buffer(workspace[0], "sdpa flash bwd softmax row sums (fp32)")
-        name_buffer(workspace[1], "sdpa flash bwd dq accumulator (fp32)")
-        grads = kernels._cuda_flash_segment_backward(dout, q, k, v, out, lse, scale)
-        del workspace
-        return grads
-
-    backward = kernels._per_segment_backward(segment_backward)
-    return kernels.Kernel(PLANNED_PREFIX + "sdpa_flash", sdpa.forward, backward)
+    return _flash_varlen_kernel("sdpa_flash", name_buffer)
 
 
-CUDA_KERNEL_MODELS = {"flash_attn": _flash_attn_kernel, "sdpa_flash": _sdpa_flash_kernel}
+def _sdpa_efficient_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
+    """torch's memory-efficient kernels: our wrapper as written (kv heads expanded, lse re-laid out) on the
+    operators' fake implementations, which allocate their outputs; no internal workspace is modelled."""
+    real = kernels.KERNELS["sdpa_efficient"]
+    return kernels.Kernel(PLANNED_PREFIX + "sdpa_efficient", real.forward, real.backward)
 
 
-def planned_kernel_name(kernel: str, device: str) -> str:
-    """The kernel the trace selects: a CUDA kernel's stand-in, or the CPU kernel itself."""
+CUDA_KERNEL_MODELS = {"flash_attn": _flash_attn_kernel, "sdpa_flash": _sdpa_flash_kernel,
+                      "sdpa_efficient": _sdpa_efficient_kernel}
+
+
+def planned_kernel_name(kernel: str, device: str, dtype: torch.dtype = torch.bfloat16,
+                        flash_attn_installed: bool = False) -> str:
+    """The kernel the trace selects: the one the runtime would run (`auto` resolved as
+    `select_kernel` resolves it for inputs of `dtype`), as its CUDA stand-in, or the CPU kernel itself."""
+    name = kernels.resolve_kernel_name(device, kernel, dtype, flash_attn_installed)
     if device == "cpu":
-        if kernel in CUDA_KERNEL_MODELS:
+        if name in CUDA_KERNEL_MODELS:
             raise ValueError(f"--attention-kernel {kernel} needs CUDA; plan with --device cuda")
-        return "cpu_flash" if kernel == "auto" else kernel
-    if kernel == "auto":
-        kernel = "flash_attn"  # what `select_kernel` picks on CUDA with flash-attn installed
-    if kernel not in CUDA_KERNEL_MODELS:
+        return name
+    if name not in CUDA_KERNEL_MODELS:
         raise ValueError(f"--attention-kernel {kernel}: the planner models {', '.join(CUDA_KERNEL_MODELS)} on CUDA")
-    return PLANNED_PREFIX + kernel
+    if name in ("flash_attn", "sdpa_flash") and dtype not in kernels.FLASH_DTYPES:
+        raise ValueError(f"--attention-kernel {kernel} takes fp16/bf16 only: add --bf16, or use auto")
+    return PLANNED_PREFIX + name
 
 
 @contextlib.contextmanager

@@ -119,11 +119,14 @@ def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     return ParallelDims(world_size, cp=cfg.parallel.context_parallel_size, dp_replicate=cfg.parallel.data_parallel_replicate)
 
 
-def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str = "cuda") -> StepTrace:
-    """Trace one step of `cfg` with `num_layers` blocks on rank 0 of `world_size`, planning for `device`."""
+def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str = "cuda",
+               flash_attn_installed: bool = False) -> StepTrace:
+    """Trace one step of `cfg` with `num_layers` blocks on rank 0 of `world_size`, planning for `device`
+    (with flash-attn installed there or not: it decides what `auto` runs)."""
     namer = BufferNamer()
-    opts = dataclasses.replace(cfg.parallelize_options(),
-                               attention_kernel=planned_kernel_name(cfg.parallel.attention_kernel, device))
+    opts = cfg.parallelize_options()
+    kernel = planned_kernel_name(cfg.parallel.attention_kernel, device, opts.param_dtype, flash_attn_installed)
+    opts = dataclasses.replace(opts, attention_kernel=kernel)
     model_config = dataclasses.replace(cfg.model_config(), num_layers=num_layers)
     with fake_process_group(world_size), registered_kernel_models(namer), representative_tiles():
         pstate = ParallelState(parallel_dims(cfg, world_size), device_type="cpu")

@@ -1,0 +1,241 @@
+"""The CUDA kernels' calls into torch's private operators, checked on CPU.
+
+Each operator is replaced by a recording stand-in that checks every argument against
+the operator's own schema (`torch.ops.aten.<op>.default._schema`) and against the
+kernel's documented input contract (dtypes, shapes, contiguity, defined or undefined
+optionals, the tensors the forward returned reaching the backward), then computes the
+result in the operator's output layout from materialised-softmax attention. The
+wrappers around the operators therefore run end to end and are compared with the
+ground truth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_lc.attention import kernels
+from megatron_lc.attention.kernels import KERNELS, attention, naive_attention, select_kernel
+
+CU = (0, 70, 71, 160, 256)  # packed documents, one of a single token
+LONGEST = 96
+
+
+def _check_schema(op, args: tuple, kwargs: dict) -> dict:
+    """Bind args/kwargs to `op`'s schema, checking each value's type; returns name -> value."""
+    schema = op._schema
+    bound, positional = {}, [a for a in schema.arguments if not a.kwarg_only]
+    assert len(args) <= len(positional), f"{schema.name}: {len(args)} positional arguments"
+    for arg, value in zip(positional, args):
+        bound[arg.name] = value
+    names = {a.name for a in schema.arguments}
+    for name, value in kwargs.items():
+        assert name in names and name not in bound, f"{schema.name}: unexpected keyword {name}"
+        bound[name] = value
+    for arg in schema.arguments:
+        if arg.name not in bound:
+            assert arg.has_default_value(), f"{schema.name}: {arg.name} is required"
+            continue
+        _check_type(schema.name, arg.name, str(arg.type), bound[arg.name])
+    return bound
+
+
+def _check_type(op: str, name: str, type_name: str, value) -> None:
+    optional = type_name.endswith("?") or type_name.startswith("Optional[")
+    base = type_name.removesuffix("?").removeprefix("Optional[").removesuffix("]")
+    if value is None:
+        assert optional, f"{op}: {name} ({type_name}) may not be None"
+        return
+    expected = {"Tensor": torch.Tensor, "SymInt": int, "int": int, "float": float, "bool": bool}[base]
+    assert isinstance(value, expected), f"{op}: {name} ({type_name}) got {type(value).__name__}"
+    if expected is int:
+        assert not isinstance(value, bool), f"{op}: {name} is an int, got a bool"
+
+
+def _check_cu(t: torch.Tensor, q: torch.Tensor) -> None:
+    assert t.dtype == torch.int32 and t.dim() == 1 and t.is_contiguous() and t.device == q.device
+    assert tuple(t.tolist()) == CU
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same tensor: same memory, shape and strides (autograd hands saved tensors back as new objects)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def _naive_segments(q, k, v, scale):
+    """fp64 out [T, H, d] and lse [H, T] of q, k, v [T, H*, d]."""
+    qd, kd, vd = (t.detach().double() for t in (q, k, v))
+    out, lse = naive_attention(qd, kd, vd, CU, scale)
+    return out, lse
+
+
+def _naive_grads(dout, q, k, v, scale):
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():  # the stand-ins run inside autograd's backward
+        out, _ = naive_attention(qd, kd, vd, CU, scale)
+        out.backward(dout.detach().double())
+    return qd.grad, kd.grad, vd.grad
+
+
+class FlashRecorder:
+    """Stand-ins for `_flash_attention_forward/_backward` (variable-length path)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+        self.returned: dict = {}
+
+    def forward(self, *args, **kwargs):
+        a = _check_schema(torch.ops.aten._flash_attention_forward.default, args, kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        for t in (q, k, v):
+            assert t.dtype in (torch.float16, torch.bfloat16) and t.dim() == 3 and t.stride(-1) == 1
+        assert q.shape[1] % k.shape[1] == 0 and k.shape == v.shape, "GQA: kv heads as they are"
+        for name in ("cum_seq_q", "cum_seq_k"):
+            _check_cu(a[name], q)
+        assert a["max_q"] == a["max_k"] == LONGEST and a["dropout_p"] == 0.0 and a["is_causal"] is True
+        assert a["return_debug_mask"] is False and isinstance(a["scale"], float)
+        out, lse = _naive_segments(q, k, v, a["scale"])
+        self.returned = dict(out=out.to(q.dtype), lse=lse.float(), rng_state=torch.empty(2, dtype=torch.int64),
+                             unused=torch.empty((), dtype=torch.int64), cum_seq_q=a["cum_seq_q"])
+        self.calls.append(("forward", a))
+        r = self.returned
+        return r["out"], r["lse"], r["rng_state"], r["unused"], torch.empty(0, dtype=q.dtype)
+
+    def backward(self, *args, **kwargs):
+        a = _check_schema(torch.ops.aten._flash_attention_backward.default, args, kwargs)
+        r = self.returned
+        q, k = a["query"], a["key"]
+        assert _same(a["out"], r["out"]) and _same(a["logsumexp"], r["lse"]), "the forward's out and lse"
+        assert _same(a["rng_state"], r["rng_state"]) and _same(a["unused"], r["unused"]), "the forward's rng tensors"
+        assert a["cum_seq_q"] is r["cum_seq_q"] and a["cum_seq_k"] is r["cum_seq_q"], "cu_seqlens built once"
+        assert a["grad_out"].is_contiguous() and a["grad_out"].shape == q.shape
+        assert a["max_q"] == a["max_k"] == LONGEST and a["dropout_p"] == 0.0 and a["is_causal"] is True
+        self.calls.append(("backward", a))
+        dq, dk, dv = _naive_grads(a["grad_out"], q, k, a["value"], a["scale"])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype)
+
+
+class EfficientRecorder:
+    """Stand-ins for `_efficient_attention_forward/_backward` (cu_seqlens path)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+        self.returned: dict = {}
+
+    def forward(self, *args, **kwargs):
+        a = _check_schema(torch.ops.aten._efficient_attention_forward.default, args, kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        for t in (q, k, v):
+            assert t.dim() == 4 and t.shape[0] == 1 and t.stride(-1) == 1, "[1, total, heads, d]"
+        assert q.shape[2] == k.shape[2] == v.shape[2], "no GQA in the memory-efficient kernel"
+        assert a["bias"] is None and a["custom_mask_type"] == 1 and a["compute_log_sumexp"] is True
+        for name in ("cu_seqlens_q", "cu_seqlens_k"):
+            _check_cu(a[name], q)
+        assert a["max_seqlen_q"] == a["max_seqlen_k"] == LONGEST and a["dropout_p"] == 0.0
+        out, lse = _naive_segments(q[0], k[0], v[0], a["scale"])
+        padded = math.ceil(LONGEST / 32) * 32
+        native = torch.full((len(CU) - 1, q.shape[2], padded), float("nan"))  # padding must never be read
+        for i, (s, e) in enumerate(zip(CU[:-1], CU[1:])):
+            native[i, :, : e - s] = lse[:, s:e].float()
+        self.returned = dict(out=out.to(q.dtype).unsqueeze(0), lse=native, seed=torch.empty((), dtype=torch.int64),
+                             offset=torch.empty((), dtype=torch.int64))
+        self.calls.append(("forward", a))
+        r = self.returned
+        return r["out"], r["lse"], r["seed"], r["offset"], LONGEST, LONGEST
+
+    def backward(self, *args, **kwargs):
+        a = _check_schema(torch.ops.aten._efficient_attention_backward.default, args, kwargs)
+        r = self.returned
+        q, k, v = a["query"], a["key"], a["value"]
+        assert _same(a["logsumexp"], r["lse"]), "the forward's own lse layout"
+        assert _same(a["philox_seed"], r["seed"]) and _same(a["philox_offset"], r["offset"])
+        assert a["out"].shape == r["out"].shape and a["bias"] is None and a["bias_requires_grad"] is False
+        assert q.shape[2] == k.shape[2] and a["custom_mask_type"] == 1
+        for name in ("cu_seqlens_q", "cu_seqlens_k"):
+            _check_cu(a[name], q)
+        self.calls.append(("backward", a))
+        dq, dk, dv = _naive_grads(a["grad_out_"][0], q[0], k[0], v[0], a["scale"])
+        return dq.to(q.dtype)[None], dk.to(k.dtype)[None], dv.to(v.dtype)[None], torch.empty(0)
+
+
+@pytest.fixture
+def flash(monkeypatch):
+    rec = FlashRecorder()
+    monkeypatch.setitem(kernels.TORCH_OPS, "flash_forward", rec.forward)
+    monkeypatch.setitem(kernels.TORCH_OPS, "flash_backward", rec.backward)
+    return rec
+
+
+@pytest.fixture
+def efficient(monkeypatch):
+    rec = EfficientRecorder()
+    monkeypatch.setitem(kernels.TORCH_OPS, "efficient_forward", rec.forward)
+    monkeypatch.setitem(kernels.TORCH_OPS, "efficient_backward", rec.backward)
+    return rec
+
+
+def _qkv(dtype, H=8, Hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(CU[-1], h, d, generator=g).to(dtype).requires_grad_() for h in (H, Hkv, Hkv)]
+
+
+def _against_naive(kernel, dtype, tol):
+    q, k, v = _qkv(dtype)
+    out = attention(q, k, v, CU, kernel)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want_out, _ = _naive_segments(q, k, v, 1 / 4)
+    want = _naive_grads(dout, q, k, v, 1 / 4)
+    for got, ref in [(out, want_out), (q.grad, want[0]), (k.grad, want[1]), (v.grad, want[2])]:
+        torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+
+
+def test_sdpa_flash_is_one_varlen_call_each_way_with_gqa_and_the_forwards_rng_tensors(flash):
+    _against_naive(KERNELS["sdpa_flash"], torch.bfloat16, 3e-2)
+    assert [name for name, _ in flash.calls] == ["forward", "backward"]
+    q = flash.calls[0][1]["query"]
+    assert flash.calls[0][1]["key"].shape[1] == 2 and q.shape[1] == 8, "kv heads not repeated"
+
+
+def test_sdpa_efficient_runs_fp32_through_the_memory_efficient_operator(efficient):
+    _against_naive(KERNELS["sdpa_efficient"], torch.float32, 1e-5)
+    assert [name for name, _ in efficient.calls] == ["forward", "backward"]
+
+
+def test_auto_on_cuda_sends_bf16_to_flash_and_fp32_to_memory_efficient(flash, efficient):
+    auto = select_kernel(torch.device("cuda"), "auto")  # device type only: nothing runs on a GPU here
+    if not kernels.flash_attn_available():
+        _against_naive(auto, torch.bfloat16, 3e-2)
+        assert len(flash.calls) == 2 and not efficient.calls
+    flash.calls.clear()
+    _against_naive(auto, torch.float32, 1e-5)
+    assert len(efficient.calls) == 2 and not flash.calls
+
+
+@pytest.mark.parametrize("name", ["sdpa_flash", "flash_attn"])
+def test_explicit_flash_kernel_refuses_fp32_naming_the_flag(flash, name):
+    q, k, v = _qkv(torch.float32)
+    with pytest.raises(TypeError, match="--bf16"):
+        KERNELS[name].forward(q, k, v, CU)
+    assert not flash.calls
+
+
+def test_cu_seqlens_tensor_is_built_once_per_micro_batch(flash):
+    first = kernels.device_cu_seqlens(CU, torch.device("cpu"))
+    assert kernels.device_cu_seqlens(list(CU), torch.device("cpu")) is first
+    other = kernels.device_cu_seqlens((0, 128, 256), torch.device("cpu"))
+    assert other is not first and other.tolist() == [0, 128, 256]
+
+
+def test_resolve_kernel_name_matches_select_kernel():
+    assert kernels.resolve_kernel_name("cuda", "auto", torch.bfloat16, True) == "flash_attn"
+    assert kernels.resolve_kernel_name("cuda", "auto", torch.bfloat16, False) == "sdpa_flash"
+    assert kernels.resolve_kernel_name("cuda", "auto", torch.float32, True) == "sdpa_efficient"
+    assert kernels.resolve_kernel_name("cpu", "auto", torch.float32, False) == select_kernel(torch.device("cpu")).name
+
+
+def test_flash_attn_version_parsing():
+    assert kernels._version_tuple("2.7.4.post1") == (2, 7, 4)
+    assert kernels._version_tuple("2.6.3") < kernels.FLASH_ATTN_MIN_VERSION <= kernels._version_tuple("2.7.0")
