@@ -1,0 +1,235 @@
+"""What a cluster job relies on: exit statuses, preemption, damaged checkpoints, resume semantics, presets."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.training import checkpointing
+from megatron_lc.training.logging import format_duration
+from megatron_lc.training.trainer import train
+from tests.helpers import free_port
+
+BASE = ["--mock-data", "--seq-length", "32", "--lr", "3e-3", "--adam-eps", "1e-4", "--device", "cpu"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}", "-m", "megatron_lc.train", *args]
+
+
+def _train_cmd(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "megatron_lc.train", *args]
+
+
+def _steps(log_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_finished_two_process_runs_exit_zero_every_time(tmp_path):
+    for i in range(3):
+        out = subprocess.run(_torchrun_cmd(2, BASE + ["--train-iters", "2", "--log-dir", f"run{i}"]), env=ENV,
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "terminate called" not in out.stderr
+
+
+def test_configuration_error_is_one_line_from_rank_zero_with_status_two(tmp_path):
+    out = subprocess.run(_torchrun_cmd(2, BASE + ["--context-parallel-size", "2", "--seq-length", "33"]), env=ENV,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    ours = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert ours == ["error: --seq-length 33 is not divisible by --context-parallel-size 2; use a multiple of 2"]
+    assert "exitcode  : 2" in out.stderr  # torchrun's own summary of the worker's status
+    single = subprocess.run(_train_cmd(BASE + ["--min-lr", "1"]), env=ENV, cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert single.returncode == 2 and single.stderr.strip().splitlines() == [
+        "error: --min-lr 1.0 is above --lr 0.003: the rate would rise while it decays"]
+
+
+def _worker_pids(launcher_pid: int) -> list[int]:
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def _wait_for_step(log_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not ((log_dir / "metrics.jsonl").exists() and _steps(log_dir)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first step"
+        time.sleep(0.2)
+
+
+def test_sigterm_on_one_rank_saves_on_every_rank_and_exits_zero(tmp_path):
+    """Slurm's preemption signal may reach one worker first; all stop together after a checkpoint."""
+    args = BASE + ["--train-iters", "100000", "--save", "ckpt", "--exit-signal-handler", "--log-dir", "log"]
+    proc = subprocess.Popen(_torchrun_cmd(2, args), env=ENV, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_step(tmp_path / "log", proc)
+    os.kill(_worker_pids(proc.pid)[-1], signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    saved = checkpointing.latest_checkpoint(tmp_path / "ckpt")
+    step = checkpointing.read_meta(saved)["step"]
+    assert f"stopping after step {step}: signal" in stdout and step < 100000
+    resumed = train(parse_config(BASE + ["--train-iters", str(step + 1), "--load", str(tmp_path / "ckpt"),
+                                         "--override-opt_param-scheduler", "--global-batch-size", "2",
+                                         "--log-dir", str(tmp_path / "resumed")]))
+    assert [m["step"] for m in resumed] == [step + 1]
+
+
+def test_exit_duration_saves_and_stops(tmp_path):
+    history = train(parse_config(BASE + ["--train-iters", "1000", "--exit-duration-in-mins", "1e-9",
+                                         "--save", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "log")]))
+    assert len(history) == 1
+    assert checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "ckpt"))["step"] == 1
+
+
+def _three_checkpoints(tmp_path) -> tuple[Path, list[float]]:
+    ckpt = tmp_path / "ckpt"
+    history = train(parse_config(BASE + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1",
+                                         "--keep-last-checkpoints", "3", "--log-dir", str(tmp_path / "whole")]))
+    return ckpt, [m["loss"] for m in history]
+
+
+def _damage_shard(path: Path) -> None:
+    shard = next(path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "empty marker", "bad meta", "missing metadata"])
+def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, damage):
+    ckpt, losses = _three_checkpoints(tmp_path)
+    newest = checkpointing.checkpoint_dir(ckpt, 3)
+    if damage == "truncated shard":
+        _damage_shard(newest)
+    elif damage == "empty marker":
+        (ckpt / checkpointing.LATEST).write_text("")
+    elif damage == "bad meta":
+        (newest / checkpointing.META).write_text('{"step": 3, ')
+    else:
+        (newest / ".metadata").unlink()
+    if damage == "empty marker":  # the directories still tell which is newest
+        assert checkpointing.latest_checkpoint(ckpt) == newest
+        return
+    with pytest.warns(UserWarning, match=f"skipping damaged checkpoint iter_0000003: .*{newest.name}"):
+        assert checkpointing.latest_checkpoint(ckpt) == checkpointing.checkpoint_dir(ckpt, 2)
+    with pytest.warns(UserWarning):
+        resumed = train(parse_config(BASE + ["--train-iters", "3", "--load", str(ckpt),
+                                             "--log-dir", str(tmp_path / "resumed")]))
+    assert [m["loss"] for m in resumed] == pytest.approx(losses[2:], rel=1e-6)
+
+
+def test_checkpoint_records_every_file_with_its_size(tmp_path):
+    ckpt, _ = _three_checkpoints(tmp_path)
+    path = checkpointing.checkpoint_dir(ckpt, 1)
+    files = checkpointing.read_meta(path)["files"]
+    assert files == {p.name: p.stat().st_size for p in path.iterdir() if p.name != checkpointing.META}
+    assert ".metadata" in files and any(name.endswith(".distcp") for name in files)
+
+
+def test_load_of_an_empty_or_missing_directory_starts_from_scratch(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    for load in ("empty", "missing"):
+        history = train(parse_config(BASE + ["--train-iters", "1", "--load", str(tmp_path / load),
+                                             "--log-dir", str(tmp_path / load / "log")]))
+        assert [m["step"] for m in history] == [1]
+        assert "no checkpoint there yet; training starts from scratch" in capsys.readouterr().out
+
+
+def test_unwritable_save_directory_is_refused_before_any_work(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=f"--save {blocker}/ckpt: not writable"):
+        parse_config(BASE + ["--save", str(blocker / "ckpt")]).validate(1)
+
+
+def _lrs(log_dir: Path) -> list[float]:
+    return [json.loads(line)["lr"] for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_changed_schedule_on_resume_is_refused_unless_a_flag_chooses(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    train(parse_config(BASE + ["--train-iters", "4", "--save", ckpt, "--exit-interval", "2",
+                               "--log-dir", str(tmp_path / "a")]))
+    changed = BASE + ["--lr", "1e-3", "--min-lr", "1e-4", "--train-iters", "4", "--load", ckpt]
+    with pytest.raises(ConfigError, match="another learning-rate schedule .*--override-opt_param-scheduler"):
+        train(parse_config(changed + ["--log-dir", str(tmp_path / "b")]))
+    train(parse_config(changed + ["--override-opt_param-scheduler", "--log-dir", str(tmp_path / "new")]))
+    train(parse_config(changed + ["--use-checkpoint-opt_param-scheduler", "--log-dir", str(tmp_path / "old")]))
+    new_whole = train(parse_config(changed[:-2] + ["--log-dir", str(tmp_path / "nw")]))
+    old_whole = train(parse_config(BASE + ["--train-iters", "4", "--log-dir", str(tmp_path / "ow")]))
+    assert _lrs(tmp_path / "new") == [m["lr"] for m in new_whole][2:]
+    assert _lrs(tmp_path / "old") == [m["lr"] for m in old_whole][2:]
+
+
+def test_changed_data_settings_on_resume_are_refused(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    train(parse_config(BASE + ["--train-iters", "2", "--save", ckpt, "--log-dir", str(tmp_path / "a")]))
+    with pytest.raises(ConfigError, match="--seq-length 32 in the checkpoint, 64 now.*--finetune"):
+        train(parse_config(BASE + ["--seq-length", "64", "--train-iters", "3", "--load", ckpt]))
+
+
+def test_finetune_loads_weights_and_starts_at_step_zero(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    train(parse_config(BASE + ["--train-iters", "2", "--save", ckpt, "--log-dir", str(tmp_path / "a")]))
+    tuned = train(parse_config(BASE + ["--seq-length", "64", "--train-iters", "2", "--load", ckpt, "--finetune",
+                                       "--log-dir", str(tmp_path / "b")]))
+    fresh = train(parse_config(BASE + ["--seq-length", "64", "--train-iters", "2", "--log-dir", str(tmp_path / "c")]))
+    assert [m["step"] for m in tuned] == [1, 2]
+    assert tuned[0]["loss"] != pytest.approx(fresh[0]["loss"], rel=1e-3)  # trained weights, not new ones
+
+
+def test_no_load_optim_continues_the_step_with_a_fresh_optimizer(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    whole = train(parse_config(BASE + ["--train-iters", "3", "--log-dir", str(tmp_path / "w")]))
+    train(parse_config(BASE + ["--train-iters", "3", "--save", ckpt, "--exit-interval", "2",
+                               "--log-dir", str(tmp_path / "a")]))
+    rest = train(parse_config(BASE + ["--train-iters", "3", "--load", ckpt, "--no-load-optim",
+                                      "--log-dir", str(tmp_path / "b")]))
+    assert [m["step"] for m in rest] == [3]
+    assert rest[0]["loss"] == pytest.approx(whole[2]["loss"], rel=1e-6)  # same weights: same loss at step 3
+
+
+def test_use_checkpoint_args_takes_the_model_shape_from_the_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    train(parse_config(BASE + ["--num-layers", "1", "--train-iters", "1", "--save", ckpt,
+                               "--log-dir", str(tmp_path / "a")]))
+    history = train(parse_config(BASE + ["--train-iters", "2", "--load", ckpt, "--use-checkpoint-args",
+                                         "--override-opt_param-scheduler", "--log-dir", str(tmp_path / "b")]))
+    assert [m["step"] for m in history] == [2]
+
+
+def test_preset_values_are_typed_and_checked_like_flags(tmp_path):
+    preset = tmp_path / "run.yaml"
+    preset.write_text("optim:\n  lr: 3e-4\ndata:\n  mock_data: true\n  data_path: [a, b]\n")
+    cfg = parse_config(["--config", str(preset)])
+    assert cfg.optim.lr == 3e-4 and cfg.data.data_path == ["a", "b"]
+    preset.write_text("cp_impl: bogus\n")
+    with pytest.raises(ConfigError, match=f"--config {preset}: argument --cp-impl: invalid choice: 'bogus'"):
+        parse_config(["--config", str(preset)])
+    preset.write_text("mock_data: 1\n")
+    with pytest.raises(ConfigError, match="mock_data must be true or false"):
+        parse_config(["--config", str(preset)])
+    preset.write_text("no_such_setting: 1\n")
+    with pytest.raises(ConfigError, match="unknown setting 'no_such_setting'"):
+        parse_config(["--config", str(preset)])
+
+
+def test_progress_line_shows_elapsed_time_and_eta(tmp_path, capsys):
+    train(parse_config(BASE + ["--train-iters", "3", "--log-dir", str(tmp_path)]))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert len(lines) == 3 and all(" ETA " in line for line in lines) and lines[-1].endswith("ETA 0s")
+    assert [format_duration(s) for s in (7, 185, 7260)] == ["7s", "3m05s", "2h01m"]
+
+
+def test_resume_past_train_iters_says_so_and_does_nothing(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    train(parse_config(BASE + ["--train-iters", "1", "--save", ckpt, "--log-dir", str(tmp_path / "a")]))
+    assert train(parse_config(BASE + ["--train-iters", "1", "--load", ckpt])) == []
+    assert "nothing left to do" in capsys.readouterr().out
