@@ -49,7 +49,9 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torc
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., T, H, d] by position; cos/sin are [..., T, d]."""
+    """Rotate x [..., T, H, d] by position; cos/sin are [..., T, d]. The result keeps x's dtype
+    (under autocast the projections are bf16 while the tables are fp32), as in `transformers`."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)

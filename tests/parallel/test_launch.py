@@ -62,3 +62,15 @@ def test_mpirun_two_ranks_initialise_through_mpi4py(tmp_path):
     assert [r["launcher"] for r in reports] == ["openmpi", "openmpi"]
     assert sorted(r["cp_rank"] for r in reports) == [0, 1]
     assert all(r["sum"] == 3.0 and r["world_size"] == 2 for r in reports)
+
+
+def test_backend_follows_the_accelerator_not_the_machine():
+    """--device cpu on a GPU machine is gloo; CUDA is NCCL bound to this rank's device."""
+    import torch
+
+    from megatron_lc.parallel_state import process_group_options
+
+    assert process_group_options(torch.device("cpu")) == {"backend": "gloo"}
+    cuda = torch.device("cuda", 3)
+    assert process_group_options(cuda) == {"backend": "nccl", "device_id": cuda}
+    assert process_group_options(cuda, backend="gloo") == {"backend": "gloo"}

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_lc.config import ConfigError, parse_config
 from megatron_lc.training import checkpointing
@@ -100,3 +101,17 @@ def test_nonfinite_loss_stops_with_the_step_or_is_skipped(tmp_path):
         train(parse_config(blowup))
     history = train(parse_config(blowup + ["--skip-nonfinite"]))
     assert len(history) == 4
+
+
+def test_one_process_bf16_keeps_fp32_master_weights_and_computes_in_bf16(tmp_path):
+    from megatron_lc.training.trainer import build_run, train_one_step
+
+    flags = BASE + ["--lr", "1e-6", "--min-lr", "0", "--lr-decay-style", "constant", "--train-iters", "1", "--clip-grad", "0"]
+    fp32, bf16 = build_run(parse_config(flags)), build_run(parse_config(flags + ["--bf16"]))
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    before = [p.detach().clone() for p in bf16.model.parameters()]
+    loss_fp32, loss_bf16 = train_one_step(fp32, 1)["loss"], train_one_step(bf16, 1)["loss"]
+    assert loss_bf16 != loss_fp32 and loss_bf16 == pytest.approx(loss_fp32, rel=1e-2)  # bf16 matmuls ran
+    # An update of ~1e-6 is below bf16's resolution at these magnitudes: only fp32 weights keep it.
+    changed = sum(int((p.detach() != b).sum()) for p, b in zip(bf16.model.parameters(), before))
+    assert changed > 0.9 * sum(b.numel() for b in before)
