@@ -26,6 +26,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_CONFIG_ERROR = 0, 1, 2
 
 def exit_process(code: int) -> NoReturn:
     """Flush what was written and leave now (see the module docstring for why not `sys.exit`)."""
+    if code == EXIT_OK:  # on a failure another rank may never reach finalize: do not wait for it
+        _finalize_mpi()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -33,6 +35,14 @@ def exit_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe must not turn success into failure
             pass
     os._exit(code)
+
+
+def _finalize_mpi() -> None:
+    """mpirun counts a rank that leaves without MPI_Finalize as failed; mpi4py's own finalize runs at
+    interpreter exit, which `os._exit` skips, so finalize here when mpi4py was used."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 def finish_distributed() -> None:
