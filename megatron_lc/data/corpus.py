@@ -21,7 +21,6 @@ import glob
 import gzip
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import IO, Iterator, Mapping, Sequence
 
@@ -126,7 +125,7 @@ def _fields_to_document(
         if not isinstance(value, str):
             problems.invalid(location, f"non-string value for {key!r}", type(value).__name__)
             return None
-        if not value.strip():
+        if not value or value.isspace():  # isspace: no copy of a long text, unlike strip
             problems.skipped(location, "empty document", f"key {key!r}")
             return None
         surrogate = lone_surrogate(value, key)
@@ -137,16 +136,16 @@ def _fields_to_document(
     return Document(location, texts)
 
 
-# JSON's "\ud800" escapes decode to lone surrogates: text no tokenizer can encode as UTF-8.
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def lone_surrogate(text: str, key: str) -> str:
-    """Where `text` holds a lone surrogate, as `U+D800 at character N of 'key'`, else ''."""
-    found = None if text.isascii() else _LONE_SURROGATE.search(text)
-    if found is None:
+    """Where `text` holds a lone surrogate (JSON's "\\ud800" escapes decode to them: text
+    no tokenizer can encode as UTF-8), as `U+D800 at character N of 'key'`, else ''."""
+    if text.isascii():
         return ""
-    return f"U+{ord(found.group()):04X} at character {found.start() + 1} of {key!r}"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"U+{ord(text[error.start]):04X} at character {error.start + 1} of {key!r}"
+    return ""
 
 
 def read_json_lines(path: str, options: ReadOptions, problems: InputProblems) -> Iterator[Document]:

@@ -119,7 +119,7 @@ def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]]) -> lis
             flat += suffix
         extra = len(prefix) + len(suffix)
         lengths = np.fromiter((len(ids) + extra for ids in documents), dtype=np.int64, count=len(documents))
-        encoded.append(EncodedKey(np.array(flat, dtype=config.dtype), lengths))
+        encoded.append(EncodedKey(np.fromiter(flat, dtype=config.dtype, count=len(flat)), lengths))
     return encoded
 
 
