@@ -141,18 +141,27 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
     Without an optimizer the checkpoint is weights-only (`weights_only` in meta.json): a
     run loading it starts training at step 0 from these weights (e.g. converted from HF).
     """
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    else:
+        extra = {**extra, "weights_only": True}
+    return save_state(root, step, state, extra, keep_last)
+
+
+def save_state(root: str | Path, step: int, state: dict, extra: dict, keep_last: int = 2,
+               planner: dcp.SavePlanner | None = None) -> Path:
+    """The DCP write behind save_checkpoint: `state` as shards, then meta.json, marker and pruning.
+
+    `planner` may produce each tensor only when it is written (streaming conversion).
+    """
     root, final = Path(root), checkpoint_dir(root, step)
     tmp = root / f".tmp_iter_{step:07d}"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    state = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
-    else:
-        extra = {**extra, "weights_only": True}
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp), planner=planner)
     _barrier()
     if _rank() == 0:
         meta = {"step": step, **extra, "files": written_files(tmp)}
@@ -201,6 +210,11 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     return meta
+
+
+def load_state(state: dict, path: str | Path) -> None:
+    """Fill the tensors of `state` (any subset of the checkpoint's) from the checkpoint at path."""
+    dcp.load(state, checkpoint_id=str(path))
 
 
 def load_model_weights(path: str | Path, model) -> dict:

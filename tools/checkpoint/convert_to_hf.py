@@ -1,6 +1,9 @@
 """Convert a checkpoint of this trainer to a Hugging Face LlamaForCausalLM directory.
 
     python tools/checkpoint/convert_to_hf.py --load CKPT [--iteration N] --save HF_DIR [--tokenizer-model TOK]
+
+Streams tensor by tensor into safetensors shards of at most --max-shard-size (with
+model.safetensors.index.json when there are several): host memory is about one shard.
 """
 
 import argparse
@@ -10,6 +13,16 @@ import torch
 from megatron_lc.models.llama.conversion import checkpoint_to_hf
 
 
+def parse_size(text: str) -> int:
+    """'5GB' -> 5e9 bytes (also KB, MB, and a plain number of bytes)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+    unit = next((u for u in units if text.upper().endswith(u)), None)
+    try:
+        return int(float(text[:-2]) * units[unit]) if unit else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 5GB or 500MB") from None
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True, help="--save directory of a run, or one iter_* checkpoint")
@@ -17,8 +30,11 @@ def main(argv=None) -> None:
     p.add_argument("--save", required=True, help="output directory (safetensors + config.json)")
     p.add_argument("--tokenizer-model", default=None, help="tokenizer to ship with the weights")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB",
+                   help="largest safetensors shard, e.g. 5GB or 500MB (default 5GB, as transformers)")
     args = p.parse_args(argv)
-    out = checkpoint_to_hf(args.load, args.save, args.iteration, getattr(torch, args.dtype), args.tokenizer_model)
+    out = checkpoint_to_hf(args.load, args.save, args.iteration, getattr(torch, args.dtype), args.tokenizer_model,
+                           max_shard_bytes=args.max_shard_size)
     print(f"wrote {out}")
 
 

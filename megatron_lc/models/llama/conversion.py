@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from megatron_lc.models.llama import build_model
-from megatron_lc.models.llama.hf import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from megatron_lc.models.llama.hf import from_hf_config, to_hf_config, to_hf_name
 from megatron_lc.models.llama.model import LlamaConfig, RopeScaling
 from megatron_lc.training import checkpointing
 
@@ -30,20 +34,95 @@ def resolve_checkpoint(load: str, iteration: int | None) -> Path:
 
 
 def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype=torch.bfloat16,
-                     tokenizer_model: str | None = None) -> Path:
-    """Write safetensors shards, config.json, generation_config.json (and tokenizer files) to `save`."""
-    import transformers
+                     tokenizer_model: str | None = None, max_shard_bytes: int = 5 * 10**9) -> Path:
+    """Write safetensors shards (+ index), config.json, generation_config.json (and tokenizer files) to `save`.
 
+    Streams: one tensor is read from the checkpoint at a time and one shard is held, so host
+    memory is about one shard whatever the model's size.
+    """
     path = resolve_checkpoint(load, iteration)
     config = config_from_meta(checkpointing.read_meta(path))
-    model = build_model(config, device="cpu", seed=None)
-    checkpointing.load_model_weights(path, model)
-    hf = transformers.LlamaForCausalLM(to_hf_config(config, torch_dtype=dtype))
-    hf.load_state_dict(to_hf_state_dict(model.state_dict(), config), strict=True)
-    hf.to(dtype).save_pretrained(save, safe_serialization=True)
+    out = Path(save)
+    out.mkdir(parents=True, exist_ok=True)
+    names = _hf_names_to_write(path, config)
+    shards = plan_shards({hf: size * dtype.itemsize for hf, (_, size) in names.items()}, max_shard_bytes)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = _shard_name(i, len(shards))
+        tensors = {hf: read_checkpoint_tensor(path, names[hf][0]).to(dtype).contiguous() for hf in shard}
+        save_safetensors(tensors, out / file)
+        weight_map.update(dict.fromkeys(shard, file))
+        del tensors  # one shard at a time
+    if len(shards) > 1:
+        total = sum(size * dtype.itemsize for _, size in names.values())
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    _write_hf_config(config, dtype, out)
     if tokenizer_model:
         save_tokenizer(tokenizer_model, save)
-    return Path(save)
+    return out
+
+
+def _hf_names_to_write(path: Path, config: LlamaConfig) -> dict[str, tuple[str, int]]:
+    """transformers' name -> (checkpoint key, element count), in checkpoint order; a tied output weight once."""
+    names = {}
+    for key, numel in checkpoint_tensor_sizes(path).items():
+        hf = to_hf_name(key.removeprefix(MODEL_PREFIX))
+        if not (config.tie_embeddings and hf == "lm_head.weight"):
+            names[hf] = (key, numel)
+    return names
+
+
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Consecutive groups of names whose bytes stay within max_shard_bytes (a larger tensor alone)."""
+    shards, current, used = [], [], 0
+    for name, size in sizes.items():
+        if current and used + size > max_shard_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    return shards + [current] if current else shards
+
+
+def _shard_name(index: int, count: int) -> str:
+    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _write_hf_config(config: LlamaConfig, dtype: torch.dtype, out: Path) -> None:
+    import transformers
+
+    hf_config = to_hf_config(config, torch_dtype=dtype)
+    hf_config.save_pretrained(out)
+    transformers.GenerationConfig.from_model_config(hf_config).save_pretrained(out)
+
+
+MODEL_PREFIX = "model."  # the model's tensors sit under this key in a checkpoint's state
+
+
+def checkpoint_tensor_sizes(path: Path) -> dict[str, int]:
+    """Element count of every model tensor of a checkpoint, from its DCP index alone."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key: math.prod(item.size) for key, item in metadata.items()
+            if key.startswith(MODEL_PREFIX) and hasattr(item, "size")}
+
+
+def read_checkpoint_tensor(path: Path, key: str) -> torch.Tensor:
+    """One tensor of a checkpoint (DCP reads only its bytes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    item = FileSystemReader(str(path)).read_metadata().state_dict_metadata[key]
+    tensor = torch.empty(item.size, dtype=item.properties.dtype)
+    checkpointing.load_state({MODEL_PREFIX.rstrip("."): {key.removeprefix(MODEL_PREFIX): tensor}}, path)
+    return tensor
 
 
 def save_tokenizer(tokenizer_model: str, save: str) -> None:
@@ -65,12 +144,61 @@ def save_tokenizer(tokenizer_model: str, save: str) -> None:
 
 
 def hf_to_checkpoint(load: str, save: str) -> Path:
-    """A weights-only checkpoint of this trainer from a Hugging Face LlamaForCausalLM directory."""
+    """A weights-only checkpoint of this trainer (fp32) from a Hugging Face LlamaForCausalLM directory.
+
+    Streams: each tensor is read from its safetensors shard only when the checkpoint writer
+    reaches it, so host memory is about one tensor whatever the model's size.
+    """
     import transformers
 
-    hf = transformers.LlamaForCausalLM.from_pretrained(load, torch_dtype=torch.float32)
-    config = from_hf_config(hf.config)
-    model = build_model(config, device="cpu", seed=None)
-    model.load_state_dict(from_hf_state_dict(hf.state_dict(), config), strict=True)
-    return checkpointing.save_checkpoint(save, 0, model, None, {"model_config": dataclasses.asdict(config),
-                                                                 "source": str(load)})
+    config = from_hf_config(transformers.AutoConfig.from_pretrained(load))
+    sources = hf_tensor_sources(Path(load))
+    expected = build_model(config, device="meta").state_dict()
+    readers, shapes = {}, {}
+    for name, like in expected.items():
+        hf = to_hf_name(name)
+        if config.tie_embeddings and hf == "lm_head.weight":
+            hf = "model.embed_tokens.weight"
+        if hf not in sources:
+            raise ValueError(f"--load {load}: no tensor {hf!r} in its safetensors files")
+        readers[MODEL_PREFIX + name] = functools.partial(read_safetensor, sources[hf], hf, torch.float32)
+        shapes[name] = torch.empty(like.shape, dtype=torch.float32, device="meta")
+    extra = {"model_config": dataclasses.asdict(config), "source": str(load), "weights_only": True}
+    return checkpointing.save_state(save, 0, {"model": shapes}, extra, planner=StreamingSavePlanner(readers))
+
+
+def hf_tensor_sources(directory: Path) -> dict[str, Path]:
+    """transformers' tensor name -> the safetensors file holding it (index file, or one model.safetensors)."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = directory / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"--load {directory}: no model.safetensors or model.safetensors.index.json")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def read_safetensor(file: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(name).to(dtype)
+
+
+class StreamingSavePlanner(DefaultSavePlanner):
+    """DCP's save planner over meta tensors: each tensor is made by its reader when it is written.
+
+    The plan needs only shapes and dtypes; DCP's writer asks `resolve_data` for one item at a
+    time, so only the tensor being written is in memory.
+    """
+
+    def __init__(self, readers: dict[str, Callable[[], torch.Tensor]]):
+        super().__init__()
+        self.readers = readers
+
+    def resolve_data(self, write_item):
+        reader = self.readers.get(write_item.index.fqn)
+        return reader() if reader is not None else super().resolve_data(write_item)
