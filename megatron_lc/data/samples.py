@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_lc.data.index_cache import IndexCache, array_digest, dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset
 
 IGNORE_INDEX = -100  # label value excluded from the loss
@@ -107,31 +108,45 @@ class EpochLayout:
 class LongSequenceSamples(SampleSource):
     """Samples of `seq_length + 1` tokens from an indexed dataset; one sequence = one document.
 
-    Any index is valid: samples past the first epoch continue into later epochs.
-    `len()` is the number of samples that lie entirely within the first epoch.
+    `documents` (sequence indices) restricts the stream to a subset, such as one
+    `--split` part; by default it is every sequence. Any index is valid: samples past
+    the first epoch continue into later epochs. `len()` is the number of samples that
+    lie entirely within the first epoch. With a `cache`, epoch layouts are built once
+    and read back memory-mapped (see `index_cache`).
     """
 
     _CACHED_EPOCHS = 2  # a sample spans at most two epochs unless S exceeds an epoch
 
-    def __init__(self, dataset: IndexedDataset, seq_length: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: IndexedDataset,
+        seq_length: int,
+        seed: int,
+        shuffle: bool = True,
+        documents: np.ndarray | None = None,
+        cache: IndexCache | None = None,
+    ) -> None:
         if seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
         self.dataset = dataset
         self.seq_length = seq_length
         self.seed = seed
         self.shuffle = shuffle
-        self._lengths = dataset.sequence_lengths.astype(np.int64)
-        self._bin_starts = dataset.sequence_pointers // dataset.dtype.itemsize
+        all_documents = np.arange(len(dataset.sequence_lengths), dtype=np.int64)
+        self.documents = all_documents if documents is None else np.asarray(documents, dtype=np.int64)
+        self._lengths = dataset.sequence_lengths[self.documents].astype(np.int64)
+        self._bin_starts = dataset.sequence_pointers[self.documents] // dataset.dtype.itemsize
         self.tokens_per_epoch = int(self._lengths.sum())
         if self.tokens_per_epoch == 0:
             raise ValueError(f"{dataset.path_prefix}: the dataset holds no tokens")
+        self._cache = cache
         self._layouts: dict[int, EpochLayout] = {}
 
     def __len__(self) -> int:
         return (self.tokens_per_epoch - 1) // self.seq_length
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """Sequence indices of `epoch` in stream order."""
+        """Positions in `documents` of `epoch`'s documents, in stream order."""
         if not self.shuffle:
             return np.arange(len(self._lengths), dtype=np.int64)
         return np.random.default_rng([self.seed, epoch]).permutation(len(self._lengths))
@@ -141,12 +156,33 @@ class LongSequenceSamples(SampleSource):
         key = epoch if self.shuffle else 0
         layout = self._layouts.get(key)
         if layout is None:
-            order = self.epoch_order(epoch)
-            layout = EpochLayout(order, np.cumsum(self._lengths[order]))
+            layout = self._build_layout(key)
             if len(self._layouts) >= self._CACHED_EPOCHS:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[key] = layout
         return layout
+
+    def _build_layout(self, epoch: int) -> EpochLayout:
+        def build() -> dict[str, np.ndarray]:
+            order = self.epoch_order(epoch)
+            return {"order": order, "ends": np.cumsum(self._lengths[order])}
+
+        if self._cache is None:
+            arrays = build()
+        else:
+            arrays = self._cache.arrays("epoch", self.layout_description(epoch), build)
+        return EpochLayout(arrays["order"], arrays["ends"])
+
+    def layout_description(self, epoch: int) -> dict[str, object]:
+        """Everything an epoch layout depends on: the data, the documents, seed and order."""
+        return {
+            "kind": "epoch_layout",
+            "dataset": dataset_fingerprint(self.dataset.path_prefix),
+            "documents": array_digest(self.documents),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": epoch,
+        }
 
     def read_tokens(self, index: int, start: int, stop: int) -> np.ndarray:
         first = index * self.seq_length + start

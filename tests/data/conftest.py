@@ -118,3 +118,24 @@ def make_dataset(tmp_path):
         return IndexedDataset(prefix)
 
     return make
+
+
+class CountingDataset:
+    """Wraps a dataset and counts the tokens read from its .bin."""
+
+    def __init__(self, dataset) -> None:
+        self._dataset = dataset
+        self.tokens_read = 0
+
+    def __getattr__(self, name):
+        return getattr(self._dataset, name)
+
+    def read_span(self, token_offset: int, count: int) -> np.ndarray:
+        self.tokens_read += count
+        return self._dataset.read_span(token_offset, count)
+
+
+@pytest.fixture
+def counting_reads():
+    """`counting_reads(dataset)`: the dataset, counting the tokens read from its .bin."""
+    return CountingDataset

@@ -103,23 +103,8 @@ def test_eod_mask_loss_masks_labels_after_an_eod_input(make_dataset):
         samples.get(0, eod_mask_loss=True)
 
 
-class CountingDataset:
-    """Wraps a dataset and counts the tokens read from its .bin."""
-
-    def __init__(self, dataset) -> None:
-        self._dataset = dataset
-        self.tokens_read = 0
-
-    def __getattr__(self, name):
-        return getattr(self._dataset, name)
-
-    def read_span(self, token_offset: int, count: int) -> np.ndarray:
-        self.tokens_read += count
-        return self._dataset.read_span(token_offset, count)
-
-
-def test_a_cp_rank_reads_only_its_slice_from_the_memory_map(make_dataset, random_documents):
-    counting = CountingDataset(make_dataset(random_documents(8, 200, 500)))
+def test_a_cp_rank_reads_only_its_slice_from_the_memory_map(make_dataset, random_documents, counting_reads):
+    counting = counting_reads(make_dataset(random_documents(8, 200, 500)))
     seq_length, cp_size = 4096, 8
     samples = LongSequenceSamples(counting, seq_length, seed=1)
     samples.get(2, cp_rank=5, cp_size=cp_size)

@@ -1,0 +1,224 @@
+"""Megatron's data flags turned into train, validation and test sample sources.
+
+- `--data-path [W1] P1 [W2 P2 ...]`: prefixes, each with a weight or none (then each
+  weighs its number of samples, as Megatron). `--split 969,30,1` carves train,
+  validation and test from every prefix by document: contiguous ranges of the
+  documents in file order, Megatron's rounding, so the parts never change with the seed;
+  the seed orders the documents within each part.
+- `--train-data-path` / `--valid-data-path` / `--test-data-path`: a whole blend per
+  part, uncut; each one given replaces that part of `--data-path`.
+- Several prefixes in a part are blended (`blending.BlendedSamples`); one is read directly.
+- `--data-cache-path`: the epoch layouts and blending indices are stored there, keyed by
+  the data and the flags (`index_cache`), and read back on restart.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from megatron_lc.data.blending import BlendedSamples
+from megatron_lc.data.index_cache import IndexCache
+from megatron_lc.data.indexed_dataset import IndexedDataset, bin_path, idx_path
+from megatron_lc.data.samples import LongSequenceSamples, SampleSource
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def _as_weight(text: str) -> float | None:
+    """`text` as a finite number, else None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def parse_data_path(values: Sequence[str], flag: str = "--data-path") -> list[tuple[float | None, str]]:
+    """(weight, prefix) pairs of `WEIGHT PREFIX ...`, or (None, prefix) for plain prefixes."""
+    if not values:
+        return []
+    if _as_weight(values[0]) is None:  # plain prefixes: none may look like a weight
+        stray = next((v for v in values if _as_weight(v) is not None), None)
+        if stray is not None:
+            raise ValueError(f"{flag}: {stray!r} looks like a weight among plain prefixes; give every prefix a "
+                             "weight (W1 PREFIX1 W2 PREFIX2 ...) or none")
+        return [(None, prefix) for prefix in values]
+    if len(values) % 2:
+        last = values[-1]
+        detail = f"the weight {last!r} has no prefix after it" if _as_weight(last) is not None else (
+            f"{last!r} has no weight before it")
+        raise ValueError(f"{flag}: {len(values)} values do not pair up as WEIGHT PREFIX ...: {detail}")
+    pairs = []
+    for weight_text, prefix in zip(values[::2], values[1::2]):
+        weight = _as_weight(weight_text)
+        if weight is None or weight < 0:
+            raise ValueError(f"{flag}: weight {weight_text!r} (before {prefix!r}) is not a non-negative number")
+        if _as_weight(prefix) is not None:
+            raise ValueError(f"{flag}: {prefix!r} follows weight {weight_text!r} where a prefix belongs")
+        pairs.append((weight, prefix))
+    if sum(weight for weight, _ in pairs) <= 0:
+        raise ValueError(f"{flag}: the weights sum to zero")
+    return pairs
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """`969,30,1` (or `98/2`, `100`) as normalised train, valid and test fractions."""
+    parts = [part.strip() for part in split.replace("/", ",").split(",")]
+    values = [_as_weight(part) for part in parts]
+    if not 1 <= len(parts) <= 3 or any(v is None or v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum, "
+                         "such as 969,30,1")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return values[0] / total, values[1] / total, values[2] / total
+
+
+def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[tuple[int, int] | None]:
+    """Megatron's document range of each part: `[round(lo*N), round(hi*N))` of the
+    cumulative fractions; None for a part of zero weight."""
+    bounds = [0.0]
+    for fraction in fractions:
+        bounds.append(bounds[-1] + fraction)
+    return [
+        (int(round(low * num_documents)), int(round(high * num_documents))) if high > low else None
+        for low, high in zip(bounds[:-1], bounds[1:])
+    ]
+
+
+def check_token_ids(dataset: IndexedDataset, vocab_size: int) -> None:
+    """Every token id of `dataset` is below `vocab_size`, else a ValueError naming the
+    prefix, the largest id, the first sequence holding one, and the vocabulary size."""
+    tokens = dataset.read_span(0, dataset.num_tokens)
+    if tokens.size == 0 or int(tokens.max()) < vocab_size:  # one pass over the memory map
+        return
+    largest = int(tokens.max())
+    first = int(np.argmax(tokens >= vocab_size))
+    sequence = int(np.searchsorted(dataset.sequence_pointers // dataset.dtype.itemsize, first, side="right") - 1)
+    raise ValueError(f"{dataset.path_prefix}: token id {largest} (first at sequence {sequence}) is not below the "
+                     f"vocabulary size {vocab_size}: data from another tokenizer, or --vocab-size too small")
+
+
+@dataclass(frozen=True)
+class DataSources:
+    """One sample source per part; None where a part has no data."""
+
+    train: SampleSource | None
+    valid: SampleSource | None
+    test: SampleSource | None
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one part is made of: (weight, prefix, document range) per dataset."""
+
+    name: str
+    members: tuple[tuple[float | None, str, tuple[int, int] | None], ...]
+
+
+def _parts(
+    data_path: Sequence[str], split: str | None, explicit: dict[str, Sequence[str]], datasets: dict[str, IndexedDataset]
+) -> list[_Part]:
+    """Each part's members: an explicit path whole, else its range of every --data-path prefix."""
+    blend = parse_data_path(data_path)
+    fractions = parse_split(split) if split is not None else (1.0, 0.0, 0.0)
+    parts = []
+    for index, name in enumerate(SPLIT_NAMES):
+        if explicit.get(name):
+            members = tuple((w, p, None) for w, p in parse_data_path(explicit[name], f"--{name}-data-path"))
+        else:
+            members = tuple(
+                (w, p, split_ranges(len(datasets[p].sequence_lengths), fractions)[index]) for w, p in blend
+            )
+            members = tuple(m for m in members if m[2] is not None and m[2][1] > m[2][0])
+        parts.append(_Part(name, members))
+    return parts
+
+
+def data_prefixes(
+    data_path: Sequence[str],
+    train_data_path: Sequence[str] = (),
+    valid_data_path: Sequence[str] = (),
+    test_data_path: Sequence[str] = (),
+) -> list[str]:
+    """Every prefix the flags name, once each; a ValueError for weights that are not
+    numbers or do not pair with prefixes, a FileNotFoundError for a missing file."""
+    flags = {"--data-path": data_path, "--train-data-path": train_data_path,
+             "--valid-data-path": valid_data_path, "--test-data-path": test_data_path}
+    prefixes: dict[str, None] = {}
+    for flag, values in flags.items():
+        for _, prefix in parse_data_path(values, flag):
+            for path in (idx_path(prefix), bin_path(prefix)):
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(f"{flag} {prefix}: {path} does not exist")
+            prefixes[prefix] = None
+    return list(prefixes)
+
+
+def _open(prefixes: Sequence[str], vocab_size: int | None) -> dict[str, IndexedDataset]:
+    datasets = {}
+    for prefix in dict.fromkeys(prefixes):
+        datasets[prefix] = IndexedDataset(prefix)
+        if vocab_size is not None:
+            check_token_ids(datasets[prefix], vocab_size)
+    return datasets
+
+
+def build_datasets(
+    data_path: Sequence[str],
+    seq_length: int,
+    seed: int,
+    split: str | None = None,
+    train_data_path: Sequence[str] = (),
+    valid_data_path: Sequence[str] = (),
+    test_data_path: Sequence[str] = (),
+    cache_path: str | None = None,
+    num_samples: dict[str, int] | None = None,
+    shuffle: bool = True,
+    vocab_size: int | None = None,
+) -> DataSources:
+    """Train, validation and test sources from Megatron's data flags.
+
+    `split=None` gives every document of `data_path` to training. `num_samples` (per
+    part name) sizes the blending indices built up front; they extend on demand past it.
+    Validation and test read their documents in stream order; training shuffles unless
+    `shuffle` is False. With `vocab_size`, every dataset's ids are checked below it."""
+    explicit = {"train": train_data_path, "valid": valid_data_path, "test": test_data_path}
+    if split is not None:
+        parse_split(split)  # a bad --split fails before any dataset is opened
+    datasets = _open(data_prefixes(data_path, train_data_path, valid_data_path, test_data_path), vocab_size)
+    cache = IndexCache(cache_path)
+    sources = {}
+    for part in _parts(data_path, split, explicit, datasets):
+        sources[part.name] = _part_source(part, datasets, seq_length, seed, shuffle and part.name == "train",
+                                          cache, (num_samples or {}).get(part.name))
+    return DataSources(**sources)
+
+
+def _part_source(
+    part: _Part,
+    datasets: dict[str, IndexedDataset],
+    seq_length: int,
+    seed: int,
+    shuffle: bool,
+    cache: IndexCache,
+    num_samples: int | None,
+) -> SampleSource | None:
+    """One part's source: a single dataset's samples, or their blend."""
+    members = [m for m in part.members if m[0] is None or m[0] > 0]  # weight 0 switches a dataset off
+    if not members:
+        return None
+    sources = []
+    for _, prefix, document_range in members:
+        documents = None if document_range is None else np.arange(*document_range, dtype=np.int64)
+        sources.append(LongSequenceSamples(datasets[prefix], seq_length, seed, shuffle, documents, cache))
+    if len(sources) == 1:
+        return sources[0]
+    # unweighted prefixes weigh their size, as in Megatron (tokens: never zero)
+    weights = [s.tokens_per_epoch if w is None else w for (w, _, _), s in zip(members, sources)]
+    size = num_samples or sum(len(s) for s in sources)
+    return BlendedSamples(sources, weights, size, cache)
