@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import subprocess
 import sys
 import time
@@ -41,13 +40,23 @@ def write_random_checkpoint(model: str, root: Path) -> Path:
 
 
 def peak_rss_of(cmd: list[str]) -> tuple[float, float]:
-    """(peak RSS GiB, seconds) of one child process, from its own rusage."""
+    """(peak RSS GiB, seconds) of one child process: its VmHWM, read every 50 ms until it exits.
+
+    Not getrusage: Linux carries a parent's peak RSS across fork and exec into the child's.
+    """
     start = time.perf_counter()
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(child.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
+    peak_kib = 0
+    while child.poll() is None:
+        try:
+            status = Path(f"/proc/{child.pid}/status").read_text()
+            peak_kib = max(peak_kib, int(status.split("VmHWM:")[1].split()[0]))
+        except (OSError, IndexError):
+            pass
+        time.sleep(0.05)
+    if child.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed")
-    return usage.ru_maxrss / 2**20, time.perf_counter() - start
+    return peak_kib / 2**20, time.perf_counter() - start
 
 
 def _size_gib(path: Path) -> float:

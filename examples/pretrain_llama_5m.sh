@@ -43,16 +43,15 @@ TRAINING_ARGS=(
     --weight-decay 0.1 --clip-grad 1.0
 )
 CHECKPOINT_ARGS=(
+    # --load of an empty directory starts from scratch: one command starts and resumes the run.
     --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval 50
+    --exit-signal-handler           # SIGTERM / SIGUSR1: save at the next step and exit 0
 )
 LOGGING_ARGS=(
     --log-interval 1
     --log-dir "$CHECKPOINT_DIR/logs"
     --tensorboard-dir "$CHECKPOINT_DIR/tensorboard"
 )
-
-# Resuming needs a checkpoint; drop --load on the first run.
-[ -e "$CHECKPOINT_DIR/latest_checkpointed_iteration.txt" ] || CHECKPOINT_ARGS=(--save "$CHECKPOINT_DIR" --save-interval 50)
 
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 torchrun --nproc-per-node "$GPUS_PER_NODE" -m megatron_lc.train \

@@ -153,7 +153,9 @@ def save_state(root: str | Path, step: int, state: dict, extra: dict, keep_last:
                planner: dcp.SavePlanner | None = None) -> Path:
     """The DCP write behind save_checkpoint: `state` as shards, then meta.json, marker and pruning.
 
-    `planner` may produce each tensor only when it is written (streaming conversion).
+    `planner` may produce each tensor only when it is written (streaming conversion). Then every
+    tensor gets its own file: DCP's file writer keeps a reference to each tensor it has written
+    until its file is closed, so one file per rank would hold the whole state.
     """
     root, final = Path(root), checkpoint_dir(root, step)
     tmp = root / f".tmp_iter_{step:07d}"
@@ -161,7 +163,8 @@ def save_state(root: str | Path, step: int, state: dict, extra: dict, keep_last:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(state, checkpoint_id=str(tmp), planner=planner)
+    writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=planner is None)
+    dcp.save(state, storage_writer=writer, planner=planner)
     _barrier()
     if _rank() == 0:
         meta = {"step": step, **extra, "files": written_files(tmp)}
