@@ -47,3 +47,12 @@ def test_meta_model_materialises_with_seeded_weights_and_tied_embeddings():
     assert a.head.lm_head.weight is a.embed_tokens.weight
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert p.device.type == "cpu" and (p == q).all(), n
+
+
+def test_kv_channels_follow_hidden_size_and_heads_unless_given():
+    from megatron_lc.models.llama import get_config
+
+    assert get_config("debug", hidden_size=128, num_attention_heads=4).kv_channels == 32
+    assert get_config("llama3-8b", num_attention_heads=16).kv_channels == 256
+    assert get_config("debug", hidden_size=128, kv_channels=8).kv_channels == 8
+    assert get_config("debug", num_layers=1).kv_channels == 16  # the flavour's own

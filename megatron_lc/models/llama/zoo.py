@@ -33,6 +33,10 @@ def get_config(name: str, **overrides) -> LlamaConfig:
     """The flavour `name` with Megatron-style overrides (None values ignored), validated."""
     if name not in FLAVOURS:
         raise ValueError(f"--model {name!r}: unknown flavour; expected one of {', '.join(FLAVOURS)}")
-    config = replace(FLAVOURS[name], **{k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given.keys() & {"hidden_size", "num_attention_heads"} and "kv_channels" not in given:
+        base = replace(FLAVOURS[name], **given)  # as Megatron: head dimension = hidden size / heads
+        given["kv_channels"] = base.hidden_size // base.num_attention_heads
+    config = replace(FLAVOURS[name], **given)
     config.validate()
     return config
