@@ -115,3 +115,13 @@ def test_one_process_bf16_keeps_fp32_master_weights_and_computes_in_bf16(tmp_pat
     # An update of ~1e-6 is below bf16's resolution at these magnitudes: only fp32 weights keep it.
     changed = sum(int((p.detach() != b).sum()) for p, b in zip(bf16.model.parameters(), before))
     assert changed > 0.9 * sum(b.numel() for b in before)
+
+
+def test_train_accepts_every_tokenizer_type_preprocessing_accepts():
+    from megatron_lc.data.preprocess import build_parser as preprocess_parser
+    from megatron_lc.data.tokenizers import TOKENIZER_TYPES
+
+    action = next(a for a in preprocess_parser()._actions if "--tokenizer-type" in a.option_strings)
+    assert set(action.choices) == set(TOKENIZER_TYPES)
+    for name in TOKENIZER_TYPES:
+        assert parse_config(["--tokenizer-type", name]).data.tokenizer_type == name
