@@ -18,13 +18,18 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import os
+import re
+import resource
+import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -84,21 +89,54 @@ def train_model(texts: list[str], prefix: Path, vocab_size: int, model_type: str
     return train_sentencepiece(lines, prefix, vocab_size, model_type=model_type, max_sentences=300_000)
 
 
-def time_plain_loop(tokenizer, texts: list[str]) -> tuple[float, list[list[int]]]:
-    """Seconds to encode each whole document in one call, one thread; and the ids."""
-    start = time.perf_counter()
-    ids = [tokenizer.tokenize(text) for text in texts]
-    return time.perf_counter() - start, ids
+@dataclass(frozen=True)
+class Timing:
+    """Wall-clock seconds, and CPU seconds of this process and of its finished children."""
+
+    wall: float
+    main_cpu: float
+    workers_cpu: float
 
 
-def time_preprocess(corpus: Path, prefix: Path, tokenizer_type: str, model: str, workers: int) -> float:
+def _cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(function) -> tuple[Timing, object]:
+    """Run `function()`; its Timing and result."""
+    main, children, start = _cpu_seconds(resource.RUSAGE_SELF), _cpu_seconds(resource.RUSAGE_CHILDREN), time.perf_counter()
+    result = function()
+    wall = time.perf_counter() - start
+    timing = Timing(wall, _cpu_seconds(resource.RUSAGE_SELF) - main, _cpu_seconds(resource.RUSAGE_CHILDREN) - children)
+    return timing, result
+
+
+def plain_loop(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each whole document encoded in one call, in one thread."""
+    return [tokenizer.tokenize(text) for text in texts]
+
+
+def run_preprocess(corpus: Path, prefix: Path, tokenizer_type: str, model: str, workers: int) -> None:
     options = PreprocessOptions(
         inputs=(str(corpus),), output_prefix=str(prefix), tokenizer_type=tokenizer_type, tokenizer_model=model,
         workers=workers, show_progress=False,
     )
-    start = time.perf_counter()
     preprocess(options)
-    return time.perf_counter() - start
+
+
+def run_megatron(megatron_dir: str, corpus: Path, prefix: Path, tokenizer_type: str, model: str, workers: int,
+                 documents: int) -> float:
+    """Megatron-LM's tool on the corpus: its own processing seconds (startup and imports
+    excluded), from the one progress line it prints at the last document."""
+    command = [sys.executable, str(Path(__file__).with_name("megatron_preprocess.py")), megatron_dir,
+               "--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-type", tokenizer_type,
+               "--tokenizer-model", model, "--workers", str(workers), "--log-interval", str(documents)]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    match = re.search(r"Processed (\d+) documents \(([0-9.]+) docs/s", result.stdout + result.stderr)
+    if match is None:
+        raise RuntimeError(f"no progress line from Megatron-LM's tool:\n{result.stderr[-2000:]}")
+    return int(match.group(1)) / float(match.group(2))
 
 
 def count_mismatches(prefix: Path, expected: list[list[int]]) -> int:
@@ -112,13 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus-mb", type=float, default=40)
     parser.add_argument("--source", nargs="+", default=["/usr/share/doc", sysconfig.get_paths()["purelib"]],
                         help="directories of text files")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="0: encode in the reading process")
     parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
     parser.add_argument("--tokenizer-model", help="default: a SentencePiece model trained on the corpus")
     parser.add_argument("--model-type", default="unigram", choices=("unigram", "bpe"))
     parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--repeats", type=int, default=2, help="best of this many timings")
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many timings")
     parser.add_argument("--work-dir", help="keep the corpus, model and outputs here")
+    parser.add_argument("--megatron-lm", help="a Megatron-LM checkout: time its tools/preprocess_data.py too")
     args = parser.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-tokenize-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -132,17 +171,41 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.exists(model):
             model = train_model(texts, work / f"spm_{args.model_type}_{args.vocab_size}", args.vocab_size, args.model_type)
     tokenizer = build_tokenizer(args.tokenizer_type, model)
-    loop_seconds, expected = min(time_plain_loop(tokenizer, texts) for _ in range(args.repeats))
+    expected = plain_loop(tokenizer, texts)
     megabytes = corpus.stat().st_size / 1e6
     print(f"corpus: {len(texts):,} documents, {megabytes:.1f} MB of JSON lines, {sum(map(len, expected)):,} tokens")
-    print(f"tokenizer: {args.tokenizer_type} {model} (vocab {tokenizer.vocab_size:,})")
-    print(f"plain whole-document encode loop, 1 thread, texts in memory: {loop_seconds:.2f} s")
+    print(f"tokenizer: {args.tokenizer_type} {model} (vocab {tokenizer.vocab_size:,}); load average "
+          f"{os.getloadavg()[0]:.1f} before")
+    # interleaved repeats, best wall time of each: other jobs on the machine slow all alike
+    best: dict[str, Timing] = {}
+    megatron: dict[int, float] = {}
+    for _ in range(args.repeats):
+        runs = {"loop": lambda: plain_loop(tokenizer, texts)}
+        for workers in args.workers:
+            runs[f"w{workers}"] = functools.partial(run_preprocess, corpus, work / f"out_w{workers}",
+                                                    args.tokenizer_type, model, workers)
+        for name, function in runs.items():
+            timing, _ = timed(function)
+            if name not in best or timing.wall < best[name].wall:
+                best[name] = timing
+        for workers in args.workers if args.megatron_lm else []:
+            seconds = run_megatron(args.megatron_lm, corpus, work / f"megatron_w{workers}", args.tokenizer_type,
+                                   model, max(workers, 1), len(texts))
+            megatron[workers] = min(megatron.get(workers, seconds), seconds)
+    loop = best["loop"]
+    print(f"plain whole-document encode loop, 1 thread, texts in memory: {loop.wall:.2f} s ({loop.main_cpu:.2f} CPU s)")
     for workers in args.workers:
-        prefix = work / f"out_w{workers}"
-        seconds = min(time_preprocess(corpus, prefix, args.tokenizer_type, model, workers) for _ in range(args.repeats))
-        mismatches = count_mismatches(prefix, expected)
-        print(f"preprocess --workers {workers}, JSON lines to .bin/.idx: {seconds:.2f} s "
-              f"({loop_seconds / seconds:.2f}x the loop), documents differing from the loop: {mismatches}")
+        timing = best[f"w{workers}"]
+        mismatches = count_mismatches(work / f"out_w{workers}", expected)
+        print(f"preprocess --workers {workers}, JSON lines to .bin/.idx: {timing.wall:.2f} s "
+              f"({loop.wall / timing.wall:.2f}x the loop's speed; CPU s main {timing.main_cpu:.2f} / workers "
+              f"{timing.workers_cpu:.2f}), documents differing from the loop: {mismatches}")
+    for workers, seconds in megatron.items():
+        mismatches = count_mismatches(work / f"megatron_w{max(workers, 1)}", expected)
+        print(f"Megatron-LM tools/preprocess_data.py --workers {max(workers, 1)}: {seconds:.2f} s of processing "
+              f"(ours --workers {workers} is {seconds / best[f'w{workers}'].wall:.2f}x faster), "
+              f"documents differing from the loop: {mismatches}")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 
 

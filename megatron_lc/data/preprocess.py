@@ -139,12 +139,13 @@ def group_documents(documents: Iterable[Document], keys: Sequence[str]) -> Itera
 
 
 class TokenizerPool:
-    """Encodes tasks in order, in `workers` processes (in this process for one)."""
+    """Encodes tasks in order in `workers` processes, as Megatron's `--workers`: reading and
+    writing in this process overlap the encoding. With 0, encodes in this process."""
 
     def __init__(self, config: EncodeConfig, workers: int) -> None:
         self.config = config
         self.workers = workers
-        self._pool = multiprocessing.get_context().Pool(workers) if workers > 1 else None
+        self._pool = multiprocessing.get_context().Pool(workers) if workers > 0 else None
 
     def __enter__(self) -> "TokenizerPool":
         return self
@@ -369,7 +370,7 @@ def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessS
         part_prefixes = [
             [os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys] for i in range(len(groups))
         ]
-        workers_each = max(1, options.workers // len(groups))
+        workers_each = options.workers // len(groups) if options.workers else 0
         with ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context()) as executor:
             futures = [
                 executor.submit(run_partition, group, prefixes, options, workers_each, i, False)
@@ -396,8 +397,8 @@ def _combine(parts: Sequence[PreprocessSummary], final_prefixes: Sequence[str]) 
 
 def preprocess(options: PreprocessOptions) -> PreprocessSummary:
     """Tokenize `options.inputs` into `PREFIX_{key}_document.{bin,idx}` for each JSON key."""
-    if options.workers < 1 or options.partitions < 1:
-        raise ValueError(f"--workers ({options.workers}) and --partitions ({options.partitions}) must be >= 1")
+    if options.workers < 0 or options.partitions < 1:
+        raise ValueError(f"--workers ({options.workers}) must be >= 0 and --partitions ({options.partitions}) >= 1")
     start = time.perf_counter()
     files = expand_inputs(options.inputs)
     if options.partitions > 1 and len(files) > 1:
@@ -439,7 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--prepend-bos", action="store_true", help="start every document with the BOS token")
     group = parser.add_argument_group("output and runtime")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.{bin,idx}")
-    group.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
+    group.add_argument(
+        "--workers", type=int, default=1, help="encoding processes besides the reading one (default: 1; 0: encode in it)"
+    )
     group.add_argument(
         "--partitions", type=int, default=1, help="process groups of input files in parallel, then merge"
     )

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_lc.data.blending import BlendedSamples
-from megatron_lc.data.index_cache import IndexCache
+from megatron_lc.data.index_cache import IndexCache, dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset, bin_path, idx_path
 from megatron_lc.data.samples import LongSequenceSamples, SampleSource
 
@@ -90,13 +90,25 @@ def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[tuple[i
     ]
 
 
-def check_token_ids(dataset: IndexedDataset, vocab_size: int) -> None:
+def largest_token_id(dataset: IndexedDataset, cache: IndexCache | None = None) -> int:
+    """The largest id in `dataset` (-1 when empty): one numpy pass over the memory map,
+    stored in `cache` so a restart on a large corpus does not read it again."""
+
+    def build() -> dict[str, np.ndarray]:
+        tokens = dataset.read_span(0, dataset.num_tokens)
+        return {"largest": np.array([int(tokens.max()) if tokens.size else -1], dtype=np.int64)}
+
+    description = {"kind": "largest_token_id", "dataset": dataset_fingerprint(dataset.path_prefix)}
+    return int((cache or IndexCache(None)).arrays("largest-id", description, build)["largest"][0])
+
+
+def check_token_ids(dataset: IndexedDataset, vocab_size: int, cache: IndexCache | None = None) -> None:
     """Every token id of `dataset` is below `vocab_size`, else a ValueError naming the
     prefix, the largest id, the first sequence holding one, and the vocabulary size."""
-    tokens = dataset.read_span(0, dataset.num_tokens)
-    if tokens.size == 0 or int(tokens.max()) < vocab_size:  # one pass over the memory map
+    largest = largest_token_id(dataset, cache)
+    if largest < vocab_size:
         return
-    largest = int(tokens.max())
+    tokens = dataset.read_span(0, dataset.num_tokens)
     first = int(np.argmax(tokens >= vocab_size))
     sequence = int(np.searchsorted(dataset.sequence_pointers // dataset.dtype.itemsize, first, side="right") - 1)
     raise ValueError(f"{dataset.path_prefix}: token id {largest} (first at sequence {sequence}) is not below the "
@@ -159,12 +171,12 @@ def data_prefixes(
     return list(prefixes)
 
 
-def _open(prefixes: Sequence[str], vocab_size: int | None) -> dict[str, IndexedDataset]:
+def _open(prefixes: Sequence[str], vocab_size: int | None, cache: IndexCache) -> dict[str, IndexedDataset]:
     datasets = {}
     for prefix in dict.fromkeys(prefixes):
         datasets[prefix] = IndexedDataset(prefix)
         if vocab_size is not None:
-            check_token_ids(datasets[prefix], vocab_size)
+            check_token_ids(datasets[prefix], vocab_size, cache)
     return datasets
 
 
@@ -190,8 +202,8 @@ def build_datasets(
     explicit = {"train": train_data_path, "valid": valid_data_path, "test": test_data_path}
     if split is not None:
         parse_split(split)  # a bad --split fails before any dataset is opened
-    datasets = _open(data_prefixes(data_path, train_data_path, valid_data_path, test_data_path), vocab_size)
     cache = IndexCache(cache_path)
+    datasets = _open(data_prefixes(data_path, train_data_path, valid_data_path, test_data_path), vocab_size, cache)
     sources = {}
     for part in _parts(data_path, split, explicit, datasets):
         sources[part.name] = _part_source(part, datasets, seq_length, seed, shuffle and part.name == "train",

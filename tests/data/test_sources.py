@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_lc.data.blending import BlendedSamples, blending_indices
+from megatron_lc.data.index_cache import IndexCache
 from megatron_lc.data.indexed_dataset import IndexedDataset, write_dataset
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import LongSequenceSamples
@@ -15,6 +16,7 @@ from megatron_lc.data.sources import (
     build_datasets,
     check_token_ids,
     data_prefixes,
+    largest_token_id,
     parse_data_path,
     parse_split,
     split_ranges,
@@ -265,7 +267,15 @@ def test_token_ids_at_or_above_the_vocabulary_are_found_before_training(make_dat
         check_token_ids(dataset, 700)
 
 
-def test_build_datasets_checks_ids_against_the_vocabulary(prefixes):
+def test_build_datasets_checks_ids_against_the_vocabulary(prefixes, tmp_path):
     build_datasets([prefixes["A"]], SEQ, seed=0, vocab_size=1100)
-    with pytest.raises(ValueError, match=r"B: token id 2039 .* vocabulary size 1100"):
+    with pytest.raises(ValueError, match=r"B: token id 2039 \(first at sequence 0\) .* vocabulary size 1100"):
         build_datasets(["0.5", prefixes["A"], "0.5", prefixes["B"]], SEQ, seed=0, vocab_size=1100)
+
+
+def test_largest_token_id_is_cached_by_dataset_identity(prefixes, tmp_path, make_dataset):
+    cache = IndexCache(tmp_path / "cache")
+    dataset = IndexedDataset(prefixes["B"])
+    assert largest_token_id(dataset, cache) == 2039 and len(cache.built) == 1
+    assert largest_token_id(IndexedDataset(prefixes["B"]), cache) == 2039 and len(cache.built) == 1
+    assert largest_token_id(make_dataset([[], []], name="empty")) == -1
