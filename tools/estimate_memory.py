@@ -4,7 +4,7 @@ Takes the training flags (python -m megatron_lc.train --help) plus the machine's
 
     python tools/estimate_memory.py --model llama3-8b --bf16 --seq-length 5242880 \\
         --context-parallel-size 8 --recompute-granularity full --offload-activations \\
-        --tiled-mlp --tiled-loss --num-gpus 8 --gpu-memory-gib 80 --host-memory-gib 2048
+        --tiled-mlp --tiled-loss --num-gpus 8 --gpu-memory-gib 80 --host-memory-gib 1907
 
     ... --find-max-seq-length          the longest length that fits
     ... --ablate [--plot FILE.png]     the longest length with each memory layer added in turn
@@ -25,12 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lc.config import build_parser, parse_config
 from megatron_lc.planning.estimate import (
+    DEFAULT_HOST_RESERVE_GIB,
     DEFAULT_RESERVE_GIB,
+    DGX_H100_HOST_GIB,
     Machine,
     estimate,
     planning_config,
 )
-from megatron_lc.planning.standins import DEFAULT_NCCL_GIB_PER_COMMUNICATOR
+from megatron_lc.planning.standins import NcclSettings
+
+NCCL = NcclSettings()
 
 
 def add_planner_flags(parser: argparse.ArgumentParser) -> None:
@@ -39,14 +43,24 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-gpus", type=int, default=8, help="GPUs of the run (the world size) (default: 8)")
     group.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
     group.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default: 80)")
-    group.add_argument("--host-memory-gib", type=float, default=2048.0,
-                       help="host memory per node for offloaded activations (default: 2048)")
+    group.add_argument("--host-memory-gib", type=float, default=DGX_H100_HOST_GIB,
+                       help=f"physical host memory per node (default: {DGX_H100_HOST_GIB:g}, a DGX H100's 2 TB)")
+    group.add_argument("--host-reserve-gib", type=float, default=DEFAULT_HOST_RESERVE_GIB,
+                       help="host memory per node kept for the OS, the training processes, NCCL and checkpoint "
+                            f"saves; offloaded activations get the rest (default: {DEFAULT_HOST_RESERVE_GIB:g})")
     group.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
                        help="per-GPU memory kept for the CUDA context, workspaces and allocator fragmentation "
                             f"(default: {DEFAULT_RESERVE_GIB})")
-    group.add_argument("--nccl-gib-per-communicator", type=float, default=DEFAULT_NCCL_GIB_PER_COMMUNICATOR,
-                       help="NCCL buffers per communicator, outside PyTorch's allocator "
-                            f"(default: {DEFAULT_NCCL_GIB_PER_COMMUNICATOR})")
+    group.add_argument("--nccl-buffsize", type=int, default=NCCL.buffsize,
+                       help=f"NCCL_BUFFSIZE of the run, in bytes (default: NCCL's {NCCL.buffsize})")
+    group.add_argument("--nccl-channels", type=int, default=NCCL.channels,
+                       help=f"NCCL ring/tree channels per communicator (default: {NCCL.channels}, assumed)")
+    group.add_argument("--nccl-p2p-channels-per-peer", type=int, default=NCCL.p2p_channels_per_peer,
+                       help="NCCL channels per peer of all-to-all traffic (default: "
+                            f"{NCCL.p2p_channels_per_peer}, what NCCL picks on 8xH100)")
+    group.add_argument("--with-flash-attn", action="store_true",
+                       help="flash-attn is installed on the GPU machines (decides what --attention-kernel auto "
+                            "runs; torch's flash kernel otherwise, which allocates the same)")
     group.add_argument("--find-max-seq-length", action="store_true", help="search the longest length that fits")
     group.add_argument("--ablate", action="store_true",
                        help="the longest length with each memory layer added in turn (FSDP, Ulysses, "
@@ -56,8 +70,9 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-PLANNER_FLAGS = ("num_gpus", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "reserve_gib",
-                 "nccl_gib_per_communicator", "find_max_seq_length", "ablate", "plot", "json")
+PLANNER_FLAGS = ("num_gpus", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "host_reserve_gib",
+                 "reserve_gib", "nccl_buffsize", "nccl_channels", "nccl_p2p_channels_per_peer", "with_flash_attn",
+                 "find_max_seq_length", "ablate", "plot", "json")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
@@ -78,8 +93,10 @@ def machine_of(planner: argparse.Namespace, cfg) -> Machine:
     device = "cpu" if cfg.train.device == "cpu" else "cuda"
     return Machine(num_gpus=planner.num_gpus, gpus_per_node=planner.gpus_per_node,
                    gpu_memory_gib=planner.gpu_memory_gib, host_memory_gib=planner.host_memory_gib,
-                   reserve_gib=planner.reserve_gib, nccl_gib_per_communicator=planner.nccl_gib_per_communicator,
-                   device=device)
+                   host_reserve_gib=planner.host_reserve_gib, reserve_gib=planner.reserve_gib,
+                   nccl=NcclSettings(buffsize=planner.nccl_buffsize, channels=planner.nccl_channels,
+                                     p2p_channels_per_peer=planner.nccl_p2p_channels_per_peer),
+                   device=device, flash_attn=planner.with_flash_attn)
 
 
 def progress(e) -> None:

@@ -23,6 +23,12 @@ exchanges the stage's output and output-gradient slices, calls the kernel's back
 (no attention-forward recompute), sums dK/dV over the round, exchanges the gradients
 back and accumulates dx and the rows of dWq/dWk/dWv in place.
 
+Precision (16-bit inputs): the dK/dV sums of a kv round are kept in fp32 and cast once,
+when they are sent back; the weight-gradient rows are summed over ranks and samples by
+GEMMs writing fp32 and each row is written once; dx is summed over ranks and samples in
+fp32, a row chunk at a time, and rounded once per exchange (see `_add_to_dx` for why
+not once in all).
+
 Buffers: what a stage receives lands in buffers of a `StageWorkspace` owned by the
 backend object and reused across stages, layers and steps; it is the only state. Send
 buffers are transient (freed before the attention kernels run, so they never add to the
@@ -43,8 +49,12 @@ import torch.distributed as dist
 
 from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.ulysses import check_ulysses_shapes, kv_replication
+from megatron_lc.memory import tiling
+from megatron_lc.memory.tiling import addmm_fp32_
 
 HEADS_PER_STAGE_FLAG = "--untied-heads-per-stage"
+DX_CHUNK_ROWS = 8192
+"""Rows of dx summed at a time in fp32 (8192 x 4096 x 4 bytes = 128 MiB for Llama3-8B)."""
 
 
 # --- which heads go where -------------------------------------------------------------------
@@ -160,14 +170,16 @@ class StageWorkspace:
             self._buffers.clear()
             self._signature = signature
 
-    def get(self, role: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """Role `role`'s buffer as a tensor of `shape` (contents undefined), dtype and device of `like`."""
-        numel = math.prod(shape)
+    def get(self, role: str, shape: tuple[int, ...], like: torch.Tensor,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Role `role`'s buffer as a tensor of `shape` (contents undefined), on `like`'s device, in
+        `dtype` (default `like`'s)."""
+        numel, dtype = math.prod(shape), dtype or like.dtype
         buf = self._buffers.get(role)
-        if buf is None or buf.numel() < numel or buf.dtype != like.dtype:
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
             del buf
             self._buffers.pop(role, None)  # free the smaller buffer before its replacement exists
-            buf = self._buffers[role] = torch.empty(numel, dtype=like.dtype, device=like.device)
+            buf = self._buffers[role] = torch.empty(numel, dtype=dtype, device=like.device)
         return buf[:numel].view(shape)
 
     def release(self) -> None:
@@ -392,9 +404,12 @@ class UntiedUlyssesAttention:
         return sums
 
     def _sum_kv_grads(self, sums, dk: torch.Tensor, dv: torch.Tensor):
-        """Running sums of a round's dk and dv over its stages, in workspace buffers."""
+        """Running sums of a round's dk and dv over its stages, in fp32 workspace buffers (cast once, when
+        they are packed to be sent back)."""
         if sums is None:
-            return tuple(self.workspace.get(role, g.shape, g).copy_(g) for role, g in (("dk_sum", dk), ("dv_sum", dv)))
+            acc = torch.promote_types(dk.dtype, torch.float32)
+            return tuple(self.workspace.get(role, g.shape, g, acc).copy_(g) for role, g in (("dk_sum", dk),
+                                                                                          ("dv_sum", dv)))
         return sums[0].add_(dk), sums[1].add_(dv)
 
     def _return_grads(self, call: _Call, blocks: list[_Heads], grads: list[torch.Tensor], role: str) -> None:
@@ -474,7 +489,8 @@ class UntiedUlyssesAttention:
         """Build every block for every rank and exchange them in one all-to-all into role's buffer
         [B, cp, s, columns] (index 1: the source rank)."""
         B, s = call.batch, call.local_len
-        if len(blocks) == 1 and blocks[0].full is not None:  # already in exchange layout
+        if len(blocks) == 1 and blocks[0].full is not None and blocks[0].full.dtype == call.x.dtype:
+            # already in exchange layout
             send = blocks[0].full.contiguous().view(B, self.cp, s, -1)
         else:
             send = self._pack(call, blocks)
@@ -510,6 +526,26 @@ class UntiedUlyssesAttention:
 
     # --- projections ---
 
+    def _add_to_dx(self, call: _Call, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """dx[b] += sum over ranks r of grad[b, r] @ rows[r], summed in fp32 and rounded once per call.
+
+        Row chunk by row chunk, in an fp32 buffer of DX_CHUNK_ROWS rows: a full fp32 dx would hold
+        S/cp x hidden x 4 bytes (10 GiB for Llama3-8B at 5M tokens on 8 GPUs) through the
+        backward's peak. dx is rounded once per exchange (stages plus kv rounds, 5 for that
+        recipe), where summing in place would round once per rank and exchange (40).
+        """
+        acc_dtype = torch.promote_types(call.dx.dtype, torch.float32)
+        chunks = -(-call.local_len // DX_CHUNK_ROWS)
+        for b in range(call.batch):
+            # tiling.tile_bounds, looked up here: the planner traces two representative chunks of it
+            for start, end in tiling.tile_bounds(call.local_len, chunks):
+                rows_b = slice(start, end)
+                acc = call.dx[b, rows_b].to(acc_dtype)
+                for r in range(self.cp):
+                    addmm_fp32_(acc, grad[b, r, rows_b], rows[r])
+                call.dx[b, rows_b].copy_(acc)
+                del acc
+
     @staticmethod
     def _stacked_rows(blocks: list[_Heads]) -> torch.Tensor:
         """The blocks' weight rows side by side: [cp, sum of widths, hidden]."""
@@ -526,17 +562,17 @@ class UntiedUlyssesAttention:
 
     def _project_back(self, call: _Call, blocks: list[_Heads], grad: torch.Tensor) -> None:
         """The transpose of `_project_into` for grad [B, cp, s, columns] (the blocks side by side):
-        dx += grad @ rows, and the blocks' weight-gradient rows += grad^T x."""
-        rows = self._stacked_rows(blocks) if call.dx is not None else None
-        stacked = None  # the weight gradient of every rank's rows, [cp, columns, hidden]
+        dx += grad @ rows, and the blocks' weight-gradient rows += grad^T x, both summed over ranks
+        and samples in fp32 (see `_add_to_dx`)."""
+        if call.dx is not None:
+            self._add_to_dx(call, self._stacked_rows(blocks), grad)
+        stacked = None  # the weight gradient of every rank's rows, [cp, columns, hidden], fp32
         if any(block.grad_rows is not None for block in blocks):
-            stacked = grad.new_empty(self.cp, grad.shape[-1], call.x.shape[-1])
-        for r in range(self.cp):
-            for b in range(call.batch):
-                if rows is not None:
-                    call.dx[b].addmm_(grad[b, r], rows[r])
-                if stacked is not None:
-                    stacked[r].addmm_(grad[b, r].t(), call.x[b], beta=0 if b == 0 else 1)
+            stacked = torch.zeros(self.cp, grad.shape[-1], call.x.shape[-1], device=grad.device,
+                                  dtype=torch.promote_types(grad.dtype, torch.float32))
+            for r in range(self.cp):
+                for b in range(call.batch):
+                    addmm_fp32_(stacked[r], grad[b, r].t(), call.x[b])
         for block, cols in zip(blocks, self._columns(blocks)):
             if stacked is not None and block.grad_rows is not None:
                 per_rank = stacked[:, cols]

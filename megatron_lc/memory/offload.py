@@ -1,22 +1,86 @@
 """Offload scheduler: moves kept block inputs to host memory and brings them back.
 
 On CUDA, copies run on one side stream, ordered against the compute stream with
-``wait_stream`` / events, into pinned host buffers, so they overlap compute. Host
-buffers come from a pool keyed by (shape, dtype): in steady state every step reuses
-the buffers of the previous one and nothing is allocated. All copies in both
-directions run on the same side stream, which is what makes reuse safe: a buffer
-returned to the pool after its copy back was *queued* can only be overwritten by a
+``wait_stream`` / events, into page-locked host buffers, so they overlap compute.
+
+Host memory is exact-size. torch's caching host allocator (``pin_memory=True``) rounds
+every request up to a power of two (``CachingHostAllocator.h``: ``roundSize``), so a
+4.77 GiB block input would pin 8 GiB. Instead the scheduler keeps one *arena* per
+(shape, dtype): a single ordinary host allocation of exactly ``slots x bytes`` (slots =
+the layers that offload), page-locked once with ``cudaHostRegister`` and carved into one
+view per slot. Arenas are made the first time a shape is offloaded, or before the first
+step by ``reserve`` (page-locking a terabyte takes minutes; each arena is logged with its
+byte count). In steady state every step reuses the same slots and nothing is allocated.
+All copies in both directions run on the same side stream, which is what makes reuse
+safe: a slot returned after its copy back was *queued* can only be overwritten by a
 later copy on that same stream, i.e. after the copy back has run.
 
 On any other accelerator (cpu in tests) the same code path runs with plain, synchronous
-copies into pooled host buffers, so the byte accounting is exercised too.
+copies into the arenas' slots, so the byte accounting is exercised too.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
+
+LOG = logging.getLogger(__name__)
+_CUDA_HOST_REGISTER_PORTABLE = 1
+"""cudaHostRegisterPortable: the memory counts as page-locked for every CUDA context (as torch's own use)."""
+
+
+def page_lock(buffer: torch.Tensor) -> None:
+    """Page-lock an ordinary host tensor's memory in place (cudaHostRegister), for asynchronous copies."""
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), _nbytes(buffer), _CUDA_HOST_REGISTER_PORTABLE))
+    if error != 0:
+        raise RuntimeError(f"cudaHostRegister of {_nbytes(buffer):,} bytes failed with cudaError {error} "
+                           "(is the host out of memory, or the memlock limit too low? see `ulimit -l`)")
+
+
+def page_unlock(buffer: torch.Tensor) -> None:
+    """Undo `page_lock` (cudaHostUnregister)."""
+    error = int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
+    if error != 0:
+        raise RuntimeError(f"cudaHostUnregister failed with cudaError {error}")
+
+
+class HostArena:
+    """``slots`` host buffers of one shape and dtype, carved from one exact allocation.
+
+    ``lock``/``unlock`` page-lock the allocation (None: ordinary memory). The views share
+    the allocation's storage, so a memory tracker sees one buffer of exactly the bytes
+    the slots hold.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, slots: int, device: torch.device,
+                 lock=None, unlock=None) -> None:
+        numel = math.prod(shape)
+        self.key, self.nbytes = (tuple(shape), dtype), slots * numel * dtype.itemsize
+        self._storage = torch.empty(slots * numel, dtype=dtype, device=device)
+        self._unlock = unlock
+        if lock is not None:
+            lock(self._storage)
+        self.free = [self._storage[i * numel:(i + 1) * numel].view(shape) for i in range(slots)]
+        self.slots = slots
+
+    @property
+    def idle(self) -> bool:
+        """No slot is in use."""
+        return len(self.free) == self.slots
+
+    def close(self) -> None:
+        """Unlock and drop the allocation (every slot must be free)."""
+        if self._unlock is not None and self._storage is not None:
+            self._unlock(self._storage)
+        self._storage, self.free = None, []
+
+    def __del__(self) -> None:
+        # Freed memory left registered would make a later registration of the same pages fail.
+        if getattr(self, "_storage", None) is not None:
+            self.close()
 
 
 @dataclass(eq=False)
@@ -25,6 +89,7 @@ class OffloadHandle:
 
     layer_idx: int
     host_buffer: torch.Tensor | None
+    arena: HostArena | None = None
     to_host_done: object | None = None  # torch.cuda.Event on CUDA
     on_accelerator: torch.Tensor | None = None
     to_accelerator_done: object | None = None
@@ -36,7 +101,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class OffloadScheduler:
-    """Decides which layers offload their kept input, owns the host buffer pool, counts bytes.
+    """Decides which layers offload their kept input, owns the host arenas, counts bytes.
 
     Layers ``[keep_first, num_layers - keep_last)`` offload; the first ``keep_first`` and
     the last ``keep_last`` keep their input on the accelerator (the last layers' inputs
@@ -46,10 +111,11 @@ class OffloadScheduler:
         num_layers: transformer blocks in the model.
         keep_last, keep_first: layers at each end that stay on the accelerator.
         accelerator: where activations live and come back to (cuda, or cpu in tests).
-        host: where offloaded activations live (cpu; pinned when the accelerator is cuda).
+        host: where offloaded activations live (cpu; page-locked when the accelerator is cuda).
         prefetch: bring a layer's input back while the next layer's backward runs (overlaps
             the copy, at the cost of one more block input on the accelerator); False: fetch
             each input only when its own layer's backward needs it.
+        page_locked: page-lock the arenas (default: when the accelerator is cuda and the host cpu).
     """
 
     def __init__(
@@ -61,6 +127,7 @@ class OffloadScheduler:
         accelerator: torch.device | str,
         host: torch.device | str = "cpu",
         prefetch: bool = True,
+        page_locked: bool | None = None,
     ) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
@@ -70,9 +137,9 @@ class OffloadScheduler:
         self.prefetch_enabled = prefetch
         self.accelerator, self.host = torch.device(accelerator), torch.device(host)
         self._is_cuda = self.accelerator.type == "cuda"
-        self._pin = self._is_cuda and self.host.type == "cpu"
+        self._pin = (self._is_cuda and self.host.type == "cpu") if page_locked is None else page_locked
         self._copy_stream = torch.cuda.Stream(device=self.accelerator) if self._is_cuda else None
-        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._arenas: dict[tuple[tuple[int, ...], torch.dtype], list[HostArena]] = {}
         self._pending: dict[int, list[OffloadHandle]] = {}
         self.host_bytes_in_use = 0
         self.host_bytes_peak = 0
@@ -87,29 +154,66 @@ class OffloadScheduler:
             raise ValueError(f"layer_idx={layer_idx} outside [0, {self.num_layers})")
         return self.keep_first <= layer_idx < self.num_layers - self.keep_last
 
+    @property
+    def offloaded_layers(self) -> int:
+        """Layers whose kept input goes to the host: the slots of each arena."""
+        return max(0, self.num_layers - self.keep_last - self.keep_first)
+
+    @property
+    def page_locked_bytes(self) -> int:
+        """Host bytes page-locked now (0 when the arenas are ordinary memory)."""
+        return self.host_bytes_reserved if self._pin else 0
+
+    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Make the arena for block inputs of this shape and dtype now, before the first step needs it."""
+        if not self._arenas.get((tuple(shape), dtype)):
+            self._new_arena((tuple(shape), dtype), max(1, self.offloaded_layers))
+
     def reset_peak(self) -> None:
         """Restart peak tracking from the bytes in use now (e.g. at each step)."""
         self.host_bytes_peak = self.host_bytes_in_use
 
-    # ------------------------------------------------------------------ buffer pool
+    # ------------------------------------------------------------------ host arenas
 
-    def _acquire(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer of this shape and dtype: reused from the pool, else allocated."""
-        free = self._free.get((tuple(shape), dtype))
-        if free:
-            buffer = free.pop()
-        else:
-            buffer = torch.empty(shape, dtype=dtype, device=self.host, pin_memory=self._pin)
-            self.buffers_allocated += 1
-            self.host_bytes_reserved += _nbytes(buffer)
+    def _new_arena(self, key: tuple[tuple[int, ...], torch.dtype], slots: int) -> HostArena:
+        """One exact allocation for `slots` tensors of `key`, logged; idle arenas of other shapes go first."""
+        for other, arenas in list(self._arenas.items()):
+            if other != key and all(a.idle for a in arenas):  # e.g. evaluation at another length
+                for arena in arenas:
+                    self.host_bytes_reserved -= arena.nbytes
+                    arena.close()
+                del self._arenas[other]
+        shape, dtype = key
+        nbytes = slots * math.prod(shape) * dtype.itemsize
+        LOG.info("offload: %s %s bytes (%.2f GiB) of host memory for %d block inputs %s %s",
+                 "page-locking" if self._pin else "allocating", f"{nbytes:,}", nbytes / 2**30, slots,
+                 list(shape), str(dtype).removeprefix("torch."))
+        lock, unlock = (page_lock, page_unlock) if self._pin else (None, None)
+        arena = HostArena(shape, dtype, slots, self.host, lock, unlock)
+        self._arenas.setdefault(key, []).append(arena)
+        self.host_bytes_reserved += arena.nbytes
+        self.buffers_allocated += slots
+        return arena
+
+    def _acquire(self, shape: torch.Size, dtype: torch.dtype) -> tuple[HostArena, torch.Tensor]:
+        """A free slot of the (shape, dtype) arena, made on first use with a slot per offloaded layer."""
+        key = (tuple(shape), dtype)
+        arenas = self._arenas.get(key, [])
+        arena = next((a for a in arenas if a.free), None)
+        if arena is None:
+            if arenas:  # more tensors of this shape in flight than layers offload: one more slot
+                LOG.warning("offload: more than %d block inputs of shape %s on the host; adding one slot",
+                            sum(a.slots for a in arenas), list(shape))
+            arena = self._new_arena(key, 1 if arenas else max(1, self.offloaded_layers))
+        buffer = arena.free.pop()
         self.host_bytes_in_use += _nbytes(buffer)
         self.host_bytes_peak = max(self.host_bytes_peak, self.host_bytes_in_use)
-        return buffer
+        return arena, buffer
 
-    def _release(self, buffer: torch.Tensor) -> None:
-        """Return a host buffer to the pool (see the module docstring for why this is safe)."""
+    def _release(self, arena: HostArena, buffer: torch.Tensor) -> None:
+        """Return a slot to its arena (see the module docstring for why this is safe)."""
         self.host_bytes_in_use -= _nbytes(buffer)
-        self._free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+        arena.free.append(buffer)
 
     # ------------------------------------------------------------------ copies
 
@@ -129,10 +233,10 @@ class OffloadScheduler:
         return done
 
     def offload(self, layer_idx: int, tensor: torch.Tensor) -> OffloadHandle:
-        """Start copying ``tensor`` to a pooled host buffer; the caller may drop ``tensor``."""
+        """Start copying ``tensor`` to a host slot; the caller may drop ``tensor``."""
         tensor = tensor.detach()
-        buffer = self._acquire(tensor.shape, tensor.dtype)
-        handle = OffloadHandle(layer_idx, buffer)
+        arena, buffer = self._acquire(tensor.shape, tensor.dtype)
+        handle = OffloadHandle(layer_idx, buffer, arena)
         handle.to_host_done = self._copy_on_side_stream(buffer, tensor)
         if self._is_cuda:
             # Keep the allocator from reusing tensor's memory before the side stream read it.
@@ -171,15 +275,15 @@ class OffloadScheduler:
         return result
 
     def _forget(self, handle: OffloadHandle) -> None:
-        """Drop a handle from the pending set and return its host buffer to the pool."""
+        """Drop a handle from the pending set and return its host slot to its arena."""
         pending = self._pending.get(handle.layer_idx, [])
         if handle in pending:
             pending.remove(handle)
-        self._release(handle.host_buffer)
-        handle.host_buffer = None
+        self._release(handle.arena, handle.host_buffer)
+        handle.host_buffer = handle.arena = None
 
     def release_all(self) -> None:
-        """Return every unfetched buffer to the pool (after a step without backward)."""
+        """Return every unfetched slot to its arena (after a step without backward)."""
         if self._is_cuda:
             self._copy_stream.synchronize()
         for handles in list(self._pending.values()):
@@ -187,3 +291,12 @@ class OffloadScheduler:
                 handle.on_accelerator = None
                 self._forget(handle)
         self._pending.clear()
+
+    def close(self) -> None:
+        """Wait for the copies, then unlock and free every arena (the scheduler is unusable after)."""
+        self.release_all()
+        for arenas in self._arenas.values():
+            for arena in arenas:
+                arena.close()
+        self._arenas.clear()
+        self.host_bytes_reserved = 0

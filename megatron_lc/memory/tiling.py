@@ -14,8 +14,10 @@ which are skipped.
 
 Precision: matmuls run in the input dtype (or the autocast dtype when autocast is on);
 with 16-bit weights and more than one tile, weight gradients are accumulated across
-tiles in fp32 and cast once at the end, so the result does not depend on the tile count
-beyond rounding of the last cast.
+tiles in fp32 by GEMMs that write fp32 (``addmm_fp32_``: no 16-bit product of a tile is
+ever rounded and added) and cast once at the end; the loss head's weight gradient stays
+fp32 until backward has scaled it. So the result does not depend on the tile count
+beyond the rounding of the last cast.
 """
 
 from __future__ import annotations
@@ -73,12 +75,52 @@ def _new_accumulator(weight: torch.Tensor, dtype: torch.dtype, many_tiles: bool)
     return torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
 
 
-def _accumulate_at_b(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a.T @ b``, in place when the dtypes allow (no tile-sized temporary)."""
+_FP32_OUT_GEMM: dict[tuple[type, str], bool] = {}
+"""(tensor type, device type) -> whether `torch.addmm(..., out_dtype=fp32, out=acc)` runs there."""
+
+
+def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` accumulated in ``acc``'s dtype (fp32 for 16-bit a, b), rounded nowhere else.
+
+    With 16-bit operands and an fp32 accumulator this is one GEMM writing fp32 output
+    (``addmm`` with ``out_dtype``: CUDA, and fake tensors on any device); where that is
+    unavailable (CPU, or a torch whose CUDA kernel wants ``acc`` in the operands' dtype)
+    the operands are upcast to fp32 copies, block by block. Either way no 16-bit product
+    is rounded before it is added.
+    """
     if acc.dtype == a.dtype:
-        acc.addmm_(a.t(), b)
-    else:
-        acc.add_(a.t() @ b)
+        acc.addmm_(a, b)
+        return
+    key = (type(acc), acc.device.type)
+    if _FP32_OUT_GEMM.get(key, True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _FP32_OUT_GEMM[key] = True
+            return
+        except (NotImplementedError, RuntimeError):  # checked before any work is launched
+            _FP32_OUT_GEMM[key] = False
+    _upcast_addmm_(acc, a, b)
+
+
+def _upcast_addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, elements: int = 1 << 22) -> None:
+    """``acc += a @ b`` from fp32 copies of blocks of a and b, each at most `elements` (16 MiB in fp32)."""
+    (M, K), N = a.shape, b.shape[1]
+    k_step = max(1, min(K, elements // max(N, 1)))
+    m_step = max(1, min(M, elements // k_step))
+    for m0 in range(0, M, m_step):
+        for k0 in range(0, K, k_step):
+            acc[m0:m0 + m_step].addmm_(a[m0:m0 + m_step, k0:k0 + k_step].to(acc.dtype),
+                                       b[k0:k0 + k_step].to(acc.dtype))
+
+
+def fp32_out_gemm_available(device: torch.device) -> bool | None:
+    """Whether the fp32-output GEMM ran on `device` (None: not tried yet)."""
+    return _FP32_OUT_GEMM.get((torch.Tensor, device.type))
+
+
+def _accumulate_at_b(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a.T @ b``, in place, accumulated in ``acc``'s dtype (no tile-sized 16-bit product)."""
+    addmm_fp32_(acc, a.t(), b)
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -280,7 +322,8 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
         num_valid = (labels != ignore_index).sum()
         ctx.mark_non_differentiable(num_valid)
         ctx.grad_hidden = None if grad_h is None else grad_h.to(hidden.dtype)
-        ctx.grad_weight = None if grad_w is None else grad_w.to(weight.dtype)
+        ctx.grad_weight = grad_w  # kept in its accumulation dtype: scaled, then cast once, in backward
+        ctx.weight_dtype = weight.dtype
         return loss, num_valid
 
     @staticmethod
@@ -296,7 +339,7 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
         if grad_h is not None:
             grad_h.mul_(grad_loss)
         if grad_w is not None:
-            grad_w.mul_(grad_loss)
+            grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None
 
 

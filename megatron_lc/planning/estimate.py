@@ -21,13 +21,19 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_lc.config import TrainConfig
-from megatron_lc.planning.standins import DEFAULT_NCCL_GIB_PER_COMMUNICATOR, nccl_bytes
+from megatron_lc.planning.standins import NcclSettings, nccl_bytes
 from megatron_lc.planning.trace import StepTrace, trace_step
 from megatron_lc.planning.tracker import CATEGORIES, PhasePeak
 
 GIB = 1 << 30
 DEFAULT_RESERVE_GIB = 3.0
 """CUDA context (about 0.5 GiB), cuBLAS workspaces and allocator fragmentation (assumed, see docs)."""
+DGX_H100_HOST_GIB = 1907.0
+"""Physical host memory of a DGX H100 node: 2 TB (32 x 64 GB DIMMs) = 2,048e9 bytes = 1,907 GiB."""
+DEFAULT_HOST_RESERVE_GIB = 128.0
+"""Host memory per node kept from offloaded activations (an assumption): the OS and page cache, eight
+training processes (CUDA context, torch, the data loader: about 8 GiB each), NCCL's host buffers, and a
+checkpoint save's staging of Llama3-8B's fp32 weights and Adam state (8B x 12 bytes = 89 GiB per node)."""
 
 _LAYER_PHASE = re.compile(r"^(fw|bw):layer:(\d+)$")
 
@@ -39,11 +45,13 @@ class Machine:
     num_gpus: int = 8
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
-    host_memory_gib: float = 2048.0
-    """Host memory per node available for offloaded activations."""
+    host_memory_gib: float = DGX_H100_HOST_GIB
+    """Physical host memory per node (default: a DGX H100's)."""
+    host_reserve_gib: float = DEFAULT_HOST_RESERVE_GIB
+    """Host memory per node that offloaded activations cannot use (see DEFAULT_HOST_RESERVE_GIB)."""
     reserve_gib: float = DEFAULT_RESERVE_GIB
     """Per-GPU memory the tracked tensors cannot use (context, workspaces, fragmentation)."""
-    nccl_gib_per_communicator: float = DEFAULT_NCCL_GIB_PER_COMMUNICATOR
+    nccl: NcclSettings = NcclSettings()
     device: str = "cuda"
     """cuda: model the CUDA kernels and NCCL; cpu: trace the CPU kernels as they are (validation)."""
     flash_attn: bool = False
@@ -85,8 +93,13 @@ class Estimate:
         return self.gpu_peak_bytes <= self.gpu_budget_bytes
 
     @property
+    def host_budget_bytes(self) -> int:
+        """Page-locked host bytes a node can give offloaded activations."""
+        return int((self.machine.host_memory_gib - self.machine.host_reserve_gib) * GIB)
+
+    @property
     def fits_host(self) -> bool:
-        return self.host_bytes_per_node <= self.machine.host_memory_gib * GIB
+        return self.host_bytes_per_node <= self.host_budget_bytes
 
     @property
     def fits(self) -> bool:
@@ -96,7 +109,7 @@ class Estimate:
     def usage(self) -> float:
         """The larger of GPU and host use over budget (<= 1 fits); monotone in the sequence length."""
         gpu = self.gpu_peak_bytes / max(self.gpu_budget_bytes, 1)
-        host = self.host_bytes_per_node / max(self.machine.host_memory_gib * GIB, 1)
+        host = self.host_bytes_per_node / max(self.host_budget_bytes, 1)
         return max(gpu, host)
 
     def to_json(self) -> dict:
@@ -110,6 +123,7 @@ class Estimate:
             "gpu_memory_gib": m.gpu_memory_gib,
             "host_peak_gib": round(self.host_bytes_per_node / GIB, 3),
             "host_per_gpu_gib": round(self.host_bytes_per_gpu / GIB, 3), "host_memory_gib": m.host_memory_gib,
+            "host_reserve_gib": m.host_reserve_gib, "host_budget_gib": round(self.host_budget_bytes / GIB, 3),
             "num_gpus": m.num_gpus, "gpus_per_node": m.gpus_per_node, "peak_phase": self.peak_phase,
             "top_buffers": [{"name": n, "count": c, "gib": round(b / GIB, 3)} for n, c, b in self.top_buffers],
             "communicators": self.communicators, "traced_layers": list(self.traced_layers),
@@ -218,8 +232,10 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     num_layers = cfg.model_config().num_layers
     m = counts[0] // 2
     step = combine(traces, num_layers, m)
-    communicators = len(step.trace.analysis.communicators)
-    nccl = nccl_bytes(communicators, machine.nccl_gib_per_communicator) if machine.device == "cuda" else 0
+    analysis = step.trace.analysis
+    communicators = len(analysis.communicators)
+    nccl = nccl_bytes(analysis.communicator_sizes, analysis.all_to_all_groups, machine.nccl) \
+        if machine.device == "cuda" else 0
     by_category = dict(step.peak.by_category)
     by_category["communication buffers"] += nccl
     top = step.trace.analysis.top_buffers(step.peak.event_index, lambda d: d == "meta")

@@ -27,10 +27,10 @@ a full-size intermediate saved for backward. `cuda_op_models` (open during a CUD
 trace) replaces `F.rms_norm` by a stand-in with the fused kernel's
 allocations.
 
-Communication library: NCCL allocates its buffers outside PyTorch's allocator, a fixed
-amount per communicator (channels x peers x protocol buffers; it does not grow with
-the message size). The planner counts the process groups the traced step communicates
-on (one communicator each) and adds `nccl_gib_per_communicator` for each.
+Communication library: NCCL allocates its buffers outside PyTorch's allocator, per
+connection, a fixed amount that does not grow with the message size. `NcclSettings`
+models them from the settings a run states (NCCL_BUFFSIZE, channels); see
+`communicator_bytes` for the layout and which figures are assumptions.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +48,6 @@ from megatron_lc.attention import kernels
 PLANNED_PREFIX = "planned:"
 FLASH_ROW_PAD = 128
 """flash-attn keeps 128 spare rows per segment in its dq accumulator and row sums."""
-DEFAULT_NCCL_GIB_PER_COMMUNICATOR = 0.5
-"""Assumed NCCL buffers per communicator on an NVLink node (published measurements: 0.5-0.7 GiB)."""
 
 NameBuffer = Callable[[torch.Tensor, str], None]
 
@@ -105,11 +104,31 @@ def _sdpa_flash_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
     return _flash_varlen_kernel("sdpa_flash", name_buffer)
 
 
+def _efficient_forward_model(query, key, value, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type, lse,
+                             *, scale=None):
+    """What torch's `_efficient_attention_forward` allocates: out, lse [segments, H, round32(longest)], philox."""
+    native = torch.empty(cu_q.shape[0] - 1, query.shape[2], _round_up(max_q, 32), dtype=torch.float32,
+                         device=query.device)
+    seed, offset = (torch.empty((), dtype=torch.int64, device=query.device) for _ in range(2))
+    return torch.empty_like(query), native, seed, offset, max_q, max_k
+
+
+def _efficient_backward_model(grad_out, query, key, value, *args, scale=None):
+    """What `_efficient_attention_backward` returns: dq, dk, dv (no internal workspace modelled: fp32 inputs
+    accumulate in their own output) and an empty bias gradient."""
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
+            torch.empty(0, dtype=query.dtype, device=query.device))
+
+
 def _sdpa_efficient_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
-    """torch's memory-efficient kernels: our wrapper as written (kv heads expanded, lse re-laid out) on the
-    operators' fake implementations, which allocate their outputs; no internal workspace is modelled."""
+    """torch's memory-efficient kernels: our wrapper as written (kv heads expanded, lse re-laid out), the
+    operators replaced by their allocations while the trace runs (torch's own fake implementation of the
+    backward does not take the operator's keyword arguments)."""
     real = kernels.KERNELS["sdpa_efficient"]
     return kernels.Kernel(PLANNED_PREFIX + "sdpa_efficient", real.forward, real.backward)
+
+
+EFFICIENT_OP_MODELS = {"efficient_forward": _efficient_forward_model, "efficient_backward": _efficient_backward_model}
 
 
 CUDA_KERNEL_MODELS = {"flash_attn": _flash_attn_kernel, "sdpa_flash": _sdpa_flash_kernel,
@@ -134,12 +153,16 @@ def planned_kernel_name(kernel: str, device: str, dtype: torch.dtype = torch.bfl
 
 @contextlib.contextmanager
 def registered_kernel_models(name_buffer: NameBuffer) -> Iterator[None]:
-    """Make the CUDA kernel stand-ins selectable by name while the context is open."""
+    """Make the CUDA kernel stand-ins selectable by name (and the memory-efficient operators allocation
+    models) while the context is open."""
     added = {PLANNED_PREFIX + name: build(name_buffer) for name, build in CUDA_KERNEL_MODELS.items()}
     kernels.KERNELS.update(added)
+    replaced = {role: kernels.TORCH_OPS[role] for role in EFFICIENT_OP_MODELS}
+    kernels.TORCH_OPS.update(EFFICIENT_OP_MODELS)
     try:
         yield
     finally:
+        kernels.TORCH_OPS.update(replaced)
         for name in added:
             kernels.KERNELS.pop(name, None)
 
@@ -192,6 +215,57 @@ class BufferNamer:
             self.tracker.name_buffer(t, name)
 
 
-def nccl_bytes(num_communicators: int, gib_per_communicator: float) -> int:
-    """Modelled NCCL buffer bytes of one rank."""
-    return int(num_communicators * gib_per_communicator * (1 << 30))
+# --- NCCL buffers ------------------------------------------------------------------------------
+
+NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16
+"""NCCL's LL protocol buffer per connection: lines per thread x threads x steps x 16-byte lines (512 KiB)."""
+NCCL_LL128_BUFFSIZE = 120 * 640 * 8 * 8
+"""NCCL's LL128 protocol buffer per connection: elements per thread x threads x steps x 8 bytes (4.69 MiB)."""
+
+
+@dataclass(frozen=True)
+class NcclSettings:
+    """The NCCL settings buffers are modelled from (the values a recipe exports; NCCL's own where it sets none)."""
+
+    buffsize: int = 4 << 20
+    """NCCL_BUFFSIZE: the Simple protocol's buffer per connection (NCCL's default, 4 MiB)."""
+    channels: int = 32
+    """Ring/tree channels of a communicator (NCCL_MIN_NCHANNELS = NCCL_MAX_NCHANNELS); 32 is an assumption
+    for 8 GPUs on NVSwitch."""
+    p2p_channels_per_peer: int = 32
+    """Channels per peer of point-to-point traffic (all-to-all; NCCL_MAX_P2P_NCHANNELS caps it): 32 is what
+    NCCL picks on 8xH100 (NCCL issue #1685)."""
+    granularity: int = 2 << 20
+    """Allocation granularity of NCCL's cuMem buffers (an assumption: the common 2 MiB)."""
+
+
+def connection_bytes(s: NcclSettings) -> int:
+    """Buffers of one connection, both sides as seen from one rank.
+
+    Our reading of NCCL's P2P transport (an assumption): the receiving side allocates the
+    LL, LL128 and Simple buffers in one allocation, and with P2P read the sending side
+    also holds a Simple buffer; allocations round up to `granularity`.
+    """
+    receive = _round_up(NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE + s.buffsize, s.granularity)
+    return receive + _round_up(s.buffsize, s.granularity)
+
+
+def communicator_bytes(ranks: int, all_to_all: bool, s: NcclSettings) -> int:
+    """NCCL buffers one rank holds for one communicator of `ranks` ranks.
+
+    Ring/tree collectives (all-gather, reduce-scatter, all-reduce) connect each rank to its
+    neighbours on every channel: `channels` connections. An all-to-all connects every pair
+    of ranks on `p2p_channels_per_peer` channels: (ranks - 1) x that many more. With the
+    defaults this gives 3.29e9 bytes for the all-to-all connections of an 8-GPU
+    communicator; NCCL issue #1685 measured 4.34 - 1.06 = 3.28e9 bytes after the first
+    `all_to_all_single` on 8xH100. That one measurement is all the calibration there is.
+    """
+    if ranks < 2:
+        return 0
+    peers = (ranks - 1) * s.p2p_channels_per_peer if all_to_all else 0
+    return (s.channels + peers) * connection_bytes(s)
+
+
+def nccl_bytes(groups: dict[str, int], all_to_all: tuple[str, ...], s: NcclSettings) -> int:
+    """Modelled NCCL buffer bytes of one rank: one communicator per group the step communicates on."""
+    return sum(communicator_bytes(ranks, name in all_to_all, s) for name, ranks in groups.items())

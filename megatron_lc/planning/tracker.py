@@ -98,6 +98,10 @@ class TimelineAnalysis:
     communicators: tuple[str, ...]
     buffers: dict[int, BufferInfo] = field(repr=False)
     events: list[Event] = field(repr=False)
+    communicator_sizes: dict[str, int] = field(default_factory=dict)
+    """Ranks of each group the step communicates on."""
+    all_to_all_groups: tuple[str, ...] = ()
+    """The groups that carry all-to-all (their NCCL communicators connect every pair of ranks)."""
 
     def live_buffers(self, event_index: int, host: Callable[[str], bool]) -> dict[int, int]:
         """serial -> bytes of the accelerator buffers alive just after `event_index`."""
@@ -126,7 +130,8 @@ class TimelineMixin:
         self._plan_op = "start"
         self._plan_stage = "step"
         self._plan_unit = "start"
-        self._plan_groups: dict[str, None] = {}
+        self._plan_groups: dict[str, int] = {}  # name -> ranks
+        self._plan_all_to_all: dict[str, None] = {}
         self._plan_probe = host_bytes_probe
 
     # --- what the step is doing now -----------------------------------------------------
@@ -232,9 +237,11 @@ class TimelineMixin:
         """Remember the group; name all-to-all buffers (their category stays: the receive buffer often
         becomes the activation itself)."""
         for value in [*args, *kwargs.values()]:
-            name = _group_name(value)
-            if name is not None:
-                self._plan_groups.setdefault(name)
+            group = _group_name_and_size(value)
+            if group is not None:
+                self._plan_groups.setdefault(*group)
+                if self._plan_op.startswith(_ALL_TO_ALL_OPS):
+                    self._plan_all_to_all.setdefault(group[0])
         if self._plan_op.startswith(_ALL_TO_ALL_OPS):
             tensors = [value for value in args if isinstance(value, torch.Tensor)]
             for tensor, role in zip(tensors, ("all-to-all receive buffer", "all-to-all send buffer")):
@@ -272,7 +279,7 @@ class TimelineMixin:
                 phase_peaks[event.phase] = PhasePeak(total, dict(categories), index)
         host_peak = max(host_peak, max((e.probe for e in self._plan_events), default=0))
         return TimelineAnalysis(peak, phase_peaks, host_peak, tuple(self._plan_groups), dict(self._plan_buffers),
-                                list(self._plan_events))
+                                list(self._plan_events), dict(self._plan_groups), tuple(self._plan_all_to_all))
 
 
 def _in_sharding_propagation() -> bool:
@@ -299,12 +306,14 @@ def _innermost_unit(parents) -> str | None:
     return unit
 
 
-def _group_name(value) -> str | None:
-    """The name of a process group passed to a collective (boxed ProcessGroup, or a functional collective's name)."""
+def _group_name_and_size(value) -> tuple[str, int] | None:
+    """(name, ranks) of a process group passed to a collective (boxed ProcessGroup, or a functional
+    collective's group name)."""
     if isinstance(value, str) and value.isdigit():
-        return value
+        return value, torch.distributed.distributed_c10d._resolve_process_group(value).size()
     if isinstance(value, torch.ScriptObject) and "ProcessGroup" in str(value._type()):
-        return torch.distributed.ProcessGroup.unbox(value).group_name
+        group = torch.distributed.ProcessGroup.unbox(value)
+        return group.group_name, group.size()
     return None
 
 

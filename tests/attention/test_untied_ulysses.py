@@ -5,6 +5,8 @@ costs far more than the checks themselves. A failing check names its case.
 """
 
 import dataclasses
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -219,3 +221,64 @@ def test_untied_ulysses_equals_ulysses_and_single_process_on_4_ranks():
     """cp 2 (x dp 2) and 4; U = cp and 2 cp; GQA with cp > kv heads; packed documents; FSDP;
     full recompute + offload + tiled MLP and loss."""
     run_distributed(_run_all, 4)
+
+
+# --- bf16: as close to the fp32 reference as the plain bf16 computation -------------------------
+
+BF16_CASES = {4: [(1, 256, 8, 2, 4), (2, 128, 16, 4, 4)]}  # several stages per kv round (dk/dv sums), B = 2
+BF16_SLACK = 2.0
+"""Untied/Ulysses bf16 error may exceed the plain bf16 error by this factor (measured up to 1.43: see the test)."""
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def _bf16_errors(pstate: ParallelState, case) -> dict[str, list[float]]:
+    """Error of each bf16 backend's output and gradients against the fp32 single-process reference."""
+    B, S, H, Hkv, stage_heads = case
+    cp, rank, kernel = pstate.cp_size, pstate.cp_rank, select_kernel(CPU)
+    x, weights, dout, cos, sin, cu = _direct_inputs(B, S, H, Hkv)
+    ref_out, ref_grads = _output_and_grads(LocalAttention(HEAD_DIM, kernel), x, weights, dout, cos, sin, cu)
+    low = [t.bfloat16() for t in (x, *weights, dout)]
+    mine = slice(rank * S // cp, (rank + 1) * S // cp)
+    plain_out, plain_grads = _output_and_grads(LocalAttention(HEAD_DIM, kernel), low[0], low[1:4], low[4], cos, sin, cu)
+    errors = {"plain": [_relative_error(plain_out, ref_out)] + [_relative_error(g, w) for g, w in
+                                                                zip(plain_grads, ref_grads)]}
+    local = (low[0][:, mine], low[1:4], low[4][:, mine], cos[:, mine], sin[:, mine], cu)
+    backends = {"untied": UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group,
+                                                 check_untied_shapes(H, Hkv, cp, stage_heads)),
+                "ulysses": UlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, cp)}
+    for name, backend in backends.items():
+        out, grads = _output_and_grads(backend, *local)
+        weight_grads = [g.float() for g in grads[1:]]
+        for g in weight_grads:
+            dist.all_reduce(g, group=pstate.cp_group)  # in fp32: the comparison adds no rounding of its own
+        errors[name] = [_relative_error(out, ref_out[:, mine]), _relative_error(grads[0], ref_grads[0][:, mine])]
+        errors[name] += [_relative_error(g, w) for g, w in zip(weight_grads, ref_grads[1:])]
+    return errors
+
+
+def _run_bf16(rank, world, out_path):
+    results = {}
+    for cp, cases in BF16_CASES.items():
+        pstate = ParallelState(ParallelDims(world_size=world, cp=cp))
+        for case in cases:
+            errors = _bf16_errors(pstate, case)
+            worst = torch.tensor([max(v) for v in errors.values()])
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank decides
+            results[str(case)] = dict(zip(errors, worst.tolist()))
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+
+
+def test_bf16_untied_and_ulysses_are_as_close_to_fp32_as_plain_bf16(tmp_path):
+    """Output, dx, dWq, dWk, dWv in bf16: max error over max value against the fp32 reference.
+
+    Measured (cp 4, CPU, the worst tensor of each): plain bf16 0.0107 and 0.0127, Ulysses 0.0152
+    and 0.0115, Untied 0.0150 and 0.0090 for the two cases."""
+    out = tmp_path / "errors.json"
+    run_distributed(_run_bf16, 4, str(out))
+    for case, errors in json.loads(out.read_text()).items():
+        for name in ("untied", "ulysses"):
+            assert errors[name] <= BF16_SLACK * errors["plain"], (case, errors)

@@ -261,3 +261,65 @@ def test_second_backward_through_offloaded_block_is_a_clear_error():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="layer 0's offloaded input was consumed"):
         out.sum().backward()
+
+
+class _PageLockRecorder:
+    """Stands in for cudaHostRegister/Unregister: records (address, bytes) of each call."""
+
+    def __init__(self, monkeypatch):
+        from megatron_lc.memory import offload as offload_module
+
+        self.locked, self.unlocked = [], []
+        monkeypatch.setattr(offload_module, "page_lock", lambda t: self.locked.append(
+            (t.data_ptr(), t.numel() * t.element_size())))
+        monkeypatch.setattr(offload_module, "page_unlock", lambda t: self.unlocked.append(t.data_ptr()))
+
+
+def test_arena_page_locks_exactly_the_offloaded_inputs_once(monkeypatch, caplog):
+    """One exact allocation per (shape, dtype): the bytes of the offloaded layers' inputs, never rounded
+    up (torch's pinned allocator would round 3*7*16*4 = 1344 bytes per input up to 2048), locked once."""
+    recorder = _PageLockRecorder(monkeypatch)
+    blocks = _stack(num_blocks=6)
+    offload = OffloadScheduler(6, keep_last=1, keep_first=1, accelerator=CPU, page_locked=True)
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    per_layer = x.numel() * x.element_size()
+    caplog.set_level("INFO", logger="megatron_lc.memory.offload")
+    offload.reserve(x.shape, x.dtype)  # before the first step: nothing is locked on its critical path
+    assert recorder.locked == [(recorder.locked[0][0], 4 * per_layer)]
+    assert f"page-locking {4 * per_layer:,} bytes" in caplog.text
+    used = []
+    original = offload.offload
+    offload.offload = lambda i, t: used.append(original(i, t)) or used[-1]
+    want = _run(blocks, x, "plain")
+    for _step in range(2):
+        out = _run(blocks, x, "checkpoint", offload)
+        start = recorder.locked[0][0]
+        assert all(start <= h.host_buffer.data_ptr() < start + 4 * per_layer for h in used[-4:])
+        out.sum().backward()
+        torch.testing.assert_close(out, want)
+    assert len(recorder.locked) == 1 and offload.host_bytes_reserved == offload.page_locked_bytes == 4 * per_layer
+    assert len({h.layer_idx for h in used}) == 4 and offload.buffers_allocated == 4
+    offload.close()
+    assert recorder.unlocked == [recorder.locked[0][0]] and offload.page_locked_bytes == 0
+
+
+def test_arena_of_a_new_shape_replaces_an_idle_one(monkeypatch):
+    recorder = _PageLockRecorder(monkeypatch)
+    offload = OffloadScheduler(3, keep_last=1, accelerator=CPU, page_locked=True)
+    a = torch.randn(4, 5)
+    offload.fetch(offload.offload(0, a))
+    b = torch.randn(8, 5)  # e.g. evaluation at another length: the idle (4, 5) arena is unlocked first
+    handle = offload.offload(0, b)
+    assert recorder.unlocked == [recorder.locked[0][0]] and recorder.locked[1][1] == 2 * b.numel() * 4
+    assert offload.host_bytes_reserved == 2 * b.numel() * 4
+    assert torch.equal(offload.fetch(handle), b)
+    offload.offload(0, b), offload.offload(1, b)
+    offload.offload(2, b)  # a third in flight where two layers offload: one more slot, not a failure
+    assert offload.host_bytes_reserved == 3 * b.numel() * 4
+
+
+def test_arenas_are_not_page_locked_off_cuda_by_default(monkeypatch):
+    recorder = _PageLockRecorder(monkeypatch)
+    offload = OffloadScheduler(3, keep_last=1, accelerator=CPU)
+    offload.offload(0, torch.randn(4, 5))
+    assert recorder.locked == [] and offload.page_locked_bytes == 0 and offload.host_bytes_reserved == 2 * 80

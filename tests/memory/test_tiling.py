@@ -1,5 +1,7 @@
 """Tiled SwiGLU MLP and tiled linear cross-entropy against plain autograd."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -187,3 +189,75 @@ def test_tiled_cross_entropy_rejects_bad_inputs():
         tiled_linear_cross_entropy(h, w.t(), labels, 2)
     with pytest.raises(ValueError, match=r"labels must be \[10\]"):
         tiled_linear_cross_entropy(h, w, labels[:5], 2)
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def test_tiled_bf16_is_as_close_to_fp32_as_the_plain_bf16_computation():
+    """Many tiles, bf16 inputs: the tiled MLP's and loss's gradients are no further from the fp32 reference
+    than plain bf16 autograd's (measured on CPU: loss head weight 0.0039 tiled vs 0.0039 plain, MLP
+    weights 0.0052-0.0078 vs 0.0052-0.0078)."""
+    x = _leaf(2048, 64)
+    weights = [_leaf(192, 64, scale=0.2), _leaf(192, 64, scale=0.2), _leaf(64, 192, scale=0.2)]
+    _plain_mlp(x, *weights).sum().backward()
+    plain = [t.detach().bfloat16().requires_grad_() for t in (x, *weights)]
+    _plain_mlp(*plain).float().sum().backward()
+    tiled = [t.detach().bfloat16().requires_grad_() for t in (x, *weights)]
+    tiled_swiglu_mlp(*tiled, 16).float().sum().backward()
+    for ref, p, t in zip((x, *weights), plain, tiled):
+        assert _error(t.grad, ref.grad) <= 1.25 * _error(p.grad, ref.grad)
+
+    h, w, labels = _ce_inputs(2048, 500, 64)
+    ref_loss, ref_count = linear_cross_entropy(h, w, labels)
+    (ref_loss / ref_count).backward()
+    h_p, w_p = (t.detach().bfloat16().requires_grad_() for t in (h, w))
+    F.cross_entropy(F.linear(h_p, w_p).float(), labels, reduction="mean").backward()
+    h_t, w_t = (t.detach().bfloat16().requires_grad_() for t in (h, w))
+    loss, count = tiled_linear_cross_entropy(h_t, w_t, labels, 16)
+    (loss / count).backward()
+    # The hidden gradient is rounded to bf16 in forward and again when backward scales it (an fp32 copy
+    # would hold tokens x hidden x 4 bytes): measured 0.0064 against plain bf16's 0.0050.
+    assert _error(h_t.grad, h.grad) <= 1.5 * _error(h_p.grad, h.grad)
+    assert _error(w_t.grad, w.grad) <= 1.25 * _error(w_p.grad, w.grad)
+
+
+class _OpOutputs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (op, shape, dtype) of the new tensors ops make (views and in-place results left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs, self.calls = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append(str(func))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.outputs.append((str(func.overloadpacket), tuple(t.shape), t.dtype))
+        return out
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_weight_gradients_accumulate_in_fp32_without_a_16bit_product_per_tile(fake):
+    """No bf16 tensor of a weight's shape is made before the one final cast (real CPU: fp32 copies of
+    operand blocks; fake tensors, as the planner traces a CUDA step: one fp32-output GEMM per tile)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        h = torch.randn(512, 32, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(300, 32, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, 300, (512,))
+        x = torch.randn(512, 32, dtype=torch.bfloat16, requires_grad=True)
+        mlp = [torch.randn(s, dtype=torch.bfloat16, requires_grad=True) for s in ((96, 32), (96, 32), (32, 96))]
+        with _OpOutputs() as ops:
+            loss, count = tiled_linear_cross_entropy(h, w, labels, 4)
+            (loss / count).backward()
+            tiled_swiglu_mlp(x, *mlp, 4).sum().backward()
+    weight_shapes = {tuple(w.shape), *(tuple(m.shape) for m in mlp)}
+    low = [(op, shape) for op, shape, dtype in ops.outputs if shape in weight_shapes and dtype == torch.bfloat16]
+    assert low == [("aten._to_copy", tuple(w.shape))] + [("aten._to_copy", tuple(m.shape)) for m in mlp], low
+    assert ("aten.addmm.dtype_out" in ops.calls) == fake  # fake tensors trace the fp32-output GEMM of CUDA

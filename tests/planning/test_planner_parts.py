@@ -12,9 +12,18 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_lc.config import config_from_values
-from megatron_lc.planning.estimate import GIB, Estimate, Machine
+from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.search import find_max_seq_length, length_multiple, stack_layers
-from megatron_lc.planning.standins import BufferNamer, _flash_attn_kernel
+from megatron_lc.planning.standins import (
+    BufferNamer,
+    NcclSettings,
+    _flash_attn_kernel,
+    communicator_bytes,
+    connection_bytes,
+    nccl_bytes,
+    planned_kernel_name,
+)
+from megatron_lc.planning.trace import trace_step
 from megatron_lc.planning.tracker import PlannerMemTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -99,3 +108,36 @@ def test_stack_table_switches_on_one_layer_per_row():
         ("+ Untied Ulysses", 4, "untied_ulysses", "full", True, True, False),
         ("+ offload fetched on demand", 4, "untied_ulysses", "full", True, True, True),
     ]
+
+
+def test_nccl_model_reproduces_the_published_all_to_all_measurement():
+    """NCCL issue #1685: 1.06 -> 4.34 GB after the first all_to_all_single on 8xH100 (32 channels per peer)."""
+    s = NcclSettings()
+    all_to_all = communicator_bytes(8, True, s) - communicator_bytes(8, False, s)
+    assert all_to_all == pytest.approx(4.34e9 - 1.06e9, rel=0.01)
+    assert communicator_bytes(8, False, s) == 32 * connection_bytes(s)  # ring/tree channels only
+    assert communicator_bytes(1, True, s) == 0
+    half = NcclSettings(buffsize=2 << 20, p2p_channels_per_peer=16)  # what a recipe can lower
+    assert communicator_bytes(8, True, half) < communicator_bytes(8, True, s) / 2
+
+
+def test_planner_models_the_all_to_all_group_and_the_kernel_auto_runs():
+    cfg = config_from_values(dict(model="debug", context_parallel_size=2, seq_length=256, mock_data=True))
+    trace = trace_step(cfg, 2, 2, "cuda")
+    a = trace.analysis
+    assert a.all_to_all_groups and all(a.communicator_sizes[g] == 2 for g in a.all_to_all_groups)
+    e = estimate(cfg, Machine(num_gpus=2, gpu_memory_gib=80))
+    assert e.nccl_bytes == nccl_bytes(a.communicator_sizes, a.all_to_all_groups, NcclSettings()) > 0
+    assert planned_kernel_name("auto", "cuda", torch.float32) == "planned:sdpa_efficient"
+    assert planned_kernel_name("auto", "cuda", torch.bfloat16) == "planned:sdpa_flash"
+    assert planned_kernel_name("auto", "cuda", torch.bfloat16, flash_attn_installed=True) == "planned:flash_attn"
+    with pytest.raises(ValueError, match="--bf16"):
+        planned_kernel_name("sdpa_flash", "cuda", torch.float32)
+
+
+def test_host_budget_is_a_dgx_h100_less_the_stated_reserve():
+    m = Machine()
+    assert (m.host_memory_gib, m.host_reserve_gib) == (1907.0, 128.0)
+    e = Estimate(1, dict.fromkeys(("parameters",), 0), 0, int(1779 * GIB / 8), "test", [], 0, (1,), m)
+    assert e.host_budget_bytes == 1779 * GIB and e.fits_host
+    assert not Estimate(1, {"parameters": 0}, 0, int(1780 * GIB / 8), "test", [], 0, (1,), m).fits_host
