@@ -1,0 +1,65 @@
+"""python -m megatron_lc.evaluate: one JSON line, the same loss on any layout, truthful refusals."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
+from megatron_lc.training.trainer import train
+from tests.helpers import free_port
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A dataset of random documents and a checkpoint trained on it for two steps."""
+    work = tmp_path_factory.mktemp("evaluate")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(work / "data.bin", dtype=np.uint16) as builder:
+        for length in rng.integers(20, 90, size=30):
+            builder.add_item(rng.integers(1, 512, size=length))
+            builder.end_document()
+        builder.finalize(work / "data.idx")
+    train(parse_config(["--data-path", str(work / "data"), "--seq-length", "64", "--train-iters", "2",
+                        "--device", "cpu", "--save", str(work / "ckpt"), "--log-dir", str(work / "log")]))
+    return work
+
+
+def _evaluate(work, *args, nproc=1):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                 f"--master-port={free_port()}", "-m"] if nproc > 1 else [sys.executable, "-m"])
+    cmd = [*launcher, "megatron_lc.evaluate", "--load", str(work / "ckpt"), "--data-path", str(work / "data"),
+           "--device", "cpu", *args]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_context_parallel_evaluation_equals_one_process(trained):
+    one = _evaluate(trained, "--seq-length", "64", "--loss-by-position", "4")
+    two = _evaluate(trained, "--seq-length", "64", "--loss-by-position", "4", "--context-parallel-size", "2",
+                    nproc=2)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    a, b = (json.loads(out.stdout.strip().splitlines()[-1]) for out in (one, two))
+    assert a["samples"] == b["samples"] > 0 and a["tokens"] == a["samples"] * 64
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert [x["loss"] for x in b["loss_by_position"]] == pytest.approx([x["loss"] for x in a["loss_by_position"]],
+                                                                        rel=1e-5)
+
+
+def test_sequence_longer_than_the_data_is_refused_not_reported_as_zero_loss(trained):
+    out = _evaluate(trained, "--seq-length", "65536")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: --data-path")
+    assert "whole samples of --seq-length 65536" in out.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="the test environment has no wandb")
+def test_wandb_without_its_package_is_refused_before_any_work():
+    with pytest.raises(ConfigError, match="--wandb-project p needs the wandb package"):
+        parse_config(["--mock-data", "--wandb-project", "p"]).validate(1)
