@@ -124,9 +124,9 @@ def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str =
     """Trace one step of `cfg` with `num_layers` blocks on rank 0 of `world_size`, planning for `device`
     (with flash-attn installed there or not: it decides what `auto` runs)."""
     namer = BufferNamer()
-    opts = cfg.parallelize_options()
-    kernel = planned_kernel_name(cfg.parallel.attention_kernel, device, opts.param_dtype, flash_attn_installed)
-    opts = dataclasses.replace(opts, attention_kernel=kernel)
+    compute_dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32  # what attention sees (--bf16: autocast)
+    kernel = planned_kernel_name(cfg.parallel.attention_kernel, device, compute_dtype, flash_attn_installed)
+    opts = dataclasses.replace(cfg.parallelize_options(), attention_kernel=kernel)
     model_config = dataclasses.replace(cfg.model_config(), num_layers=num_layers)
     with fake_process_group(world_size), registered_kernel_models(namer), representative_tiles():
         pstate = ParallelState(parallel_dims(cfg, world_size), device_type="cpu")

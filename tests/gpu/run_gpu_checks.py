@@ -43,6 +43,7 @@ from megatron_lc.attention import kernels
 from megatron_lc.config import config_from_values
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import Devices
+from megatron_lc.memory.tiling import addmm_fp32_, fp32_out_gemm_available
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelState
@@ -105,19 +106,19 @@ def _packed_cu(tokens: int) -> tuple[int, ...]:
     return (0, tokens // 4, tokens // 4 + 1, tokens * 5 // 8, tokens)
 
 
-def check_kernel(name: str, s: Sizes) -> dict:
-    """Forward and backward of kernel `name` against the reference kernel: max abs error over max abs value."""
+def check_kernel(kernel: kernels.Kernel, dtype: torch.dtype, s: Sizes) -> dict:
+    """Forward and backward of `kernel` against the reference kernel: max abs error over max abs value."""
     T, H, Hkv, d = s.kernel_shape
-    dtype = torch.float32 if name == "sdpa_efficient" else s.dtype
     g = torch.Generator(device=s.device).manual_seed(0)
     q, k, v, dout = (torch.randn(T, h, d, device=s.device, generator=g, dtype=dtype) for h in (H, Hkv, Hkv, H))
     cu = _packed_cu(T)
-    got = _fwd_bwd(kernels.KERNELS[name], q, k, v, dout, cu)
+    got = _fwd_bwd(kernel, q, k, v, dout, cu)
     want = _fwd_bwd(kernels.KERNELS["reference"], q.float(), k.float(), v.float(), dout.float(), cu)
     errors = {key: float((a.float() - b).abs().max() / b.abs().max()) for key, a, b in
               zip(("out", "dq", "dk", "dv"), got, want)}
-    return {"dtype": str(dtype), "shape": [T, H, Hkv, d], "cu_seqlens": list(cu), "relative_error": errors,
-            "within_tolerance": max(errors.values()) < (3e-2 if dtype == torch.bfloat16 else 1e-4)}
+    return {"kernel": kernel.name, "dtype": str(dtype), "shape": [T, H, Hkv, d], "cu_seqlens": list(cu),
+            "relative_error": errors,
+            "within_tolerance": max(errors.values()) < (3e-2 if dtype in kernels.FLASH_DTYPES else 1e-4)}
 
 
 def _fwd_bwd(kernel, q, k, v, dout, cu):
@@ -128,12 +129,16 @@ def _fwd_bwd(kernel, q, k, v, dout, cu):
 
 
 def section_kernels(s: Sizes) -> dict:
-    result = {name: check_kernel(name, s) for name in s.kernels}
-    result["auto_resolves_to"] = {str(dt): kernels.resolve_kernel_name(s.device, "auto", dt,
-                                                                       kernels.flash_attn_available())
-                                  for dt in (torch.bfloat16, torch.float32)}
-    if not all(v["within_tolerance"] for k, v in result.items() if k in s.kernels):
-        raise AssertionError(f"kernel errors beyond tolerance: {json.dumps(result)}")
+    """Each kernel in its dtype (sdpa_efficient in fp32), and `auto` for bf16 and fp32 inputs."""
+    device = torch.device(s.device)
+    runs = {name: (kernels.KERNELS[name], torch.float32 if name == "sdpa_efficient" else s.dtype)
+            for name in s.kernels}
+    runs.update({f"auto_{str(dt).removeprefix('torch.')}": (kernels.select_kernel(device, "auto"), dt)
+                 for dt in (torch.bfloat16, torch.float32)})
+    result = {label: check_kernel(kernel, dtype, s) for label, (kernel, dtype) in runs.items()}
+    bad = {label: r["relative_error"] for label, r in result.items() if not r["within_tolerance"]}
+    if bad:
+        raise AssertionError(f"kernel errors beyond tolerance: {json.dumps(bad)}")
     return result
 
 
@@ -173,7 +178,7 @@ def measure_step(cfg, world_size: int, s: Sizes) -> dict:
     start = time.perf_counter()
     analysis = run_tracked_step(tracker, model, optimizer, [batch], pstate, devices, cfg.optim.clip_grad)
     return {"allocated_peak_bytes": analysis.peak.total, "reserved_peak_bytes": None,
-            "page_locked_host_bytes": _page_locked(offload), "step_seconds": time.perf_counter() - start}
+            **_host_bytes(offload), "step_seconds": time.perf_counter() - start}
 
 
 def _measure_cuda(model, optimizer, batch, pstate, devices, cfg, offload) -> dict:
@@ -185,14 +190,15 @@ def _measure_cuda(model, optimizer, batch, pstate, devices, cfg, offload) -> dic
     host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
     return {"allocated_peak_bytes": torch.cuda.max_memory_allocated(),
             "reserved_peak_bytes": torch.cuda.max_memory_reserved(),
-            "page_locked_host_bytes": _page_locked(offload),
+            **_host_bytes(offload),
             "caching_host_allocator_bytes": host.get("reserved_bytes.current", host.get("segment.current")),
             "step_seconds": time.perf_counter() - start}
 
 
-def _page_locked(offload) -> int:
-    """Host bytes the offload scheduler holds (page-locked on CUDA)."""
-    return 0 if offload is None else offload.host_bytes_reserved
+def _host_bytes(offload) -> dict:
+    """Host bytes of the offload arenas, and how many of them are page-locked (all of them on CUDA)."""
+    return {"offload_host_bytes": 0 if offload is None else offload.host_bytes_reserved,
+            "page_locked_host_bytes": 0 if offload is None else offload.page_locked_bytes}
 
 
 def model_flops_per_step(cfg) -> float:
@@ -227,7 +233,7 @@ def compare(cfg, world_size: int, s: Sizes) -> dict:
     flops = model_flops_per_step(cfg) / world_size
     return {"seq_length": cfg.data.seq_length, "predicted": plan, "measured": real,
             "predicted_over_measured": modelled / real["allocated_peak_bytes"],
-            "host_predicted_over_measured": plan["host_bytes_per_gpu"] / max(real["page_locked_host_bytes"], 1),
+            "host_predicted_over_measured": plan["host_bytes_per_gpu"] / max(real["offload_host_bytes"], 1),
             "tokens_per_s": tokens / real["step_seconds"],
             "mfu": flops / real["step_seconds"] / PEAK_BF16_FLOPS if s.device == "cuda" else None}
 
@@ -286,9 +292,13 @@ def run_section(name: str, fn, results: dict, out: Path) -> None:
 
 
 def environment(s: Sizes, dry_run: bool) -> dict:
+    device = torch.device(s.device)
+    probe = torch.zeros(2, 2, device=device)
+    addmm_fp32_(probe, *(torch.ones(2, 2, device=device, dtype=torch.bfloat16) for _ in range(2)))
     return {"dry_run": dry_run, "torch": torch.__version__, "device": s.device,
             "gpu": torch.cuda.get_device_name(0) if s.device == "cuda" else None,
-            "flash_attn": kernels.flash_attn_available(), "flash_attn_problem": kernels.FLASH_ATTN_PROBLEM or None}
+            "flash_attn": kernels.flash_attn_available(), "flash_attn_problem": kernels.FLASH_ATTN_PROBLEM or None,
+            "fp32_output_gemm": fp32_out_gemm_available(device)}
 
 
 def main(argv: list[str] | None = None) -> dict:
