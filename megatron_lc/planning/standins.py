@@ -61,11 +61,14 @@ def _flash_head_dim(d: int) -> int:
     return _round_up(d, 32) if d <= 192 else 256
 
 
-def _flash_varlen_kernel(name: str, name_buffer: NameBuffer) -> kernels.Kernel:
+def _flash_varlen_kernel(name: str, name_buffer: NameBuffer, copies_strided: bool) -> kernels.Kernel:
     """flash-attention 2's variable-length forward/backward, allocating what the CUDA kernels allocate.
 
     flash-attn's `_flash_attn_varlen_*` and torch's `_flash_attention_*` with cum_seq run
-    the same kernels with the same workspaces (torch vendors flash-attention 2).
+    the same kernels with the same workspaces (torch vendors flash-attention 2). One
+    difference: torch's backward makes `grad_out` and `out` contiguous (`.contiguous()` in
+    `attention_backward.cu`), where flash-attn copies only a last dimension that is not
+    (`copies_strided`): Untied Ulysses hands both in as views of its receive buffer.
     """
 
     def forward(q, k, v, cu_seqlens, scale=None):
@@ -76,6 +79,9 @@ def _flash_varlen_kernel(name: str, name_buffer: NameBuffer) -> kernels.Kernel:
         return out, lse, (torch.empty(2, dtype=torch.int64, device=q.device),)
 
     def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
+        copies = [t.contiguous() for t in (dout, out) if copies_strided and not t.is_contiguous()]
+        for t in copies:
+            name_buffer(t, "sdpa flash bwd contiguous copy of grad_out/out")
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rows, heads, d = q.shape
         padded_rows = rows + FLASH_ROW_PAD * (len(cu_seqlens) - 1)
@@ -90,18 +96,18 @@ def _flash_varlen_kernel(name: str, name_buffer: NameBuffer) -> kernels.Kernel:
             torch.sum(expanded[0].unflatten(1, (k.shape[1], -1)), dim=2, out=dk)
             torch.sum(expanded[1].unflatten(1, (k.shape[1], -1)), dim=2, out=dv)
             workspace += expanded
-        del workspace
+        del workspace, copies
         return dq, dk, dv
 
     return kernels.Kernel(PLANNED_PREFIX + name, forward, backward)
 
 
 def _flash_attn_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
-    return _flash_varlen_kernel("flash_attn", name_buffer)
+    return _flash_varlen_kernel("flash_attn", name_buffer, copies_strided=False)
 
 
 def _sdpa_flash_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
-    return _flash_varlen_kernel("sdpa_flash", name_buffer)
+    return _flash_varlen_kernel("sdpa_flash", name_buffer, copies_strided=True)
 
 
 def _efficient_forward_model(query, key, value, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type, lse,

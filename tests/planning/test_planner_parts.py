@@ -18,6 +18,7 @@ from megatron_lc.planning.standins import (
     BufferNamer,
     NcclSettings,
     _flash_attn_kernel,
+    _sdpa_flash_kernel,
     communicator_bytes,
     connection_bytes,
     nccl_bytes,
@@ -141,3 +142,22 @@ def test_host_budget_is_a_dgx_h100_less_the_stated_reserve():
     e = Estimate(1, dict.fromkeys(("parameters",), 0), 0, int(1779 * GIB / 8), "test", [], 0, (1,), m)
     assert e.host_budget_bytes == 1779 * GIB and e.fits_host
     assert not Estimate(1, {"parameters": 0}, 0, int(1780 * GIB / 8), "test", [], 0, (1,), m).fits_host
+
+
+def test_sdpa_flash_standin_adds_torchs_contiguous_copies_of_strided_grad_out_and_out():
+    """torch's flash backward calls .contiguous() on grad_out and out; flash-attn does not copy them."""
+    T, H, d = 1024, 2, 64
+    peaks = {}
+    for name, build in (("flash_attn", _flash_attn_kernel), ("sdpa_flash", _sdpa_flash_kernel)):
+        namer = BufferNamer()
+        kernel = build(namer)
+        with FakeTensorMode():
+            received = torch.empty(T, 3 * H, d, dtype=torch.bfloat16)  # q | out | grad_out side by side
+            q, out, dout = received[:, :H], received[:, H:2 * H], received[:, 2 * H:]
+            k, v = (torch.empty(T, H, d, dtype=torch.bfloat16) for _ in range(2))
+            tracker = PlannerMemTracker()
+            namer.tracker = tracker
+            with tracker:
+                kernel.backward(dout, q, k, v, out, torch.empty(H, T), (0, T))
+            peaks[name] = tracker.analyse().peak.total
+    assert peaks["sdpa_flash"] - peaks["flash_attn"] == 2 * T * H * d * 2
