@@ -126,17 +126,25 @@ def run_preprocess(corpus: Path, prefix: Path, tokenizer_type: str, model: str, 
 
 
 def run_megatron(megatron_dir: str, corpus: Path, prefix: Path, tokenizer_type: str, model: str, workers: int,
-                 documents: int) -> float:
-    """Megatron-LM's tool on the corpus: its own processing seconds (startup and imports
-    excluded), from the one progress line it prints at the last document."""
+                 documents: int) -> Timing:
+    """Megatron-LM's tool on the corpus. Wall: its own processing seconds (startup and
+    imports excluded), from the one progress line it prints at the last document. CPU:
+    the whole command's, its processes together (in `workers_cpu`)."""
     command = [sys.executable, str(Path(__file__).with_name("megatron_preprocess.py")), megatron_dir,
                "--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-type", tokenizer_type,
                "--tokenizer-model", model, "--workers", str(workers), "--log-interval", str(documents)]
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    timing, result = timed(lambda: subprocess.run(command, capture_output=True, text=True, check=True))
     match = re.search(r"Processed (\d+) documents \(([0-9.]+) docs/s", result.stdout + result.stderr)
     if match is None:
         raise RuntimeError(f"no progress line from Megatron-LM's tool:\n{result.stderr[-2000:]}")
-    return int(match.group(1)) / float(match.group(2))
+    return Timing(int(match.group(1)) / float(match.group(2)), 0.0, timing.workers_cpu)
+
+
+def megatron_startup_cpu(megatron_dir: str, work: Path, tokenizer_type: str, model: str) -> float:
+    """CPU seconds of Megatron-LM's tool on a one-line corpus: its imports and startup."""
+    tiny = work / "one_document.jsonl"
+    tiny.write_text(json.dumps({"text": "one short document"}) + "\n")
+    return run_megatron(megatron_dir, tiny, work / "megatron_tiny", tokenizer_type, model, 1, 1).workers_cpu
 
 
 def count_mismatches(prefix: Path, expected: list[list[int]]) -> int:
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.1f} before")
     # interleaved repeats, best wall time of each: other jobs on the machine slow all alike
     best: dict[str, Timing] = {}
-    megatron: dict[int, float] = {}
+    megatron: dict[int, Timing] = {}
     for _ in range(args.repeats):
         runs = {"loop": lambda: plain_loop(tokenizer, texts)}
         for workers in args.workers:
@@ -188,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
             timing, _ = timed(function)
             if name not in best or timing.wall < best[name].wall:
                 best[name] = timing
-        for workers in args.workers if args.megatron_lm else []:
-            seconds = run_megatron(args.megatron_lm, corpus, work / f"megatron_w{workers}", args.tokenizer_type,
-                                   model, max(workers, 1), len(texts))
-            megatron[workers] = min(megatron.get(workers, seconds), seconds)
+        for workers in [w for w in args.workers if w > 0] if args.megatron_lm else []:
+            timing = run_megatron(args.megatron_lm, corpus, work / f"megatron_w{workers}", args.tokenizer_type,
+                                  model, workers, len(texts))
+            if workers not in megatron or timing.wall < megatron[workers].wall:
+                megatron[workers] = timing
     loop = best["loop"]
     print(f"plain whole-document encode loop, 1 thread, texts in memory: {loop.wall:.2f} s ({loop.main_cpu:.2f} CPU s)")
     for workers in args.workers:
@@ -200,10 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preprocess --workers {workers}, JSON lines to .bin/.idx: {timing.wall:.2f} s "
               f"({loop.wall / timing.wall:.2f}x the loop's speed; CPU s main {timing.main_cpu:.2f} / workers "
               f"{timing.workers_cpu:.2f}), documents differing from the loop: {mismatches}")
-    for workers, seconds in megatron.items():
-        mismatches = count_mismatches(work / f"megatron_w{max(workers, 1)}", expected)
-        print(f"Megatron-LM tools/preprocess_data.py --workers {max(workers, 1)}: {seconds:.2f} s of processing "
-              f"(ours --workers {workers} is {seconds / best[f'w{workers}'].wall:.2f}x faster), "
+    startup = megatron_startup_cpu(args.megatron_lm, work, args.tokenizer_type, model) if megatron else 0.0
+    for workers, timing in megatron.items():
+        ours = best[f"w{workers}"]
+        mismatches = count_mismatches(work / f"megatron_w{workers}", expected)
+        print(f"Megatron-LM tools/preprocess_data.py --workers {workers}: {timing.wall:.2f} s of processing "
+              f"(ours {timing.wall / ours.wall:.2f}x faster; CPU s {timing.workers_cpu - startup:.2f} beyond its "
+              f"{startup:.2f} s of startup, ours {ours.main_cpu + ours.workers_cpu:.2f}), "
               f"documents differing from the loop: {mismatches}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0

@@ -164,11 +164,24 @@ def data_prefixes(
     prefixes: dict[str, None] = {}
     for flag, values in flags.items():
         for _, prefix in parse_data_path(values, flag):
-            for path in (idx_path(prefix), bin_path(prefix)):
+            for path in (bin_path(prefix), idx_path(prefix)):
                 if not os.path.isfile(path):
                     raise FileNotFoundError(f"{flag} {prefix}: {path} does not exist")
             prefixes[prefix] = None
     return list(prefixes)
+
+
+def validate_data_flags(
+    data_path: Sequence[str],
+    split: str | None = None,
+    train_data_path: Sequence[str] = (),
+    valid_data_path: Sequence[str] = (),
+    test_data_path: Sequence[str] = (),
+) -> None:
+    """Every data flag checked before any process group starts: one clear line on error."""
+    if split is not None:
+        parse_split(split)
+    data_prefixes(data_path, train_data_path, valid_data_path, test_data_path)
 
 
 def _open(prefixes: Sequence[str], vocab_size: int | None, cache: IndexCache) -> dict[str, IndexedDataset]:
@@ -200,8 +213,7 @@ def build_datasets(
     Validation and test read their documents in stream order; training shuffles unless
     `shuffle` is False. With `vocab_size`, every dataset's ids are checked below it."""
     explicit = {"train": train_data_path, "valid": valid_data_path, "test": test_data_path}
-    if split is not None:
-        parse_split(split)  # a bad --split fails before any dataset is opened
+    validate_data_flags(data_path, split, train_data_path, valid_data_path, test_data_path)
     cache = IndexCache(cache_path)
     datasets = _open(data_prefixes(data_path, train_data_path, valid_data_path, test_data_path), vocab_size, cache)
     sources = {}

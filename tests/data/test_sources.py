@@ -74,7 +74,7 @@ def test_weights_that_are_not_numbers_or_do_not_pair_are_named(values, message):
 
 
 def test_missing_dataset_file_is_named_with_its_flag(prefixes):
-    with pytest.raises(FileNotFoundError, match=r"--valid-data-path .*nope: .*nope\.idx does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"--valid-data-path .*nope: .*nope\.bin does not exist"):
         data_prefixes(["0.5", prefixes["A"]], valid_data_path=[prefixes["A"] + "nope"])
     assert data_prefixes(["0.5", prefixes["A"], "0.5", prefixes["B"]], [prefixes["A"]]) == [prefixes["A"], prefixes["B"]]
 
