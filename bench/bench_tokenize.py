@@ -105,7 +105,8 @@ def _cpu_seconds(who: int) -> float:
 
 def timed(function) -> tuple[Timing, object]:
     """Run `function()`; its Timing and result."""
-    main, children, start = _cpu_seconds(resource.RUSAGE_SELF), _cpu_seconds(resource.RUSAGE_CHILDREN), time.perf_counter()
+    main, children = _cpu_seconds(resource.RUSAGE_SELF), _cpu_seconds(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
     result = function()
     wall = time.perf_counter() - start
     timing = Timing(wall, _cpu_seconds(resource.RUSAGE_SELF) - main, _cpu_seconds(resource.RUSAGE_CHILDREN) - children)
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         model = str(work / f"spm_{args.model_type}_{args.vocab_size}.model")
         if not os.path.exists(model):
-            model = train_model(texts, work / f"spm_{args.model_type}_{args.vocab_size}", args.vocab_size, args.model_type)
+            prefix = work / f"spm_{args.model_type}_{args.vocab_size}"
+            model = train_model(texts, prefix, args.vocab_size, args.model_type)
     tokenizer = build_tokenizer(args.tokenizer_type, model)
     expected = plain_loop(tokenizer, texts)
     megabytes = corpus.stat().st_size / 1e6

@@ -37,9 +37,9 @@ def install_training_modules(megatron_dir: str) -> None:
     tokenizer.build_tokenizer = legacy_build_tokenizer
     arguments = types.ModuleType("megatron.training.arguments")
     arguments._add_tokenizer_args = tokenizer_args_function(megatron_dir)
-    sys.modules.update(
-        {"megatron.training": training, "megatron.training.tokenizer": tokenizer, "megatron.training.arguments": arguments}
-    )
+    sys.modules["megatron.training"] = training
+    sys.modules["megatron.training.tokenizer"] = tokenizer
+    sys.modules["megatron.training.arguments"] = arguments
 
 
 def main() -> None:

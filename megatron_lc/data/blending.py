@@ -57,7 +57,10 @@ class BlendedSamples(SampleSource):
         self.sources = list(sources)
         self.weights = [float(w) for w in weights]
         self.size = max(int(size), 1)
-        build = lambda: dict(zip(("sources", "source_samples"), blending_indices(self.weights, self.size)))  # noqa: E731
+
+        def build() -> dict[str, np.ndarray]:
+            return dict(zip(("sources", "source_samples"), blending_indices(self.weights, self.size)))
+
         # the index depends on nothing else: the sources shuffle their own documents
         cache_description = {"kind": "blending_index", "weights": self.weights, "size": self.size}
         arrays = (cache or IndexCache(None)).arrays("blend", cache_description, build)

@@ -39,7 +39,11 @@ def dataset_fingerprint(prefix: str) -> dict[str, object]:
         size = os.fstat(stream.fileno()).st_size
         stream.seek(max(size - _DIGEST_BYTES, 0))
         digest.update(stream.read(_DIGEST_BYTES))
-    return {"idx": file_identity(idx_path(prefix)), "bin": file_identity(bin_path(prefix)), "idx_digest": digest.hexdigest()}
+    return {
+        "idx": file_identity(idx_path(prefix)),
+        "bin": file_identity(bin_path(prefix)),
+        "idx_digest": digest.hexdigest(),
+    }
 
 
 def array_digest(values: np.ndarray) -> str:

@@ -441,7 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("output and runtime")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.{bin,idx}")
     group.add_argument(
-        "--workers", type=int, default=1, help="encoding processes besides the reading one (default: 1; 0: encode in it)"
+        "--workers",
+        type=int,
+        default=1,
+        help="encoding processes besides the reading one, as Megatron's (default: 1; 0: encode in it)",
     )
     group.add_argument(
         "--partitions", type=int, default=1, help="process groups of input files in parallel, then merge"

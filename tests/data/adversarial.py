@@ -28,13 +28,16 @@ def _log_lines(rng: random.Random, count: int) -> str:
         sha = "".join(rng.choice("0123456789abcdef") for _ in range(rng.choice((7, 12, 40))))
         lines.append(
             f"{sha} 2024-0{rng.randint(1, 9)}-1{rng.randint(0, 9)}T12:{rng.randint(10, 59)}:07Z "
-            f"https://example.org/a/b?x={rng.randint(0, 10**6)}&y=%20z#frag /usr/lib/python3.12/x.py:{rng.randint(1, 999)}"
+            f"https://example.org/a/b?x={rng.randint(0, 10**6)}&y=%20z#frag "
+            f"/usr/lib/python3.12/x.py:{rng.randint(1, 999)}"
         )
     return "\n".join(lines)
 
 
 def _code(rng: random.Random) -> str:
-    body = "\n".join(f"{' ' * 4 * rng.randint(1, 3)}x_{i} = f(x_{i - 1}, {rng.random():.6f})  # {_words(rng, 3)}" for i in range(1, 30))
+    lines = [f"{' ' * 4 * rng.randint(1, 3)}x_{i} = f(x_{i - 1}, {rng.random():.6f})  # {_words(rng, 3)}"
+             for i in range(1, 30)]
+    body = "\n".join(lines)
     return f"def f(a, b):\n\treturn a*b\n\n\nclass C:\n    def g(self):\n{body}\n        return {{'k': [1, 2, 3]}}\n"
 
 
@@ -42,7 +45,8 @@ def _whitespace_runs(rng: random.Random) -> str:
     parts = []
     for _ in range(40):
         parts.append(rng.choice(_WORDS))
-        parts.append(rng.choice([" " * rng.randint(1, 90), "\t" * rng.randint(1, 9), " \t \n", "\n" * rng.randint(1, 6), "\r\n", "\u3000", "\xa0"]))
+        runs = [" " * rng.randint(1, 90), "\t" * rng.randint(1, 9), " \t \n", "\n" * rng.randint(1, 6), "\r\n"]
+        parts.append(rng.choice([*runs, "\u3000", "\xa0"]))
     return "".join(parts)
 
 
@@ -88,7 +92,9 @@ def train_huggingface_unigram(path: str) -> str:
     tokenizer = Tokenizer(models.Unigram())
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
-    trainer = trainers.UnigramTrainer(vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>", show_progress=False)
+    trainer = trainers.UnigramTrainer(
+        vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>", show_progress=False
+    )
     tokenizer.train_from_iterator(training_lines(), trainer)
     tokenizer.save(path)
     return path
@@ -134,4 +140,5 @@ def reference_tiktoken(path: str):
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    return tiktoken.Encoding("reference", pat_str=LLAMA3_PATTERN, mergeable_ranks=load_tiktoken_bpe(path), special_tokens={})
+    ranks = load_tiktoken_bpe(path)
+    return tiktoken.Encoding("reference", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens={})

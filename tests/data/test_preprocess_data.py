@@ -12,7 +12,7 @@ import pytest
 from megatron_lc.data.corpus import InvalidInputError
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.preprocess import PreprocessOptions, preprocess, split_contiguous
-from megatron_lc.data.tokenizers import ByteTokenizer, build_tokenizer
+from megatron_lc.data.tokenizers import ByteTokenizer
 
 EOD = ByteTokenizer.EOD_ID
 

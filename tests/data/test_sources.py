@@ -58,7 +58,8 @@ def test_data_path_takes_weight_prefix_pairs_or_plain_prefixes():
 @pytest.mark.parametrize(
     "values, message",
     [
-        (["0.7", "a", "0.3"], r"--data-path: 3 values do not pair up as WEIGHT PREFIX \.\.\.: the weight '0\.3' has no prefix after it"),
+        (["0.7", "a", "0.3"],
+         r"--data-path: 3 values do not pair up as WEIGHT PREFIX \.\.\.: the weight '0\.3' has no prefix after it"),
         (["0.7", "a", "b"], r"3 values do not pair up .*'b' has no weight before it"),
         (["0.7", "a", "x", "b"], r"weight 'x' \(before 'b'\) is not a non-negative number"),
         (["0.7", "a", "-1", "b"], r"weight '-1' \(before 'b'\) is not a non-negative number"),
@@ -76,7 +77,8 @@ def test_weights_that_are_not_numbers_or_do_not_pair_are_named(values, message):
 def test_missing_dataset_file_is_named_with_its_flag(prefixes):
     with pytest.raises(FileNotFoundError, match=r"--valid-data-path .*nope: .*nope\.bin does not exist"):
         data_prefixes(["0.5", prefixes["A"]], valid_data_path=[prefixes["A"] + "nope"])
-    assert data_prefixes(["0.5", prefixes["A"], "0.5", prefixes["B"]], [prefixes["A"]]) == [prefixes["A"], prefixes["B"]]
+    named = data_prefixes(["0.5", prefixes["A"], "0.5", prefixes["B"]], [prefixes["A"]])
+    assert named == [prefixes["A"], prefixes["B"]]
 
 
 def test_split_is_normalised_as_megatron_does():
@@ -175,7 +177,9 @@ def test_each_cp_rank_reads_only_its_slice_of_a_blended_sample(prefixes, make_da
 def test_loader_over_a_blend_gives_each_rank_its_samples_and_slice(prefixes):
     train = build_datasets(["0.5", prefixes["A"], "0.5", prefixes["B"]], SEQ, seed=2).train
     whole = next(MicroBatchLoader(train, micro_batch_size=2, dp_rank=0, dp_size=1))
-    rank_batches = [next(MicroBatchLoader(train, 1, dp_rank=r, dp_size=2, cp_rank=c, cp_size=2)) for r in range(2) for c in range(2)]
+    rank_batches = [
+        next(MicroBatchLoader(train, 1, dp_rank=r, dp_size=2, cp_rank=c, cp_size=2)) for r in range(2) for c in range(2)
+    ]
     for r in range(2):
         got = np.concatenate([rank_batches[2 * r + c].input_ids[0].numpy() for c in range(2)])
         np.testing.assert_array_equal(got, whole.input_ids[r].numpy())
@@ -263,7 +267,8 @@ def test_cache_entry_with_another_description_is_rebuilt(prefixes, tmp_path):
 def test_token_ids_at_or_above_the_vocabulary_are_found_before_training(make_dataset):
     dataset = make_dataset([np.arange(10), np.array([3, 700, 5]), np.array([650])], name="other_tokenizer")
     check_token_ids(dataset, 701)
-    with pytest.raises(ValueError, match=r"other_tokenizer: token id 700 \(first at sequence 1\) is not below the vocabulary size 700"):
+    message = r"other_tokenizer: token id 700 \(first at sequence 1\) is not below the vocabulary size 700"
+    with pytest.raises(ValueError, match=message):
         check_token_ids(dataset, 700)
 
 
