@@ -213,7 +213,8 @@ def build_datasets(
     Validation and test read their documents in stream order; training shuffles unless
     `shuffle` is False. With `vocab_size`, every dataset's ids are checked below it."""
     explicit = {"train": train_data_path, "valid": valid_data_path, "test": test_data_path}
-    validate_data_flags(data_path, split, train_data_path, valid_data_path, test_data_path)
+    if split is not None:
+        parse_split(split)  # a bad --split fails before any dataset is opened
     cache = IndexCache(cache_path)
     datasets = _open(data_prefixes(data_path, train_data_path, valid_data_path, test_data_path), vocab_size, cache)
     sources = {}
