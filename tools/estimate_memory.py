@@ -58,6 +58,9 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--nccl-p2p-channels-per-peer", type=int, default=NCCL.p2p_channels_per_peer,
                        help="NCCL channels per peer of all-to-all traffic (default: "
                             f"{NCCL.p2p_channels_per_peer}, what NCCL picks on 8xH100)")
+    group.add_argument("--nccl-net-channels-per-peer", type=int, default=NCCL.net_channels_per_peer,
+                       help="NCCL_NCHANNELS_PER_NET_PEER of the run: channels to a peer on another node "
+                            f"(default: NCCL's {NCCL.net_channels_per_peer})")
     group.add_argument("--with-flash-attn", action="store_true",
                        help="flash-attn is installed on the GPU machines (decides what --attention-kernel auto "
                             "runs; torch's flash kernel otherwise, which allocates the same)")
@@ -71,7 +74,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
 
 
 PLANNER_FLAGS = ("num_gpus", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "host_reserve_gib",
-                 "reserve_gib", "nccl_buffsize", "nccl_channels", "nccl_p2p_channels_per_peer", "with_flash_attn",
+                 "reserve_gib", "nccl_buffsize", "nccl_channels", "nccl_p2p_channels_per_peer",
+                 "nccl_net_channels_per_peer", "with_flash_attn",
                  "find_max_seq_length", "ablate", "plot", "json")
 
 
@@ -95,7 +99,8 @@ def machine_of(planner: argparse.Namespace, cfg) -> Machine:
                    gpu_memory_gib=planner.gpu_memory_gib, host_memory_gib=planner.host_memory_gib,
                    host_reserve_gib=planner.host_reserve_gib, reserve_gib=planner.reserve_gib,
                    nccl=NcclSettings(buffsize=planner.nccl_buffsize, channels=planner.nccl_channels,
-                                     p2p_channels_per_peer=planner.nccl_p2p_channels_per_peer),
+                                     p2p_channels_per_peer=planner.nccl_p2p_channels_per_peer,
+                                     net_channels_per_peer=planner.nccl_net_channels_per_peer),
                    device=device, flash_attn=planner.with_flash_attn)
 
 

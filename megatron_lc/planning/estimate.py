@@ -234,8 +234,8 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     step = combine(traces, num_layers, m)
     analysis = step.trace.analysis
     communicators = len(analysis.communicators)
-    nccl = nccl_bytes(analysis.communicator_sizes, analysis.all_to_all_groups, machine.nccl) \
-        if machine.device == "cuda" else 0
+    nccl = nccl_bytes(analysis.communicator_sizes, analysis.all_to_all_groups, machine.nccl,
+                      min(machine.gpus_per_node, machine.num_gpus)) if machine.device == "cuda" else 0
     by_category = dict(step.peak.by_category)
     by_category["communication buffers"] += nccl
     top = step.trace.analysis.top_buffers(step.peak.event_index, lambda d: d == "meta")

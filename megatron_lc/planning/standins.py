@@ -241,6 +241,8 @@ class NcclSettings:
     p2p_channels_per_peer: int = 32
     """Channels per peer of point-to-point traffic (all-to-all; NCCL_MAX_P2P_NCHANNELS caps it): 32 is what
     NCCL picks on 8xH100 (NCCL issue #1685)."""
+    net_channels_per_peer: int = 2
+    """Channels per peer on another node (NCCL_NCHANNELS_PER_NET_PEER, NCCL's default 2)."""
     granularity: int = 2 << 20
     """Allocation granularity of NCCL's cuMem buffers (an assumption: the common 2 MiB)."""
 
@@ -256,22 +258,25 @@ def connection_bytes(s: NcclSettings) -> int:
     return receive + _round_up(s.buffsize, s.granularity)
 
 
-def communicator_bytes(ranks: int, all_to_all: bool, s: NcclSettings) -> int:
+def communicator_bytes(ranks: int, all_to_all: bool, s: NcclSettings, ranks_per_node: int = 8) -> int:
     """NCCL buffers one rank holds for one communicator of `ranks` ranks.
 
     Ring/tree collectives (all-gather, reduce-scatter, all-reduce) connect each rank to its
     neighbours on every channel: `channels` connections. An all-to-all connects every pair
-    of ranks on `p2p_channels_per_peer` channels: (ranks - 1) x that many more. With the
-    defaults this gives 3.29e9 bytes for the all-to-all connections of an 8-GPU
+    of ranks: `p2p_channels_per_peer` connections to each peer on the same node,
+    `net_channels_per_peer` to each on another (the group is assumed to fill whole nodes of
+    `ranks_per_node`; a network connection is assumed to hold what an NVLink one does).
+    With the defaults this gives 3.29e9 bytes for the all-to-all connections of an 8-GPU
     communicator; NCCL issue #1685 measured 4.34 - 1.06 = 3.28e9 bytes after the first
     `all_to_all_single` on 8xH100. That one measurement is all the calibration there is.
     """
     if ranks < 2:
         return 0
-    peers = (ranks - 1) * s.p2p_channels_per_peer if all_to_all else 0
+    local = min(ranks, ranks_per_node) - 1
+    peers = local * s.p2p_channels_per_peer + (ranks - 1 - local) * s.net_channels_per_peer if all_to_all else 0
     return (s.channels + peers) * connection_bytes(s)
 
 
-def nccl_bytes(groups: dict[str, int], all_to_all: tuple[str, ...], s: NcclSettings) -> int:
+def nccl_bytes(groups: dict[str, int], all_to_all: tuple[str, ...], s: NcclSettings, ranks_per_node: int = 8) -> int:
     """Modelled NCCL buffer bytes of one rank: one communicator per group the step communicates on."""
-    return sum(communicator_bytes(ranks, name in all_to_all, s) for name, ranks in groups.items())
+    return sum(communicator_bytes(ranks, name in all_to_all, s, ranks_per_node) for name, ranks in groups.items())

@@ -82,3 +82,14 @@ def test_tiled_functions_bf16_on_cuda_close_to_fp32():
     assert abs(float(tiled_loss.detach()) / float(loss.detach()) - 1) < 1e-2
     for lo, ref in ((h_lo, h), (head_lo, head)):
         assert (lo.grad.float() - ref.grad).abs().max() / ref.grad.abs().max() < 3e-2
+
+
+def test_offload_arena_is_page_locked_at_its_exact_size_and_unlocked_on_close():
+    offload = OffloadScheduler(4, keep_last=1, accelerator=CUDA)
+    t = torch.randn(3, 1000, 7, device=CUDA)  # 84,000 bytes: torch's pinned pool would take 131,072 each
+    handles = [offload.offload(i, t) for i in range(3)]
+    assert all(h.host_buffer.is_pinned() for h in handles)
+    assert offload.page_locked_bytes == 3 * t.numel() * 4
+    assert all(torch.equal(offload.fetch(h), t) for h in reversed(handles))
+    offload.close()
+    assert offload.page_locked_bytes == 0

@@ -161,3 +161,9 @@ def test_sdpa_flash_standin_adds_torchs_contiguous_copies_of_strided_grad_out_an
                 kernel.backward(dout, q, k, v, out, torch.empty(H, T), (0, T))
             peaks[name] = tracker.analyse().peak.total
     assert peaks["sdpa_flash"] - peaks["flash_attn"] == 2 * T * H * d * 2
+
+
+def test_nccl_model_uses_network_channels_for_peers_on_other_nodes():
+    s = NcclSettings()
+    two_nodes = communicator_bytes(16, True, s, ranks_per_node=8)
+    assert two_nodes == (s.channels + 7 * s.p2p_channels_per_peer + 8 * s.net_channels_per_peer) * connection_bytes(s)
