@@ -86,14 +86,15 @@ class IndexCache:
         try:
             with open(os.path.join(entry, "description.json"), encoding="utf-8") as stream:
                 stored = json.load(stream)
-        except (OSError, ValueError):
+            if _description_text(stored["description"]) != text:
+                return None
+            return {key: np.load(os.path.join(entry, f"{key}.npy"), mmap_mode="r") for key in stored["arrays"]}
+        except (OSError, ValueError, KeyError):  # absent, partial or foreign: built afresh
             return None
-        if _description_text(stored["description"]) != text:
-            return None
-        return {key: np.load(os.path.join(entry, f"{key}.npy"), mmap_mode="r") for key in stored["arrays"]}
 
     def _write(self, entry: str, text: str, arrays: Mapping[str, np.ndarray]) -> None:
-        """Store under a temporary name, then rename: readers see a whole entry or none."""
+        """Store under a temporary name, then rename: readers see a whole entry or none.
+        An entry another rank stored meanwhile is kept (same description, same arrays)."""
         os.makedirs(self.directory, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(entry)}.", dir=self.directory)
         try:
@@ -102,11 +103,13 @@ class IndexCache:
             record = {"description": json.loads(text), "arrays": sorted(arrays)}
             with open(os.path.join(staging, "description.json"), "w", encoding="utf-8") as stream:
                 json.dump(record, stream, indent=1, sort_keys=True)
+            if self._read(entry, text) is not None:
+                return
             if os.path.isdir(entry):  # a stale entry under the same name: replaced
                 shutil.rmtree(entry, ignore_errors=True)
             os.rename(staging, entry)
         except OSError:
-            if not os.path.isdir(entry):
+            if self._read(entry, text) is None:
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -52,6 +52,23 @@ def test_unshuffled_sample_is_the_stream_slice_across_epochs(dataset, documents)
         assert sample.cu_seqlens == reference.cu_seqlens(i, SEQ_LENGTH)
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_document_subset_is_the_stream_of_those_documents_only(dataset, documents, shuffle, tmp_path):
+    from megatron_lc.data.index_cache import IndexCache
+
+    subset = np.arange(10, 24)
+    caches = (None, IndexCache(tmp_path / "cache"), IndexCache(tmp_path / "cache"))  # no cache, stored, read back
+    for cache in caches:
+        samples = LongSequenceSamples(dataset, SEQ_LENGTH, seed=5, shuffle=shuffle, documents=subset, cache=cache)
+        orders = [subset[samples.epoch_order(e)] for e in range(3)]
+        reference = ReferenceStream(documents, orders)
+        assert samples.tokens_per_epoch == sum(len(documents[d]) for d in subset)
+        for i in range(len(reference.tokens) // SEQ_LENGTH - 1):
+            np.testing.assert_array_equal(samples.get(i).input_ids, reference.sample(i, SEQ_LENGTH)[:-1])
+            assert samples.get(i).cu_seqlens == reference.cu_seqlens(i, SEQ_LENGTH)
+    assert caches[1].built and caches[2].built == []
+
+
 @pytest.mark.parametrize("cp_size", [1, 2, 4, 8])
 def test_cp_slices_of_shuffled_samples_match_the_reference(dataset, documents, cp_size):
     samples = LongSequenceSamples(dataset, SEQ_LENGTH, seed=3, shuffle=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -284,3 +285,17 @@ def test_largest_token_id_is_cached_by_dataset_identity(prefixes, tmp_path, make
     assert largest_token_id(dataset, cache) == 2039 and len(cache.built) == 1
     assert largest_token_id(IndexedDataset(prefixes["B"]), cache) == 2039 and len(cache.built) == 1
     assert largest_token_id(make_dataset([[], []], name="empty")) == -1
+
+
+def test_cache_keeps_an_entry_another_rank_stored_first(tmp_path):
+    first, second = IndexCache(tmp_path), IndexCache(tmp_path)
+    description = {"kind": "test", "n": 3}
+    stored = first.arrays("x", description, lambda: {"values": np.arange(3)})
+    (entry,) = [p for p in tmp_path.iterdir()]
+    stamp = (entry / "values.npy").stat().st_mtime_ns
+    text = json.dumps(description, sort_keys=True)
+    second._write(str(entry), text, {"values": np.arange(3)})  # a rank that built it too, a moment later
+    assert (entry / "values.npy").stat().st_mtime_ns == stamp and sorted(os.listdir(tmp_path)) == [entry.name]
+    again = second.arrays("x", description, lambda: {"values": np.zeros(3)})
+    np.testing.assert_array_equal(again["values"], stored["values"])
+    assert second.built == []
