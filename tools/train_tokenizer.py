@@ -24,8 +24,7 @@ def corpus_lines(inputs: list[str], keys: tuple[str, ...], problems: InputProble
     """Non-blank lines of every document of every input."""
     for document in read_documents(expand_inputs(inputs), ReadOptions(keys), problems):
         for key in keys:
-            for piece in document.texts[key]:
-                yield from (line for line in piece.splitlines() if line.strip())
+            yield from (line for line in document.texts[key].splitlines() if line.strip())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,10 +40,12 @@ def test_train_tokenizer_then_preprocess_with_two_workers(jsonl_corpus, tmp_path
         "--output-prefix",
         tmp_path / "tok" / "spm",
         "--vocab-size",
-        "300",
+        "400",
     )
     assert trained.returncode == 0, trained.stderr
     model = tmp_path / "tok" / "spm.model"
+    words = "the long context of a book"  # trained on whole lines, the model has pieces of several letters
+    assert len(build_tokenizer("SentencePieceTokenizer", model).tokenize(words)) <= len(words.split()) + 2
     result = run_tool(
         "preprocess_data.py",
         "--input",
