@@ -1,7 +1,7 @@
 """Long-sequence samples cut from a document stream, sliced per context-parallel rank.
 
-The stream is every document of an indexed dataset back to back, in a seeded
-permuted order (a new permutation each epoch, as many epochs as needed). Sample `i`
+The stream is every document of an indexed dataset (or of a subset, such as one
+`--split` part) back to back, in a seeded permuted order (a new permutation each epoch, as many epochs as needed). Sample `i`
 is stream tokens `[i*S, (i+1)*S + 1)`: `S` inputs and, shifted by one, `S` labels.
 Context-parallel rank `c` of `cp` reads only tokens `[c*S/cp, (c+1)*S/cp + 1)` of
 the sample from the memory map, so its host memory is O(S/cp). Document boundaries
