@@ -57,8 +57,9 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def _flash_head_dim(d: int) -> int:
-    """flash-attn's rounded head dimension of its fp32 accumulators."""
-    return _round_up(d, 32) if d <= 192 else 256
+    """The head dimension of flash-attention 2's backward accumulators (`mha_varlen_bwd`:
+    `round_multiple(head_size, head_size <= 128 ? 32 : 64)`)."""
+    return _round_up(d, 32 if d <= 128 else 64)
 
 
 def _flash_varlen_kernel(name: str, name_buffer: NameBuffer, copies_strided: bool) -> kernels.Kernel:
