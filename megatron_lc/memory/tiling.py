@@ -97,7 +97,7 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             _FP32_OUT_GEMM[key] = True
             return
-        except (NotImplementedError, RuntimeError):  # checked before any work is launched
+        except (NotImplementedError, RuntimeError, TypeError):  # refused before any work is launched
             _FP32_OUT_GEMM[key] = False
     _upcast_addmm_(acc, a, b)
 
