@@ -126,26 +126,46 @@ def run_preprocess(corpus: Path, prefix: Path, tokenizer_type: str, model: str, 
     preprocess(options)
 
 
-def run_megatron(megatron_dir: str, corpus: Path, prefix: Path, tokenizer_type: str, model: str, workers: int,
-                 documents: int) -> Timing:
-    """Megatron-LM's tool on the corpus. Wall: its own processing seconds (startup and
-    imports excluded), from the one progress line it prints at the last document. CPU:
-    the whole command's, its processes together (in `workers_cpu`)."""
-    command = [sys.executable, str(Path(__file__).with_name("megatron_preprocess.py")), megatron_dir,
-               "--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-type", tokenizer_type,
-               "--tokenizer-model", model, "--workers", str(workers), "--log-interval", str(documents)]
+@dataclass(frozen=True)
+class CommandTiming:
+    """A tool run as a user runs it: its own processing seconds, the whole command's wall
+    seconds (interpreter start and imports included), and the command's CPU seconds."""
+
+    processing: float
+    command: float
+    cpu: float
+
+
+def run_command(command: list[str], pattern: str) -> CommandTiming:
+    """Run `command`; its timing, the processing seconds parsed from its output by `pattern`."""
     timing, result = timed(lambda: subprocess.run(command, capture_output=True, text=True, check=True))
-    match = re.search(r"Processed (\d+) documents \(([0-9.]+) docs/s", result.stdout + result.stderr)
+    match = re.search(pattern, result.stdout + result.stderr)
     if match is None:
-        raise RuntimeError(f"no progress line from Megatron-LM's tool:\n{result.stderr[-2000:]}")
-    return Timing(int(match.group(1)) / float(match.group(2)), 0.0, timing.workers_cpu)
+        raise RuntimeError(f"no timing line from {command[1]}:\n{result.stderr[-2000:]}")
+    processing = float(match.group("seconds")) if "seconds" in match.groupdict() else (
+        int(match.group("documents")) / float(match.group("rate")))
+    return CommandTiming(processing, timing.wall, timing.workers_cpu)
 
 
-def megatron_startup_cpu(megatron_dir: str, work: Path, tokenizer_type: str, model: str) -> float:
-    """CPU seconds of Megatron-LM's tool on a one-line corpus: its imports and startup."""
-    tiny = work / "one_document.jsonl"
-    tiny.write_text(json.dumps({"text": "one short document"}) + "\n")
-    return run_megatron(megatron_dir, tiny, work / "megatron_tiny", tokenizer_type, model, 1, 1).workers_cpu
+def tool_flags(corpus: Path, prefix: Path, tokenizer_type: str, model: str, workers: int) -> list[str]:
+    return ["--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer-type", tokenizer_type,
+            "--tokenizer-model", model, "--workers", str(workers)]
+
+
+def run_ours(corpus: Path, prefix: Path, tokenizer_type: str, model: str, workers: int) -> CommandTiming:
+    """tools/preprocess_data.py; processing seconds from its summary line."""
+    tool = Path(__file__).resolve().parents[1] / "tools" / "preprocess_data.py"
+    command = [sys.executable, str(tool), *tool_flags(corpus, prefix, tokenizer_type, model, workers), "--no-progress"]
+    return run_command(command, r"tokens in (?P<seconds>[0-9.]+) s")
+
+
+def run_megatron(megatron_dir: str, corpus: Path, prefix: Path, tokenizer_type: str, model: str, workers: int,
+                 documents: int) -> CommandTiming:
+    """Megatron-LM's tool; processing seconds (its startup excluded) from the one progress
+    line it prints at the last document."""
+    command = [sys.executable, str(Path(__file__).with_name("megatron_preprocess.py")), megatron_dir,
+               *tool_flags(corpus, prefix, tokenizer_type, model, workers), "--log-interval", str(documents)]
+    return run_command(command, r"Processed (?P<documents>\d+) documents \((?P<rate>[0-9.]+) docs/s")
 
 
 def count_mismatches(prefix: Path, expected: list[list[int]]) -> int:
@@ -159,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus-mb", type=float, default=40)
     parser.add_argument("--source", nargs="+", default=["/usr/share/doc", sysconfig.get_paths()["purelib"]],
                         help="directories of text files")
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="0: encode in the reading process")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer")
     parser.add_argument("--tokenizer-model", help="default: a SentencePiece model trained on the corpus")
     parser.add_argument("--model-type", default="unigram", choices=("unigram", "bpe"))
@@ -188,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.1f} before")
     # interleaved repeats, best wall time of each: other jobs on the machine slow all alike
     best: dict[str, Timing] = {}
-    megatron: dict[int, Timing] = {}
+    commands: dict[tuple[str, int], CommandTiming] = {}
     for _ in range(args.repeats):
         runs = {"loop": lambda: plain_loop(tokenizer, texts)}
         for workers in args.workers:
@@ -198,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
             timing, _ = timed(function)
             if name not in best or timing.wall < best[name].wall:
                 best[name] = timing
-        for workers in [w for w in args.workers if w > 0] if args.megatron_lm else []:
-            timing = run_megatron(args.megatron_lm, corpus, work / f"megatron_w{workers}", args.tokenizer_type,
-                                  model, workers, len(texts))
-            if workers not in megatron or timing.wall < megatron[workers].wall:
-                megatron[workers] = timing
+        for workers in args.workers if args.megatron_lm else []:
+            flags = (args.tokenizer_type, model, workers)
+            ours = run_ours(corpus, work / f"ours_cmd_w{workers}", *flags)
+            theirs = run_megatron(args.megatron_lm, corpus, work / f"megatron_cmd_w{workers}", *flags, len(texts))
+            for key, timing in ((("ours", workers), ours), (("megatron", workers), theirs)):
+                if key not in commands or timing.command < commands[key].command:
+                    commands[key] = timing
     loop = best["loop"]
     print(f"plain whole-document encode loop, 1 thread, texts in memory: {loop.wall:.2f} s ({loop.main_cpu:.2f} CPU s)")
     for workers in args.workers:
@@ -211,14 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preprocess --workers {workers}, JSON lines to .bin/.idx: {timing.wall:.2f} s "
               f"({loop.wall / timing.wall:.2f}x the loop's speed; CPU s main {timing.main_cpu:.2f} / workers "
               f"{timing.workers_cpu:.2f}), documents differing from the loop: {mismatches}")
-    startup = megatron_startup_cpu(args.megatron_lm, work, args.tokenizer_type, model) if megatron else 0.0
-    for workers, timing in megatron.items():
-        ours = best[f"w{workers}"]
-        mismatches = count_mismatches(work / f"megatron_w{workers}", expected)
-        print(f"Megatron-LM tools/preprocess_data.py --workers {workers}: {timing.wall:.2f} s of processing "
-              f"(ours {timing.wall / ours.wall:.2f}x faster; CPU s {timing.workers_cpu - startup:.2f} beyond its "
-              f"{startup:.2f} s of startup, ours {ours.main_cpu + ours.workers_cpu:.2f}), "
-              f"documents differing from the loop: {mismatches}")
+    for (tool, workers), timing in commands.items():
+        name = "this tool" if tool == "ours" else "Megatron-LM's tool"
+        mismatches = count_mismatches(work / f"{tool}_cmd_w{workers}", expected)
+        print(f"{name} as a command, --workers {workers}: {timing.command:.2f} s in all, {timing.processing:.2f} s "
+              f"of processing, {timing.cpu:.2f} CPU s; documents differing from the loop: {mismatches}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -139,13 +139,14 @@ def group_documents(documents: Iterable[Document], keys: Sequence[str]) -> Itera
 
 
 class TokenizerPool:
-    """Encodes tasks in order in `workers` processes, as Megatron's `--workers`: reading and
-    writing in this process overlap the encoding. With 0, encodes in this process."""
+    """Encodes tasks in order, in `workers` processes (in this process for one: a single
+    worker process would overlap only the reading and writing, which cost less than
+    sending it the texts and taking back the ids)."""
 
     def __init__(self, config: EncodeConfig, workers: int) -> None:
         self.config = config
         self.workers = workers
-        self._pool = multiprocessing.get_context().Pool(workers) if workers > 0 else None
+        self._pool = multiprocessing.get_context().Pool(workers) if workers > 1 else None
 
     def __enter__(self) -> "TokenizerPool":
         return self
@@ -370,7 +371,7 @@ def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessS
         part_prefixes = [
             [os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys] for i in range(len(groups))
         ]
-        workers_each = options.workers // len(groups) if options.workers else 0
+        workers_each = max(1, options.workers // len(groups))
         with ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context()) as executor:
             futures = [
                 executor.submit(run_partition, group, prefixes, options, workers_each, i, False)
@@ -397,8 +398,8 @@ def _combine(parts: Sequence[PreprocessSummary], final_prefixes: Sequence[str]) 
 
 def preprocess(options: PreprocessOptions) -> PreprocessSummary:
     """Tokenize `options.inputs` into `PREFIX_{key}_document.{bin,idx}` for each JSON key."""
-    if options.workers < 0 or options.partitions < 1:
-        raise ValueError(f"--workers ({options.workers}) must be >= 0 and --partitions ({options.partitions}) >= 1")
+    if options.workers < 1 or options.partitions < 1:
+        raise ValueError(f"--workers ({options.workers}) and --partitions ({options.partitions}) must be >= 1")
     start = time.perf_counter()
     files = expand_inputs(options.inputs)
     if options.partitions > 1 and len(files) > 1:
@@ -444,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=1,
-        help="encoding processes besides the reading one, as Megatron's (default: 1; 0: encode in it)",
+        help="tokenizer processes (default: 1, which tokenizes in the reading process)",
     )
     group.add_argument(
         "--partitions", type=int, default=1, help="process groups of input files in parallel, then merge"
