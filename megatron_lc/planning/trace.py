@@ -87,10 +87,18 @@ def initialize_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Op
     optimizer.zero_grad(set_to_none=True)
 
 
+def step_autocast(bf16: bool, pstate: ParallelState, device_type: str):
+    """The autocast the trainer runs a step under: with --bf16 in one process, bf16 compute over fp32
+    parameters (a sharded run gets bf16 compute from FSDP's mixed-precision policy instead)."""
+    if bf16 and not pstate.distributed:
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def run_tracked_step(tracker, model, optimizer, micro_batches, pstate: ParallelState, devices: Devices,
-                     clip_grad: float) -> TimelineAnalysis:
-    """One `train_step` under `tracker`; returns the analysed timeline."""
-    with tracker:
+                     clip_grad: float, bf16: bool = False) -> TimelineAnalysis:
+    """One `train_step` under `tracker` (and the trainer's autocast); returns the analysed timeline."""
+    with tracker, step_autocast(bf16, pstate, devices.accelerator.type):
         train_step(model, optimizer, micro_batches, pstate, devices.accelerator, clip_grad)
     return tracker.analyse()
 
@@ -110,7 +118,8 @@ def measure_real_step(cfg: TrainConfig, pstate: ParallelState, batch: Batch,
     initialize_optimizer_state(model, optimizer)
     probe = (lambda: offload.host_bytes_reserved) if offload and devices.host == devices.accelerator else None
     tracker = make_tracker(model, optimizer, probe, extra=(batch.input_ids, batch.labels, batch.position_ids))
-    analysis = run_tracked_step(tracker, model, optimizer, [batch], pstate, devices, cfg.optim.clip_grad)
+    analysis = run_tracked_step(tracker, model, optimizer, [batch], pstate, devices, cfg.optim.clip_grad,
+                                cfg.train.bf16)
     return analysis, offload.host_bytes_peak if offload else 0
 
 
@@ -142,5 +151,5 @@ def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str =
             namer.tracker = tracker
             with cuda_op_models() if device == "cuda" else contextlib.nullcontext():
                 analysis = run_tracked_step(tracker, model, optimizer, batches, pstate, PLANNER_DEVICES,
-                                            cfg.optim.clip_grad)
+                                            cfg.optim.clip_grad, cfg.train.bf16)
     return StepTrace(analysis, num_layers, count, offload.host_bytes_peak if offload else 0)

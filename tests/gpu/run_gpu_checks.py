@@ -54,6 +54,7 @@ from megatron_lc.planning.trace import (
     make_optimizer,
     parallel_dims,
     run_tracked_step,
+    step_autocast,
 )
 from megatron_lc.planning.tracker import make_tracker
 from megatron_lc.training.step import train_step
@@ -170,13 +171,15 @@ def measure_step(cfg, world_size: int, s: Sizes) -> dict:
     initialize_optimizer_state(model, optimizer)
     batch = synthetic_batch(cfg, pstate)
     for _ in range(s.steps - 1):  # warm-up: kernels chosen, allocator and host memory in place
-        train_step(model, optimizer, [batch], pstate, devices.accelerator, cfg.optim.clip_grad)
+        with step_autocast(cfg.train.bf16, pstate, s.device):  # as the trainer runs a step
+            train_step(model, optimizer, [batch], pstate, devices.accelerator, cfg.optim.clip_grad)
     if s.device == "cuda":
         return _measure_cuda(model, optimizer, batch, pstate, devices, cfg, offload)
     probe = (lambda: offload.host_bytes_reserved) if offload else None
     tracker = make_tracker(model, optimizer, probe, extra=(batch.input_ids, batch.labels, batch.position_ids))
     start = time.perf_counter()
-    analysis = run_tracked_step(tracker, model, optimizer, [batch], pstate, devices, cfg.optim.clip_grad)
+    analysis = run_tracked_step(tracker, model, optimizer, [batch], pstate, devices, cfg.optim.clip_grad,
+                                cfg.train.bf16)
     return {"allocated_peak_bytes": analysis.peak.total, "reserved_peak_bytes": None,
             **_host_bytes(offload), "step_seconds": time.perf_counter() - start}
 
@@ -185,7 +188,8 @@ def _measure_cuda(model, optimizer, batch, pstate, devices, cfg, offload) -> dic
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    train_step(model, optimizer, [batch], pstate, devices.accelerator, cfg.optim.clip_grad)
+    with step_autocast(cfg.train.bf16, pstate, "cuda"):
+        train_step(model, optimizer, [batch], pstate, devices.accelerator, cfg.optim.clip_grad)
     torch.cuda.synchronize()
     host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
     return {"allocated_peak_bytes": torch.cuda.max_memory_allocated(),
