@@ -77,6 +77,19 @@ def _new_accumulator(weight: torch.Tensor, dtype: torch.dtype, many_tiles: bool)
 
 _FP32_OUT_GEMM: dict[tuple[type, str], bool] = {}
 """(tensor type, device type) -> whether `torch.addmm(..., out_dtype=fp32, out=acc)` runs there."""
+_FP32_OUT_GEMM_PLANNED: list[bool] = []
+"""Set by `planned_fp32_out_gemm` while the planner traces: the target's answer, not the tracing device's."""
+
+
+@contextlib.contextmanager
+def planned_fp32_out_gemm(available: bool) -> Iterator[None]:
+    """While open, `addmm_fp32_` takes the path the planned machine takes (CUDA: the fp32-output GEMM;
+    CPU: fp32 copies of operand blocks), whatever tensors it sees."""
+    _FP32_OUT_GEMM_PLANNED.append(available)
+    try:
+        yield
+    finally:
+        _FP32_OUT_GEMM_PLANNED.pop()
 
 
 def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -92,7 +105,7 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a, b)
         return
     key = (type(acc), acc.device.type)
-    if _FP32_OUT_GEMM.get(key, True):
+    if _FP32_OUT_GEMM_PLANNED[-1] if _FP32_OUT_GEMM_PLANNED else _FP32_OUT_GEMM.get(key, True):
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             _FP32_OUT_GEMM[key] = True

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from megatron_lc.config import TrainConfig
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import Devices
+from megatron_lc.memory import tiling
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelDims, ParallelState
@@ -137,7 +138,8 @@ def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str =
     kernel = planned_kernel_name(cfg.parallel.attention_kernel, device, compute_dtype, flash_attn_installed)
     opts = dataclasses.replace(cfg.parallelize_options(), attention_kernel=kernel)
     model_config = dataclasses.replace(cfg.model_config(), num_layers=num_layers)
-    with fake_process_group(world_size), registered_kernel_models(namer), representative_tiles():
+    with fake_process_group(world_size), registered_kernel_models(namer), representative_tiles(), \
+            tiling.planned_fp32_out_gemm(device == "cuda"):
         pstate = ParallelState(parallel_dims(cfg, world_size), device_type="cpu")
         model = build_model(model_config, device="meta")
         offload = parallelize_llama(model, pstate, opts, PLANNER_DEVICES)

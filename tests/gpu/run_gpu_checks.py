@@ -91,7 +91,7 @@ class Sizes:
 
 def sizes(dry_run: bool) -> Sizes:
     if dry_run:
-        return Sizes("cpu", torch.float32, dict(model="debug", num_layers=4), (256, 512, 1024), 1024, 512,
+        return Sizes("cpu", torch.bfloat16, dict(model="debug", num_layers=4), (256, 512, 1024), 1024, 512,
                      (256, 8, 2, 16), ("cpu_flash",), 1)
     cuda_kernels = ("flash_attn", "sdpa_flash", "sdpa_efficient") if kernels.flash_attn_available() \
         else ("sdpa_flash", "sdpa_efficient")

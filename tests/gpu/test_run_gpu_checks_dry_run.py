@@ -21,10 +21,11 @@ def test_dry_run_writes_every_section(tmp_path):
     kernel_runs = results["kernels"]["result"]
     assert {"cpu_flash", "auto_bfloat16", "auto_float32"} <= kernel_runs.keys()
     assert all(run["within_tolerance"] for run in kernel_runs.values())
-    # On CPU the planner traces the CPU kernels as they are: its prediction is the measured peak.
+    # On CPU the planner traces the CPU kernels as they are: its prediction is the measured peak
+    # (measured: 0.9983-0.9990 in bf16).
     for run in [*results["single_gpu"]["result"].values(), *results["cp_rank"]["result"].values()]:
-        assert abs(run["predicted_over_measured"] - 1) < 0.05, run
-        assert abs(run["host_predicted_over_measured"] - 1) < 0.01, run
+        assert abs(run["predicted_over_measured"] - 1) < 0.01, run
+        assert abs(run["host_predicted_over_measured"] - 1) < 0.001, run
     ratios = results["ratios"]["result"]["ratio_to_no_stack"]
     assert set(ratios) >= {"checkpoint", "offload_prefetch", "offload_on_demand", "full_stack",
                            "untied_over_ulysses_cp_rank"}
