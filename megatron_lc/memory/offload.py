@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -47,19 +48,29 @@ def page_unlock(buffer: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostUnregister failed with cudaError {error}")
 
 
+def _page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` bytes starting on a page boundary, the pages up to the next boundary ours alone."""
+    raw = torch.empty(nbytes + 2 * mmap.PAGESIZE, dtype=torch.uint8, device=device)
+    start = -raw.data_ptr() % mmap.PAGESIZE
+    return raw[start:start + nbytes]
+
+
 class HostArena:
     """``slots`` host buffers of one shape and dtype, carved from one exact allocation.
 
     ``lock``/``unlock`` page-lock the allocation (None: ordinary memory). The views share
     the allocation's storage, so a memory tracker sees one buffer of exactly the bytes
-    the slots hold.
+    the slots hold. A locked arena starts on a page boundary inside an allocation two
+    pages longer, so no page it locks is shared with other memory (locking a page twice
+    fails).
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, slots: int, device: torch.device,
                  lock=None, unlock=None) -> None:
         numel = math.prod(shape)
         self.key, self.nbytes = (tuple(shape), dtype), slots * numel * dtype.itemsize
-        self._storage = torch.empty(slots * numel, dtype=dtype, device=device)
+        self._storage = torch.empty(slots * numel, dtype=dtype, device=device) if lock is None \
+            else _page_aligned(self.nbytes, device).view(dtype)
         self._unlock = unlock
         if lock is not None:
             lock(self._storage)

@@ -323,3 +323,15 @@ def test_arenas_are_not_page_locked_off_cuda_by_default(monkeypatch):
     offload = OffloadScheduler(3, keep_last=1, accelerator=CPU)
     offload.offload(0, torch.randn(4, 5))
     assert recorder.locked == [] and offload.page_locked_bytes == 0 and offload.host_bytes_reserved == 2 * 80
+
+
+def test_a_locked_arena_starts_on_a_page_boundary(monkeypatch):
+    """cudaHostRegister locks whole pages: an arena must not share one with other memory."""
+    import mmap
+
+    recorder = _PageLockRecorder(monkeypatch)
+    offload = OffloadScheduler(3, keep_last=1, accelerator=CPU, page_locked=True)
+    t = torch.randn(5, 3)  # 60 bytes: a heap allocation, not page-aligned by itself
+    assert torch.equal(offload.fetch(offload.offload(0, t)), t)
+    start, nbytes = recorder.locked[0]
+    assert start % mmap.PAGESIZE == 0 and nbytes == 2 * 60
