@@ -18,6 +18,7 @@ from typing import Any, get_type_hints
 
 import torch
 
+from megatron_lc.data.sources import validate_data_flags
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 
 
@@ -77,8 +78,15 @@ class MemoryArgs:
 
 @dataclass
 class DataArgs:
-    data_path: list[str] = flag_list("indexed dataset prefixes (PREFIX of PREFIX.bin/.idx)")
-    valid_data_path: list[str] = flag_list("validation dataset prefixes (default: none)")
+    data_path: list[str] = flag_list("indexed datasets: PREFIX ... or W1 PREFIX1 W2 PREFIX2 ... (weighted blend; "
+                                     "PREFIX of PREFIX.bin/.idx); cut into train/valid/test by --split")
+    split: str | None = flag(None, "train,valid,test weights carving every --data-path prefix by document, "
+                                   "e.g. 969,30,1 (default: all documents train)")
+    train_data_path: list[str] = flag_list("training blend, uncut (replaces --data-path's train part)")
+    valid_data_path: list[str] = flag_list("validation blend, uncut (replaces --data-path's valid part)")
+    test_data_path: list[str] = flag_list("test blend, uncut (replaces --data-path's test part)")
+    data_cache_path: str | None = flag(None, "directory for built sample indices (epoch layouts, blending "
+                                             "indices), reused when data and flags are the same")
     mock_data: bool = flag(False, "deterministic random tokens instead of --data-path")
     tokenizer_type: str | None = flag(None, "tokenizer of the data (for vocab size and generation)",
                                       choices=(None, *TOKENIZER_TYPES))
@@ -215,14 +223,11 @@ class TrainConfig:
 
     def _check_data(self, world_size: int) -> None:
         d = self.data
-        if not d.mock_data and not d.data_path:
+        if not d.mock_data and not d.data_path and not d.train_data_path:
             raise ValueError("no data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
         if d.seq_length < 1 or d.micro_batch_size < 1:
             raise ValueError(f"--seq-length {d.seq_length} and --micro-batch-size {d.micro_batch_size} must be >= 1")
-        for prefix in d.data_path + d.valid_data_path:
-            for suffix in (".bin", ".idx"):
-                if not Path(prefix + suffix).exists():
-                    raise FileNotFoundError(f"--data-path {prefix}: {prefix + suffix} does not exist")
+        validate_data_flags(d.data_path, d.split, d.train_data_path, d.valid_data_path, d.test_data_path)
 
     def _check_parallel(self, world_size: int) -> None:
         from megatron_lc.attention.ulysses import check_ulysses_shapes
@@ -286,8 +291,9 @@ class TrainConfig:
         if g.eval_interval is not None and (g.eval_interval < 1 or g.eval_iters < 1):
             raise ConfigError(f"--eval-interval {g.eval_interval} with --eval-iters {g.eval_iters}: both must be "
                               ">= 1 (omit --eval-interval for no validation)")
-        if g.eval_interval and not self.data.valid_data_path:
-            raise ConfigError(f"--eval-interval {g.eval_interval} needs validation data: give --valid-data-path")
+        if g.eval_interval and not self.data.valid_data_path and not self.data.split:
+            raise ConfigError(f"--eval-interval {g.eval_interval} needs validation data: give --split (e.g. 969,30,1) "
+                              "or --valid-data-path")
         for name, value in (("--exit-interval", t.exit_interval), ("--exit-duration-in-mins", t.exit_duration_in_mins),
                             ("--save-interval", self.checkpoint.save_interval)):
             if value is not None and value <= 0:

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_lc.config import ConfigError, TrainConfig
-from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loader import MicroBatchLoader
-from megatron_lc.data.samples import LongSequenceSamples, MockSamples, SampleSource
+from megatron_lc.data.samples import MockSamples, SampleSource
+from megatron_lc.data.sources import build_datasets
 from megatron_lc.data.tokenizers import build_tokenizer
 from megatron_lc.devices import Devices, resolve_devices
 from megatron_lc.models.llama import build_model, count_parameters
@@ -42,15 +42,24 @@ def set_allocator_defaults() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
-def build_sample_source(paths: list[str], cfg: TrainConfig, vocab_size: int, seed: int,
-                        shuffle: bool) -> SampleSource:
-    """Mock tokens, or the indexed dataset at the one prefix given."""
-    if cfg.data.mock_data and not paths:
-        return MockSamples(vocab_size, cfg.data.seq_length, seed)
-    if len(paths) != 1:
-        raise ValueError(f"--data-path takes one prefix, got {len(paths)}: merge them first with "
-                         "tools/merge_datasets.py")
-    return LongSequenceSamples(IndexedDataset(paths[0]), cfg.data.seq_length, seed, shuffle=shuffle)
+def build_sample_sources(cfg: TrainConfig, vocab_size: int, dp_size: int) -> tuple[SampleSource, SampleSource | None]:
+    """Training and validation sources: mock tokens, or Megatron's --data-path/--split/--*-data-path blends."""
+    d = cfg.data
+    if d.mock_data and not d.data_path and not d.train_data_path:
+        return MockSamples(vocab_size, d.seq_length, cfg.train.seed), None
+    per_step = d.global_batch_size or d.micro_batch_size * dp_size
+    try:  # ids beyond the vocabulary, a split without training documents: one line, exit 2, before step 1
+        sources = build_datasets(
+            d.data_path, d.seq_length, cfg.train.seed, split=d.split, train_data_path=d.train_data_path,
+            valid_data_path=d.valid_data_path, test_data_path=d.test_data_path, cache_path=d.data_cache_path,
+            num_samples={"train": cfg.train.train_iters * per_step,
+                         "valid": cfg.logging.eval_iters * d.micro_batch_size * dp_size},
+            shuffle=not d.no_shuffle, vocab_size=vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if sources.train is None:
+        raise ConfigError(f"--split {d.split} leaves no training documents")
+    return sources.train, sources.valid
 
 
 @dataclass
@@ -104,12 +113,7 @@ def build_run(cfg: TrainConfig) -> Run:
     o = cfg.optim
     optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps)
-    train_source = build_sample_source(cfg.data.data_path, cfg, model_config.vocab_size, cfg.train.seed,
-                                       shuffle=not cfg.data.no_shuffle)
-    valid_source = None
-    if cfg.data.valid_data_path:
-        valid_source = build_sample_source(cfg.data.valid_data_path, cfg, model_config.vocab_size, cfg.train.seed,
-                                           shuffle=False)
+    train_source, valid_source = build_sample_sources(cfg, model_config.vocab_size, pstate.dp_size)
     per_step = cfg.data.micro_batch_size * pstate.dp_size
     accumulation = (cfg.data.global_batch_size or per_step) // per_step
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg), offload,
@@ -206,7 +210,8 @@ def train_one_step(run: Run, step: int) -> dict:
 def _data_settings(cfg: TrainConfig, pstate: ParallelState) -> dict:
     """What fixes which tokens a step reads: a resume must see the same (the position is counted in samples)."""
     d = cfg.data
-    return {"--data-path": d.data_path, "--seq-length": d.seq_length, "--seed": cfg.train.seed,
+    return {"--data-path": d.data_path, "--split": d.split, "--train-data-path": d.train_data_path,
+            "--seq-length": d.seq_length, "--seed": cfg.train.seed,
             "--no-shuffle": d.no_shuffle, "--reset-position-ids": d.reset_position_ids,
             "--eod-mask-loss": d.eod_mask_loss,
             "--global-batch-size": d.global_batch_size or d.micro_batch_size * pstate.dp_size}
