@@ -38,7 +38,8 @@ def estimate_table(cfg: TrainConfig, e: Estimate) -> str:
     lines.append(f"  GPU: {e.gpu_peak_bytes / GIB:.2f} + reserve {m.reserve_gib:.2f} GiB of {m.gpu_memory_gib:.2f} GiB: "
                  f"{verdict}")
     verdict = "fits" if e.fits_host else "does NOT fit"
-    lines.append(f"host (offloaded activations, page-locked at their exact size): {e.host_bytes_per_gpu / GIB:.2f} GiB per GPU, "
+    lines.append(f"host (offloaded activations, page-locked at their exact size): "
+                 f"{e.host_bytes_per_gpu / GIB:.2f} GiB per GPU, "
                  f"{e.host_bytes_per_node / GIB:.2f} GiB per node of {e.host_budget_bytes / GIB:.0f} GiB "
                  f"({m.host_memory_gib:.0f} GiB less {m.host_reserve_gib:.0f} GiB reserve): {verdict}")
     lines.append("largest buffers at the peak (traced layers; layers.N = any layer):")
