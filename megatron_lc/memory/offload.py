@@ -6,9 +6,9 @@ On CUDA, copies run on one side stream, ordered against the compute stream with
 Host memory is exact-size. torch's caching host allocator (``pin_memory=True``) rounds
 every request up to a power of two (``CachingHostAllocator.h``: ``roundSize``), so a
 5 GiB block input (Llama3-8B, 5,242,880 tokens on 8 GPUs) would pin 8 GiB. Instead the
-scheduler keeps one *arena* per (shape, dtype): a single ordinary host allocation of exactly ``slots x bytes`` (slots =
-the layers that offload), page-locked once with ``cudaHostRegister`` and carved into one
-view per slot. Arenas are made the first time a shape is offloaded, or before the first
+scheduler keeps one *arena* per (shape, dtype): a single ordinary host allocation of
+exactly ``slots x bytes`` (slots = the layers that offload), page-locked once with
+``cudaHostRegister`` and carved into one view per slot. Arenas are made the first time a shape is offloaded, or before the first
 step by ``reserve`` (page-locking a terabyte takes minutes; each arena is logged with its
 byte count). In steady state every step reuses the same slots and nothing is allocated.
 All copies in both directions run on the same side stream, which is what makes reuse
