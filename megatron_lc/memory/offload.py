@@ -4,16 +4,17 @@ On CUDA, copies run on one side stream, ordered against the compute stream with
 ``wait_stream`` / events, into page-locked host buffers, so they overlap compute.
 
 Host memory is exact-size. torch's caching host allocator (``pin_memory=True``) rounds
-every request up to a power of two (``CachingHostAllocator.h``: ``roundSize``), so a
-5 GiB block input (Llama3-8B, 5,242,880 tokens on 8 GPUs) would pin 8 GiB. Instead the
+every request up to a power of two (``CachingHostAllocator.h``: ``roundSize``), so a 5
+GiB block input (Llama3-8B, 5,242,880 tokens on 8 GPUs) would pin 8 GiB. Instead the
 scheduler keeps one *arena* per (shape, dtype): a single ordinary host allocation of
 exactly ``slots x bytes`` (slots = the layers that offload), page-locked once with
-``cudaHostRegister`` and carved into one view per slot. Arenas are made the first time a shape is offloaded, or before the first
-step by ``reserve`` (page-locking a terabyte takes minutes; each arena is logged with its
-byte count). In steady state every step reuses the same slots and nothing is allocated.
-All copies in both directions run on the same side stream, which is what makes reuse
-safe: a slot returned after its copy back was *queued* can only be overwritten by a
-later copy on that same stream, i.e. after the copy back has run.
+``cudaHostRegister`` and carved into one view per slot. Arenas are made the first time a
+shape is offloaded, or before the first step by ``reserve`` (page-locking a terabyte
+takes minutes; each arena is logged with its byte count). In steady state every step
+reuses the same slots and nothing is allocated. All copies in both directions run on the
+same side stream, which is what makes reuse safe: a slot returned after its copy back
+was *queued* can only be overwritten by a later copy on that same stream, i.e. after the
+copy back has run.
 
 On any other accelerator (cpu in tests) the same code path runs with plain, synchronous
 copies into the arenas' slots, so the byte accounting is exercised too.
