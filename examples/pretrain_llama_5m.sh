@@ -4,9 +4,13 @@
 #
 #   bash examples/pretrain_llama_5m.sh DATA_PREFIX TOKENIZER_MODEL CHECKPOINT_DIR [extra flags...]
 #
-# The planner's limit for this node is 6,164,480 tokens with inputs fetched on demand:
-#   bash examples/pretrain_llama_5m.sh ... --seq-length 6164480 --no-offload-prefetch
-# (check first: python tools/estimate_memory.py --model llama3-8b --bf16 --num-gpus 8 ... --find-max-seq-length)
+# Predicted (not yet measured on a GPU) at 74.38 GiB per GPU with torch's own kernels and 71.88 GiB
+# with flash-attn, 1,240 GiB of page-locked host memory per node (a DGX H100 has 1,907):
+#   python tools/estimate_memory.py --model llama3-8b --bf16 --context-parallel-size 8 \
+#       --cp-impl untied_ulysses --recompute-granularity full --offload-activations --no-offload-prefetch \
+#       --tiled-mlp --tiled-loss --num-gpus 8 --gpu-memory-gib 80 --seq-length 5242880 \
+#       --nccl-channels 16 --nccl-p2p-channels-per-peer 16 [--with-flash-attn]
+# With the prefetch on it needs 78.71 GiB without flash-attn: over the 77 GiB budget.
 set -euo pipefail
 DATA_PATH=${1:?data prefix (PREFIX of PREFIX.bin/.idx)}
 TOKENIZER_MODEL=${2:?Llama 3 tokenizer.model (tiktoken format)}
@@ -33,6 +37,7 @@ MEMORY_ARGS=(
     --recompute-granularity full
     --offload-activations
     --offload-keep-last 1
+    --no-offload-prefetch           # one block input less on the GPU; needed to fit without flash-attn
     --tiled-mlp
     --tiled-loss
 )
@@ -54,6 +59,10 @@ LOGGING_ARGS=(
 )
 
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+# NCCL's buffers are part of the plan: 16 channels (ring and all-to-all peers) instead of NCCL's
+# 32 on 8xH100 keep the all-to-all peer buffers at ~2 GiB per GPU. NCCL_BUFFSIZE is NCCL's default.
+export NCCL_MAX_NCHANNELS=${NCCL_MAX_NCHANNELS:-16}
+export NCCL_BUFFSIZE=${NCCL_BUFFSIZE:-4194304}
 torchrun --nproc-per-node "$GPUS_PER_NODE" -m megatron_lc.train \
     "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MEMORY_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"

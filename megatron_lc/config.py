@@ -56,7 +56,8 @@ class ParallelArgs:
     untied_heads_per_stage: int | None = flag(None, "Untied Ulysses heads per stage (a multiple of cp; default cp)")
     data_parallel_replicate: int = flag(1, "HSDP replicas (outer data-parallel dimension); the rest is sharded")
     attention_kernel: str = flag("auto", "local attention kernel",
-                                 choices=("auto", "flash_attn", "sdpa_flash", "cpu_flash", "reference"))
+                                 choices=("auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash",
+                                          "reference"))
     fsdp_cpu_offload: bool = flag(False, "keep sharded parameters, gradients and optimizer state in host memory")
     no_reshard_after_forward: bool = flag(False, "keep gathered parameters between forward and backward")
 
@@ -247,6 +248,9 @@ class TrainConfig:
                 from megatron_lc.attention.untied_ulysses import check_untied_shapes
 
                 check_untied_shapes(c.num_attention_heads, c.num_query_groups, cp, p.untied_heads_per_stage or cp)
+        if p.attention_kernel in ("flash_attn", "sdpa_flash") and not self.train.bf16:
+            raise ConfigError(f"--attention-kernel {p.attention_kernel} takes fp16/bf16 only: add --bf16, or use "
+                              "--attention-kernel auto (fp32 runs torch's memory-efficient kernel)")
         dp = world_size // cp
         if d.global_batch_size is not None and d.global_batch_size % (d.micro_batch_size * dp):
             raise ValueError(f"--global-batch-size {d.global_batch_size} is not a multiple of --micro-batch-size "

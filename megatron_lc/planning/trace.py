@@ -36,7 +36,7 @@ from megatron_lc.planning.standins import (
 )
 from megatron_lc.planning.tracker import TimelineAnalysis, make_tracker
 from megatron_lc.training.optim import build_optimizer
-from megatron_lc.training.step import train_step
+from megatron_lc.training.step import step_autocast, train_step
 
 PLANNER_DEVICES = Devices(accelerator=torch.device("cpu"), host=torch.device("meta"))
 
@@ -86,14 +86,6 @@ def initialize_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Op
             p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def step_autocast(bf16: bool, pstate: ParallelState, device_type: str):
-    """The autocast the trainer runs a step under: with --bf16 in one process, bf16 compute over fp32
-    parameters (a sharded run gets bf16 compute from FSDP's mixed-precision policy instead)."""
-    if bf16 and not pstate.distributed:
-        return torch.autocast(device_type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def run_tracked_step(tracker, model, optimizer, micro_batches, pstate: ParallelState, devices: Devices,

@@ -9,6 +9,7 @@ mean exactly, whatever the split of valid tokens between ranks.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -51,6 +52,14 @@ def forward_backward(model, micro_batches: Sequence, pstate: ParallelState, devi
         loss_sum += token_loss_sum.detach()
     loss = _sum_over(loss_sum, pstate.loss_group) / num_valid.clamp(min=1)
     return StepResult(loss, num_valid)
+
+
+def step_autocast(bf16: bool, pstate: ParallelState, device_type: str):
+    """The autocast a step runs under: with --bf16 in one process, bf16 compute over fp32 parameters
+    (a sharded run gets bf16 compute from FSDP's mixed-precision policy instead)."""
+    if bf16 and not pstate.distributed:
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def train_step(model, optimizer, micro_batches: Sequence, pstate: ParallelState, device: torch.device,

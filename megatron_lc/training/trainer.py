@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -31,7 +30,7 @@ from megatron_lc.training import checkpointing
 from megatron_lc.training.logging import MetricsLogger, default_log_dir
 from megatron_lc.training.optim import build_optimizer
 from megatron_lc.training.schedule import LRSchedule, schedule_from_config
-from megatron_lc.training.step import IGNORE_INDEX, train_step
+from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
 
 # Dense bf16 peak of known accelerators, for MFU.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -110,6 +109,10 @@ def build_run(cfg: TrainConfig) -> Run:
     model = build_model(model_config, device="meta", dtype=torch.float32)  # fp32 master weights, also with --bf16
     offload = parallelize_llama(model, pstate, opts, devices)
     materialize(model, devices, seed=cfg.train.seed, fsdp_cpu_offload=p.fsdp_cpu_offload)
+    if offload is not None:  # page-lock the host arenas before step 1 (logged; minutes for a terabyte)
+        block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
+        offload.reserve((cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size,
+                         model_config.hidden_size), block_dtype)
     o = cfg.optim
     optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps)
@@ -121,10 +124,7 @@ def build_run(cfg: TrainConfig) -> Run:
 
 
 def _autocast(run: Run):
-    """bf16 compute over fp32 parameters in one process (FSDP's mixed-precision policy does it when sharded)."""
-    if run.cfg.train.bf16 and not run.pstate.distributed:
-        return torch.autocast(run.devices.accelerator.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return step_autocast(run.cfg.train.bf16, run.pstate, run.devices.accelerator.type)
 
 
 def step_flops(run: Run, tokens: int) -> float:
@@ -204,6 +204,7 @@ def train_one_step(run: Run, step: int) -> dict:
         metrics.update(tflops_per_gpu=flops_per_gpu / 1e12, mfu=mfu)
     if run.offload is not None:
         metrics["host_offload_gib"] = run.offload.host_bytes_peak / 2**30
+        metrics["host_page_locked_gib"] = run.offload.page_locked_bytes / 2**30
     return metrics
 
 

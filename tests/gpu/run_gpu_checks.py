@@ -54,10 +54,9 @@ from megatron_lc.planning.trace import (
     make_optimizer,
     parallel_dims,
     run_tracked_step,
-    step_autocast,
 )
 from megatron_lc.planning.tracker import make_tracker
-from megatron_lc.training.step import train_step
+from megatron_lc.training.step import step_autocast, train_step
 
 LOG = logging.getLogger("gpu_checks")
 NO_STACK = dict(recompute_granularity="none", offload_activations=False, tiled_mlp=False, tiled_loss=False)

@@ -44,6 +44,7 @@ def _losses(log_dir):
     (["--finetune"], "--finetune reads the checkpoint in --load"),
     (["--context-parallel-size", "2", "--cp-impl", "untied_ulysses", "--untied-heads-per-stage", "3"],
      "--untied-heads-per-stage 3"),
+    (["--attention-kernel", "sdpa_flash"], "--attention-kernel sdpa_flash takes fp16/bf16 only: add --bf16"),
 ])
 def test_impossible_configurations_fail_before_any_work(flags, message):
     cfg = parse_config(BASE + flags)
