@@ -1,12 +1,17 @@
 """The whole pipeline on CPU in a few minutes: `make demo`.
 
-1. corpus     the Python documentation topics every Python installation carries (pydoc_data)
+1. corpus     the Python documentation topics every Python installation carries (pydoc_data),
+              and passages of its frequent words drawn at random, each followed by a repeat of
+              itself: nothing but the passage's own first half predicts its second half
 2. tokenizer  a small SentencePiece model trained on it      (tools/train_tokenizer.py)
 3. preprocess Megatron .bin/.idx                              (tools/preprocess_data.py)
 4. train      debug model, 2 processes, cp=2 Untied Ulysses, full checkpointing + offload,
               tiled MLP and loss, checkpoints                 (torchrun -m megatron_lc.train)
-5. evaluate   loss by position on the held-out split          (python -m megatron_lc.evaluate)
-6. convert    to Hugging Face, load with transformers, generate (tools/checkpoint/convert_to_hf.py)
+5. evaluate   loss by position on the held-out split, and on new random passages whose second
+              half repeats the first: with cp=2 the repeat lives on the other rank, so a low
+              loss there is the model reading context across the context-parallel split
+              (torchrun -m megatron_lc.evaluate; a PNG plot of loss by position)
+6. convert    to Hugging Face, load with transformers, continue a repeated passage
 
 Each step is the command a user would type; it is printed before it runs.
 """
@@ -15,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shlex
 import socket
+import string
 import subprocess
 import sys
 import time
@@ -33,15 +40,78 @@ def run(cmd: list[str]) -> str:
     return out.stdout
 
 
+PASSAGE_LETTERS = 32  # a passage and its repeat: about 64 tokens, one letter each
+TRAIN_PASSAGES = 3000
+
+
+def random_passages(count: int, seed: int) -> list[str]:
+    """`count` passages of letters drawn at random: nothing but a passage's first half predicts its repeat."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(string.ascii_lowercase, k=PASSAGE_LETTERS)) for _ in range(count)]
+
+
 def write_corpus(work: Path) -> tuple[Path, Path]:
-    """Every documentation topic is one document; every tenth goes to the validation split."""
+    """Every documentation topic is one document, every tenth in the validation split; the training
+    split also gets the repeated random passages."""
     import pydoc_data.topics as topics
 
+    texts = [text for _, text in sorted(topics.topics.items())]
+    repeats = [f"{p} {p}" for p in random_passages(TRAIN_PASSAGES, seed=0)]
+    train_texts = [t for i, t in enumerate(texts) if i % 10] + repeats
     train, valid = work / "corpus_train.jsonl", work / "corpus_valid.jsonl"
-    with open(train, "w") as t, open(valid, "w") as v:
-        for i, (name, text) in enumerate(sorted(topics.topics.items())):
-            (v if i % 10 == 0 else t).write(json.dumps({"title": name, "text": text}) + "\n")
+    train.write_text("".join(json.dumps({"text": t}) + "\n" for t in train_texts))
+    valid.write_text("".join(json.dumps({"text": t}) + "\n" for i, t in enumerate(texts) if i % 10 == 0))
     return train, valid
+
+
+PROBE_HALF = 32  # tokens in a probe passage; its repeat is the next 32 (the last one an EOD)
+
+
+def write_repeat_probe(work: Path, tokenizer_model: Path, seq_length: int) -> Path:
+    """Held-out samples of exactly seq_length tokens from new passages (another seed than training's):
+    a 32-token opening, passages of 32 tokens each followed by its repeat, a 32-token close; each
+    piece is a document. Every sample starts a document, so positions line up across samples:
+    with cp=2 rank 0 holds [0, S/2) and rank 1 [S/2, S), and the passage at [S/2 - 32, S/2 + 32)
+    has its first half on rank 0 and its repeat on rank 1."""
+    from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
+    from megatron_lc.data.tokenizers import build_tokenizer
+
+    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model)
+    prefix, passages = work / "repeat_probe", iter(random_passages(10_000, seed=1))
+    pieces_per_sample = seq_length // (2 * PROBE_HALF) + 1  # opening, repeated passages, close
+    with IndexedDatasetBuilder(f"{prefix}.bin") as builder:
+        for i in range(32 * pieces_per_sample):
+            ids = tokenizer.tokenize(next(passages))[:PROBE_HALF]
+            opening_or_close = i % pieces_per_sample in (0, pieces_per_sample - 1)
+            builder.add_item(ids[:-1] + [tokenizer.eod] if opening_or_close else ids + ids[:-1] + [tokenizer.eod])
+            builder.end_document()
+        builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+def probe_losses(result: dict, seq_length: int) -> dict[str, float]:
+    """Mean loss on the probe's first halves, on their repeats, and on the repeat across the cp split."""
+    buckets = [b["loss"] for b in result["loss_by_position"]]  # one per 32 positions
+    first, repeat = buckets[1:-1:2], buckets[2:-1:2]
+    across = buckets[seq_length // 2 // PROBE_HALF]
+    return {"first": sum(first) / len(first), "repeat": sum(repeat) / len(repeat), "across": across}
+
+
+def plot_loss_by_position(result: dict, seq_length: int, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    buckets = result["loss_by_position"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([(b["start"] + b["end"]) / 2 for b in buckets], [b["loss"] for b in buckets], marker="o")
+    ax.axvline(seq_length // 2, color="grey", linestyle="--")
+    ax.text(seq_length // 2, ax.get_ylim()[1], " cp rank 0 | rank 1", va="top", fontsize=8)
+    ax.set(xlabel="position in the sample (32-token buckets: passage, repeat, passage, ...)",
+           ylabel="loss (nats per token)", title="new random passages, each followed by its repeat")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
 
 
 def free_port() -> int:
@@ -53,7 +123,7 @@ def free_port() -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work-dir", default="runs/demo", help="where everything is written")
-    p.add_argument("--train-iters", type=int, default=150)
+    p.add_argument("--train-iters", type=int, default=1000)
     p.add_argument("--seq-length", type=int, default=512)
     args = p.parse_args()
     start = time.time()
@@ -78,7 +148,7 @@ def main() -> None:
         "--lr-warmup-iters", "5", "--weight-decay", "0.0", "--context-parallel-size", "2",
         "--cp-impl", "untied_ulysses", "--recompute-granularity", "full", "--offload-activations",
         "--tiled-mlp", "--tiled-loss", "--save", str(ckpt), "--save-interval", str(args.train_iters // 2),
-        "--log-interval", "5", "--eval-interval", str(args.train_iters // 2), "--eval-iters", "2",
+        "--log-interval", "25", "--eval-interval", str(args.train_iters // 2), "--eval-iters", "2",
         "--log-dir", str(logs), "--tensorboard-dir", str(work / "tensorboard"), "--device", "cpu",
     ]
     print(run([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
@@ -89,10 +159,23 @@ def main() -> None:
     print(run([py, "-m", "megatron_lc.evaluate", "--load", str(ckpt), "--data-path",
                str(work / "valid_text_document"), "--seq-length", str(args.seq_length),
                "--loss-by-position", "4", "--device", "cpu"]))
+    probe = write_repeat_probe(work, work / "spm.model", args.seq_length)
+    out = run([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
+               "-m", "megatron_lc.evaluate", "--load", str(ckpt), "--data-path", str(probe), "--seq-length",
+               str(args.seq_length), "--context-parallel-size", "2", "--cp-impl", "untied_ulysses",
+               "--loss-by-position", str(args.seq_length // PROBE_HALF), "--device", "cpu"])
+    result = json.loads(out.strip().splitlines()[-1])
+    loss = probe_losses(result, args.seq_length)
+    png = work / "loss_by_position.png"
+    plot_loss_by_position(result, args.seq_length, png)
+    print(f"repeat probe ({result['samples']} samples of new passages): loss {loss['first']:.2f} on first "
+          f"halves, {loss['repeat']:.2f} on their repeats, {loss['across']:.2f} on the repeat whose first half "
+          f"is on the other cp rank; plot in {png}")
     hf_dir = work / "hf"
     run([py, "tools/checkpoint/convert_to_hf.py", "--load", str(ckpt), "--save", str(hf_dir),
          "--tokenizer-model", str(work / "spm.model"), "--dtype", "float32"])
-    print(run([py, str(REPO / "examples/quickstart/generate.py"), str(hf_dir), "def "]))
+    passage = random_passages(1, seed=2)[0]
+    print(run([py, str(REPO / "examples/quickstart/generate.py"), str(hf_dir), passage + " " + passage[:21]]))
     print(f"demo finished in {time.time() - start:.0f} s; everything is under {work}")
 
 
