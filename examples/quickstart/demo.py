@@ -1,15 +1,15 @@
 """The whole pipeline on CPU in a few minutes: `make demo`.
 
 1. corpus     the Python documentation topics every Python installation carries (pydoc_data),
-              and passages of its frequent words drawn at random, each followed by a repeat of
-              itself: nothing but the passage's own first half predicts its second half
+              and passages of 32 letters drawn at random, each followed by a repeat of itself:
+              nothing but the passage's own first half predicts its second half
 2. tokenizer  a small SentencePiece model trained on it      (tools/train_tokenizer.py)
 3. preprocess Megatron .bin/.idx                              (tools/preprocess_data.py)
 4. train      debug model, 2 processes, cp=2 Untied Ulysses, full checkpointing + offload,
               tiled MLP and loss, checkpoints                 (torchrun -m megatron_lc.train)
-5. evaluate   loss by position on the held-out split, and on new random passages whose second
-              half repeats the first: with cp=2 the repeat lives on the other rank, so a low
-              loss there is the model reading context across the context-parallel split
+5. evaluate   loss by position on the held-out split, and on samples of new random passages,
+              each followed by its repeat, one straddling the cp split: a low loss on a repeat
+              whose first half is on the other rank is the model reading context across ranks
               (torchrun -m megatron_lc.evaluate; a PNG plot of loss by position)
 6. convert    to Hugging Face, load with transformers, continue a repeated passage
 
