@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -219,7 +220,7 @@ class TrainConfig:
                 check(world_size)
         except ConfigError:
             raise
-        except (ValueError, FileNotFoundError) as e:
+        except (ValueError, OSError, ImportError) as e:  # a missing file or package named by the check
             raise ConfigError(str(e)) from e
 
     def _check_data(self, world_size: int) -> None:
@@ -334,9 +335,9 @@ def check_writable(directory: str, flag_name: str) -> None:
     path = Path(directory)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write_probe_{os.getpid()}"
+        probe = path / f".write_probe_{socket.gethostname()}_{os.getpid()}"  # unique across nodes sharing it
         probe.write_bytes(b"")
-        probe.unlink()
+        probe.unlink(missing_ok=True)
     except OSError as e:
         raise ConfigError(f"{flag_name} {directory}: not writable ({e.strerror or e})") from e
 
@@ -380,20 +381,31 @@ def _read_preset(path: str) -> dict:
         text = Path(path).read_text()
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot be read ({e.strerror or e})") from e
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        data = yaml.safe_load(text) or {}
-    elif path.endswith(".toml"):
-        import tomllib
-
-        data = tomllib.loads(text)
-    else:
-        raise ValueError(f"--config {path}: expected a .yaml, .yml or .toml file")
+    if not path.endswith((".yaml", ".yml", ".toml")):
+        raise ConfigError(f"--config {path}: expected a .yaml, .yml or .toml file")
+    try:
+        data = _parse_preset_text(path, text)
+    except ValueError as e:  # yaml.YAMLError and tomllib.TOMLDecodeError are ValueErrors or wrapped as one
+        raise ConfigError(f"--config {path}: not valid {'TOML' if path.endswith('.toml') else 'YAML'} ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected settings by name at the top level, got a {type(data).__name__}")
     flat = {}
     for key, value in data.items():  # grouped by section or flat
         flat.update(value if key in SECTIONS and isinstance(value, dict) else {key: value})
     return flat
+
+
+def _parse_preset_text(path: str, text: str):
+    if path.endswith(".toml"):
+        import tomllib
+
+        return tomllib.loads(text)
+    import yaml
+
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(str(e).replace("\n", " ")) from e
 
 
 def _preset_argv(path: str, values: dict, parser: argparse.ArgumentParser) -> list[str]:
@@ -419,9 +431,13 @@ def _parse_preset(path: str, parser: argparse.ArgumentParser) -> dict:
     """The preset's values, parsed by the flags' own parser; errors name the file."""
     argv = _preset_argv(path, _read_preset(path), parser)
     try:
-        parsed = vars(build_parser(exit_on_error=False).parse_args(argv))
+        parsed, extra = build_parser(exit_on_error=False).parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise ConfigError(f"--config {path}: {e}") from e
+    if extra:
+        raise ConfigError(f"--config {path}: {' '.join(extra)} left over: a list given to a setting that takes "
+                          "one value")
+    parsed = vars(parsed)
     return {k: v for k, v in parsed.items() if v is not None and k != "config"}
 
 

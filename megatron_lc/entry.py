@@ -51,6 +51,16 @@ def finish_distributed() -> None:
         dist.destroy_process_group()
 
 
+def report_config_error(error: ConfigError) -> None:
+    """One line from rank 0; other nodes' first ranks speak too, as a check of files (data, --save) can
+    fail on one node alone and that node would otherwise leave without a word."""
+    launch = detect_launch()
+    if launch.rank == 0:
+        print(f"error: {error}", file=sys.stderr)
+    elif launch.local_rank == 0:
+        print(f"[rank {launch.rank}] error: {error}", file=sys.stderr)
+
+
 def run_entry_point(main: Callable[[], object]) -> NoReturn:
     """Run `main()` and exit with its outcome's status; never returns."""
     try:
@@ -58,10 +68,9 @@ def run_entry_point(main: Callable[[], object]) -> NoReturn:
     except SystemExit as e:  # argparse's usage errors and --help come before any process group
         if not dist.is_initialized():
             raise
-        exit_process(e.code if isinstance(e.code, int) else EXIT_FAILURE)
+        exit_process(EXIT_OK if e.code is None else e.code if isinstance(e.code, int) else EXIT_FAILURE)
     except ConfigError as e:
-        if detect_launch().rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        report_config_error(e)
         exit_process(EXIT_CONFIG_ERROR)
     except BaseException:  # noqa: BLE001 - any other failure: its traceback, then a failing status
         traceback.print_exc()

@@ -42,7 +42,12 @@ META = "meta.json"
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's rank, also before the process group exists (from the launcher's environment)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    from megatron_lc.parallel_state import detect_launch
+
+    return detect_launch().rank
 
 
 def _barrier() -> None:
@@ -173,15 +178,18 @@ def save_state(root: str | Path, step: int, state: dict, extra: dict, keep_last:
         tmp.rename(final)
         fsync_directory(root)
         write_atomically(root / LATEST, str(step))
-        _prune(root, keep_last)
+        _prune(root, final, keep_last)
     _barrier()
     return final
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` checkpoints (intact or not, never the one just written)."""
-    complete = sorted(p for p in root.glob("iter_*") if (p / META).exists())
-    for old in complete[:-keep_last] if keep_last > 0 else []:
+def _prune(root: Path, final: Path, keep_last: int) -> None:
+    """Keep `final` (just written) and the newest `keep_last - 1` earlier checkpoints; delete the earlier rest.
+
+    Checkpoints of later steps (another run's, in the same directory) are left alone; 0 keeps all.
+    """
+    earlier = sorted(p for p in root.glob("iter_*") if p.name < final.name and (p / META).exists())
+    for old in earlier[:max(0, len(earlier) - (keep_last - 1))] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 

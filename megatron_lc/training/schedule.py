@@ -30,10 +30,10 @@ class LRSchedule:
             return self.lr * (step + 1) / self.warmup_iters
         if self.decay_style == "constant":
             return self.lr
-        if self.decay_style == "inverse-square-root":
-            return max(self.min_lr, self.lr * math.sqrt(max(self.warmup_iters, 1)) / math.sqrt(max(step, 1)))
         if step >= self.decay_iters:
             return self.min_lr
+        if self.decay_style == "inverse-square-root":
+            return max(self.min_lr, self.lr * math.sqrt(max(self.warmup_iters, 1)) / math.sqrt(max(step, 1)))
         return self.min_lr + self._coefficient(step) * (self.lr - self.min_lr)
 
     def _coefficient(self, step: int) -> float:

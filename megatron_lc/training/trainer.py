@@ -45,6 +45,9 @@ def build_sample_sources(cfg: TrainConfig, vocab_size: int, dp_size: int) -> tup
     """Training and validation sources: mock tokens, or Megatron's --data-path/--split/--*-data-path blends."""
     d = cfg.data
     if d.mock_data and not d.data_path and not d.train_data_path:
+        if cfg.logging.eval_interval:
+            raise ConfigError("--eval-interval with --mock-data: mock data has no validation part; give "
+                              "--data-path with --split or --valid-data-path")
         return MockSamples(vocab_size, d.seq_length, cfg.train.seed), None
     per_step = d.global_batch_size or d.micro_batch_size * dp_size
     try:  # ids beyond the vocabulary, a split without training documents: one line, exit 2, before step 1
@@ -58,6 +61,9 @@ def build_sample_sources(cfg: TrainConfig, vocab_size: int, dp_size: int) -> tup
         raise ConfigError(str(e)) from e
     if sources.train is None:
         raise ConfigError(f"--split {d.split} leaves no training documents")
+    if cfg.logging.eval_interval and sources.valid is None:
+        raise ConfigError(f"--eval-interval {cfg.logging.eval_interval}: the validation part is empty "
+                          f"(--split {d.split}); give it documents or --valid-data-path")
     return sources.train, sources.valid
 
 
@@ -252,6 +258,8 @@ def check_data_settings(meta: dict, cfg: TrainConfig, pstate: ParallelState, pat
 
 def apply_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
     """--use-checkpoint-args: the model's shape from the checkpoint in --load."""
+    if not cfg.checkpoint.load:
+        raise ConfigError("--use-checkpoint-args reads the checkpoint in --load: give --load DIR")
     path = checkpointing.latest_checkpoint(cfg.checkpoint.load)
     if path is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {cfg.checkpoint.load}")

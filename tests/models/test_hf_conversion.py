@@ -68,3 +68,12 @@ def test_command_line_tools_convert_both_ways(tmp_path):
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
     assert checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "back"))["weights_only"]
+
+
+def test_export_into_a_used_directory_replaces_the_earlier_weights(tmp_path):
+    _trained_checkpoint(tmp_path)
+    checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))  # one file, bf16
+    hf_dir = checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype=torch.float32,
+                              max_shard_bytes=200_000)
+    assert not (hf_dir / "model.safetensors").exists()
+    assert transformers.LlamaForCausalLM.from_pretrained(hf_dir).dtype == torch.float32

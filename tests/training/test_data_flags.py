@@ -50,3 +50,9 @@ def test_token_ids_beyond_the_vocabulary_are_named_before_step_one(tmp_path):
     big = _dataset(tmp_path / "big", 0, high=1000)
     with pytest.raises(ConfigError, match=rf"{big}.*vocabulary.*512"):
         train(parse_config(_flags(tmp_path, big)))
+
+
+def test_eval_interval_with_an_empty_validation_part_is_refused_before_step_one(tmp_path):
+    a = _dataset(tmp_path / "a", 0)
+    with pytest.raises(ConfigError, match="--eval-interval 1: the validation part is empty"):
+        train(parse_config(_flags(tmp_path, a) + ["--split", "100,0,0", "--eval-interval", "1"]))

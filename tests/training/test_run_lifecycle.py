@@ -233,3 +233,47 @@ def test_resume_past_train_iters_says_so_and_does_nothing(tmp_path, capsys):
     train(parse_config(BASE + ["--train-iters", "1", "--save", ckpt, "--log-dir", str(tmp_path / "a")]))
     assert train(parse_config(BASE + ["--train-iters", "1", "--load", ckpt])) == []
     assert "nothing left to do" in capsys.readouterr().out
+
+
+def test_saving_into_a_directory_with_later_checkpoints_keeps_the_new_one(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train(parse_config(BASE + ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "1",
+                               "--keep-last-checkpoints", "3", "--log-dir", str(tmp_path / "a")]))
+    train(parse_config(BASE + ["--seq-length", "64", "--train-iters", "1", "--save", str(ckpt), "--load", str(ckpt),
+                               "--finetune", "--log-dir", str(tmp_path / "b")]))
+    steps = sorted(p.name for p in ckpt.glob("iter_*"))
+    assert steps == ["iter_0000001", "iter_0000002", "iter_0000003"]  # the new step 1 replaced the old one
+    assert checkpointing.latest_checkpoint(ckpt) == checkpointing.checkpoint_dir(ckpt, 1)
+    assert checkpointing.read_meta(checkpointing.checkpoint_dir(ckpt, 1))["train_config"]["data"]["seq_length"] == 64
+
+
+def test_pruning_keeps_the_newest_earlier_checkpoints(tmp_path):
+    ckpt, _ = _three_checkpoints(tmp_path)
+    train(parse_config(BASE + ["--train-iters", "4", "--save", str(ckpt), "--load", str(ckpt),
+                               "--override-opt_param-scheduler", "--keep-last-checkpoints", "2",
+                               "--log-dir", str(tmp_path / "more")]))
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lr: [1, 2\n", "not valid YAML"),
+    ("- lr\n", "expected settings by name at the top level"),
+    ("seq_length: [1, 2]\n", "2 left over: a list given to a setting that takes one value"),
+])
+def test_broken_presets_are_one_line_errors_naming_the_file(tmp_path, text, message):
+    preset = tmp_path / "run.yaml"
+    preset.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["--config", str(preset)])
+    (tmp_path / "run.json").write_text("{}")
+    with pytest.raises(ConfigError, match="expected a .yaml, .yml or .toml file"):
+        parse_config(["--config", str(tmp_path / "run.json")])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--eval-interval", "1", "--split", "98,2,0"], "--eval-interval with --mock-data"),
+    (["--use-checkpoint-args"], "--use-checkpoint-args reads the checkpoint in --load"),
+])
+def test_validation_and_checkpoint_flags_without_what_they_read_are_refused(tmp_path, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        train(parse_config(BASE + flags + ["--log-dir", str(tmp_path)]))

@@ -31,8 +31,9 @@ def test_cosine_and_linear_differ_between_their_ends():
 
 
 def test_inverse_square_root_falls_as_one_over_root_step_with_a_floor():
-    s = _schedule("--lr-decay-style", "inverse-square-root", "--lr-warmup-iters", "4")
-    assert math.isclose(s(16), 0.5) and s(10_000) == 0.1
+    s = _schedule("--lr-decay-style", "inverse-square-root", "--lr-warmup-iters", "4", "--lr-decay-iters", "100000")
+    assert math.isclose(s(16), 0.5) and s(90_000) == 0.1
+    assert _schedule("--lr-decay-style", "inverse-square-root", "--lr-warmup-iters", "4")(16) == 0.1  # past decay
 
 
 def test_wsd_holds_the_peak_then_decays_over_its_last_iterations():

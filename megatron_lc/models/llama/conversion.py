@@ -44,6 +44,7 @@ def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype=t
     config = config_from_meta(checkpointing.read_meta(path))
     out = Path(save)
     out.mkdir(parents=True, exist_ok=True)
+    remove_hf_weights(out)
     names = _hf_names_to_write(path, config)
     shards = plan_shards({hf: size * dtype.itemsize for hf, (_, size) in names.items()}, max_shard_bytes)
     weight_map = {}
@@ -61,6 +62,12 @@ def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype=t
     if tokenizer_model:
         save_tokenizer(tokenizer_model, save)
     return out
+
+
+def remove_hf_weights(directory: Path) -> None:
+    """Weights of an earlier export: transformers would read a stale model.safetensors before a new index."""
+    for stale in [*directory.glob("model*.safetensors"), directory / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
 
 
 def _hf_names_to_write(path: Path, config: LlamaConfig) -> dict[str, tuple[str, int]]:
