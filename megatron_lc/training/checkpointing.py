@@ -170,6 +170,7 @@ def save_state(root: str | Path, step: int, state: dict, extra: dict, keep_last:
     _barrier()
     writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=planner is None)
     dcp.save(state, storage_writer=writer, planner=planner)
+    (tmp / rng_file_name(_rank())).write_text(json.dumps(rng_state()))  # each rank's own generators
     _barrier()
     if _rank() == 0:
         meta = {"step": step, **extra, "files": written_files(tmp)}
@@ -239,6 +240,19 @@ def rng_state() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
+
+
+def rng_file_name(rank: int) -> str:
+    return f"rng_rank{rank}.json"
+
+
+def load_rng_state(path: Path, rank: int) -> bool:
+    """Restore this rank's generators from the checkpoint; False when it holds none for this rank."""
+    file = Path(path) / rng_file_name(rank)
+    if not file.exists():
+        return False
+    set_rng_state(json.loads(file.read_text()))
+    return True
 
 
 def set_rng_state(state: dict) -> None:

@@ -227,7 +227,7 @@ def _data_settings(cfg: TrainConfig, pstate: ParallelState) -> dict:
 def _checkpoint_extra(run: Run) -> dict:
     return {"model_config": dataclasses.asdict(run.model.config), "train_config": run.cfg.to_dict(),
             "schedule": run.schedule.to_dict(), "data_settings": _data_settings(run.cfg, run.pstate),
-            "data": run.loader.state_dict(), "world_size": run.launch.world_size, "rng": checkpointing.rng_state()}
+            "data": run.loader.state_dict(), "world_size": run.launch.world_size}
 
 
 def _differences(saved: dict, current: dict) -> str:
@@ -293,8 +293,8 @@ def resume(run: Run) -> int:
     run.schedule = resumed_schedule(meta, run.cfg, run.schedule, path)
     checkpointing.load_checkpoint(path, run.model, None if c.no_load_optim else run.optimizer)
     run.loader.load_state_dict(meta["data"])
-    if not c.no_load_rng and "rng" in meta:
-        checkpointing.set_rng_state(meta["rng"])
+    if not c.no_load_rng and meta.get("world_size") == run.launch.world_size:  # rank r's state is rank r's
+        checkpointing.load_rng_state(path, run.launch.rank)
     _say(run, f"resumed from {path} at step {meta['step']}")
     return int(meta["step"])
 

@@ -277,3 +277,15 @@ def test_broken_presets_are_one_line_errors_naming_the_file(tmp_path, text, mess
 def test_validation_and_checkpoint_flags_without_what_they_read_are_refused(tmp_path, flags, message):
     with pytest.raises(ConfigError, match=message):
         train(parse_config(BASE + flags + ["--log-dir", str(tmp_path)]))
+
+
+def test_each_rank_saves_and_restores_its_own_generators(tmp_path):
+    import torch
+
+    ckpt = tmp_path / "ckpt"
+    train(parse_config(BASE + ["--train-iters", "1", "--save", str(ckpt), "--log-dir", str(tmp_path / "a")]))
+    path = checkpointing.latest_checkpoint(ckpt)
+    saved = json.loads((path / checkpointing.rng_file_name(0)).read_text())
+    torch.manual_seed(12345)
+    assert checkpointing.load_rng_state(path, 0) and torch.get_rng_state().tolist() == saved["torch"]
+    assert not checkpointing.load_rng_state(path, 1)  # a rank the checkpoint did not have
