@@ -8,6 +8,8 @@ Takes the training flags (python -m megatron_lc.train --help) plus the machine's
 
     ... --find-max-seq-length          the longest length that fits
     ... --ablate [--plot FILE.png]     the longest length with each memory layer added in turn
+    ... --auto-fit                     the cheapest memory stack that fits at --seq-length, as flags
+                                       for python -m megatron_lc.train (see megatron_lc/planning/autofit.py)
     ... --json                         one JSON object instead of tables
 
 It traces one real training step of the configuration with fake tensors on a fake
@@ -32,9 +34,20 @@ from megatron_lc.planning.estimate import (
     estimate,
     planning_config,
 )
+from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, CostModel
 from megatron_lc.planning.standins import NcclSettings
 
 NCCL = NcclSettings()
+COST = CostModel()
+AUTO_FIT_HELP = (
+    "choose the cheapest memory stack that fits at --seq-length and print its flags for python -m "
+    "megatron_lc.train (the given recompute, offload, tiling and --cp-impl flags are replaced). Cheapest = least "
+    "extra time by a cost model, not measured: recompute FLOPs (full: one more forward of every block, about 1/3 "
+    "of their step FLOPs; selective: one more MLP forward), tiled MLP's recomputed gate/up projections, Untied "
+    "Ulysses' recomputed and re-exchanged q/k/v, offload copies over PCIe (overlapped ones: "
+    f"{100 * COST.overlap_residual:g}%% of their time; fetched on demand: all of it), "
+    f"{COST.tile_overhead_s * 1e6:g} us per tile and pass, {COST.stage_overhead_s * 1e6:g} us per Untied stage, "
+    "layer and pass")
 
 
 def add_planner_flags(parser: argparse.ArgumentParser) -> None:
@@ -70,13 +83,26 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                             "checkpointing, offload, tiling, Untied Ulysses)")
     group.add_argument("--plot", metavar="FILE.png", default=None,
                        help="plot per-GPU memory against length, one curve per memory layer (runs the ablation)")
+    group.add_argument("--auto-fit", action="store_true", help=AUTO_FIT_HELP)
+    group.add_argument("--auto-fit-max-traces", type=int, default=DEFAULT_MAX_TRACES,
+                       help=f"auto-fit: at most this many estimates (default: {DEFAULT_MAX_TRACES})")
+    group.add_argument("--auto-fit-tflops", type=float, default=COST.gpu_flops_per_s / 1e12,
+                       help="auto-fit cost model: sustained TFLOP/s of one GPU (default: "
+                            f"{COST.gpu_flops_per_s / 1e12:g}, an assumption)")
+    group.add_argument("--auto-fit-pcie-gbps", type=float, default=COST.pcie_bytes_per_s / 1e9,
+                       help="auto-fit cost model: host<->GPU copy bandwidth per GPU, GB/s (default: "
+                            f"{COST.pcie_bytes_per_s / 1e9:g}, an assumption)")
+    group.add_argument("--auto-fit-a2a-gbps", type=float, default=COST.a2a_bytes_per_s / 1e9,
+                       help="auto-fit cost model: all-to-all bandwidth per GPU, GB/s (default: "
+                            f"{COST.a2a_bytes_per_s / 1e9:g}, an assumption)")
     group.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 PLANNER_FLAGS = ("num_gpus", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "host_reserve_gib",
                  "reserve_gib", "nccl_buffsize", "nccl_channels", "nccl_p2p_channels_per_peer",
                  "nccl_net_channels_per_peer", "with_flash_attn",
-                 "find_max_seq_length", "ablate", "plot", "json")
+                 "find_max_seq_length", "ablate", "plot", "auto_fit", "auto_fit_max_traces", "auto_fit_tflops",
+                 "auto_fit_pcie_gbps", "auto_fit_a2a_gbps", "json")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
@@ -91,6 +117,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
     planner, training_argv = planner_only.parse_known_args(argv)
     cfg = parse_config(training_argv + (["--mock-data"] if not args.data_path else []))
     return planner, cfg
+
+
+def training_argv(argv: list[str]) -> list[str]:
+    """The training flags of a planner command line (what python -m megatron_lc.train takes)."""
+    planner_only = argparse.ArgumentParser(add_help=False)
+    add_planner_flags(planner_only)
+    return planner_only.parse_known_args(argv)[1]
 
 
 def machine_of(planner: argparse.Namespace, cfg) -> Machine:
@@ -111,12 +144,43 @@ def progress(e) -> None:
           flush=True)
 
 
+def auto_fit_progress(candidate, e) -> None:
+    """Print each estimate of the auto-fit search on stderr."""
+    print(f"  GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, host/node {e.host_bytes_per_node / 2**30:8.1f} GiB -> "
+          f"{'fits' if e.fits else 'no'}: {' '.join(candidate.flags()) or '(no memory flags)'}", file=sys.stderr,
+          flush=True)
+
+
+def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str], out: dict) -> None:
+    """--auto-fit: the cheapest stack that fits, printed (or added to `out` under `auto_fit`)."""
+    from megatron_lc.planning import autofit
+
+    cost = CostModel(gpu_flops_per_s=planner.auto_fit_tflops * 1e12, pcie_bytes_per_s=planner.auto_fit_pcie_gbps * 1e9,
+                     a2a_bytes_per_s=planner.auto_fit_a2a_gbps * 1e9)
+    result = autofit.auto_fit(cfg, machine, cost, planner.auto_fit_max_traces, on_estimate=auto_fit_progress)
+    command = ["python", "-m", "megatron_lc.train", *autofit.strip_memory_flags(training_argv(argv))]
+    if result.estimate is not None:
+        out.update(result.estimate.to_json())
+    else:
+        out.update(seq_length=cfg.data.seq_length, fits=False, gpu_peak_gib=None, host_peak_gib=None)
+    out["auto_fit"] = autofit.auto_fit_json(result, command)
+    if not planner.json:
+        print(autofit.auto_fit_text(result, command))
+
+
 def main(argv: list[str] | None = None) -> int:
     from megatron_lc.planning import report, search
 
-    planner, cfg = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    planner, cfg = parse(argv)
     machine = machine_of(planner, cfg)
     out: dict = {}
+    if planner.auto_fit and (planner.ablate or planner.plot or planner.find_max_seq_length):
+        print("--auto-fit chooses a stack at one --seq-length: not together with --find-max-seq-length, --ablate "
+              "or --plot", file=sys.stderr)
+        return 2
+    if planner.auto_fit:
+        run_auto_fit(planner, cfg, machine, argv, out)
     if planner.ablate or planner.plot:
         rows = search.ablate(cfg, machine, on_estimate=progress)
         out.update(report.ablation_json(rows))
@@ -133,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"longest length that fits: {result.max_seq_length:,} tokens")
             if result.best:
                 print(report.estimate_table(planning_config(cfg, result.max_seq_length), result.best))
-    if not (planner.ablate or planner.plot or planner.find_max_seq_length):
+    if not (planner.ablate or planner.plot or planner.find_max_seq_length or planner.auto_fit):
         e = estimate(cfg, machine)
         out.update(e.to_json())
         if not planner.json:

@@ -1,0 +1,196 @@
+"""Auto-fit: the cheapest memory stack that fits, against real traces of a tiny model and a synthetic planner."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_lc.config import parse_config
+from megatron_lc.planning.autofit import (
+    MODES,
+    Candidate,
+    SearchSpace,
+    auto_fit,
+    extra_time,
+    search_space,
+    strip_memory_flags,
+)
+from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import estimate_memory
+
+# Activations, not parameters, set this model's peak, so every memory technique moves it.
+TINY = ["--model", "debug", "--seq-length", "16384", "--context-parallel-size", "2", "--hidden-size", "256",
+        "--ffn-hidden-size", "1024", "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "64",
+        "--vocab-size", "4096", "--num-layers", "2", "--device", "cpu"]
+
+
+def _machine(gpu_bytes: float, host_gib: float = 1907.0) -> Machine:
+    return Machine(num_gpus=2, gpu_memory_gib=gpu_bytes / GIB, reserve_gib=0, host_memory_gib=host_gib,
+                   host_reserve_gib=0, device="cpu")
+
+
+def _key(cfg) -> str:
+    return repr((cfg.memory, cfg.parallel))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny config, a small search space (Ulysses only) and every candidate of it traced once."""
+    cfg = parse_config([*TINY, "--mock-data"])
+    full = search_space(cfg)
+    space = SearchSpace(full.modes, (None, full.mlp_tiles[-1]), (None, 1), full.attention[:1])
+    machine = _machine(100 * GIB)
+    traced = {}
+    for point in space.points():
+        candidate = space.candidate(point)
+        traced[_key(candidate.apply(cfg))] = (candidate, estimate(candidate.apply(cfg), machine))
+    return cfg, space, traced
+
+
+def _cached(traced):
+    """An evaluator answering from the traces (peaks do not depend on the budget), counting its calls."""
+    calls = []
+
+    def evaluate(cfg, machine, seq_length):
+        calls.append(_key(cfg))
+        return dataclasses.replace(traced[_key(cfg)][1], machine=machine)
+    return evaluate, calls
+
+
+def _cheapest_fitting(cfg, traced, machine) -> Candidate | None:
+    fitting = [c for c, e in traced.values() if dataclasses.replace(e, machine=machine).fits]
+    return min(fitting, key=lambda c: extra_time(c, cfg, machine.num_gpus).total_s, default=None)
+
+
+def test_generous_budget_needs_no_memory_technique(tiny):
+    cfg, space, traced = tiny
+    peak = max(e.gpu_peak_bytes for _, e in traced.values())
+    evaluate, _ = _cached(traced)
+    result = auto_fit(cfg, _machine(peak * 1.01), evaluate=evaluate, space=space)
+    assert result.choice.flags() == []
+    assert result.choice.recompute == "none" and result.choice.offload == "off"
+
+
+def test_tight_budget_needs_the_whole_stack(tiny):
+    cfg, space, traced = tiny
+    peak = min(e.gpu_peak_bytes for _, e in traced.values())
+    evaluate, _ = _cached(traced)
+    c = auto_fit(cfg, _machine(peak), evaluate=evaluate, space=space).choice
+    assert (c.recompute, c.offload) == ("full", "prefetch")  # fetching on demand saves nothing more here
+    assert c.mlp_tiles and c.loss_tiles
+    assert auto_fit(cfg, _machine(peak - 1), evaluate=evaluate, space=space).choice is None
+
+
+def test_choice_is_the_cheapest_fitting_candidate_at_every_budget(tiny):
+    cfg, space, traced = tiny
+    peaks = sorted({e.gpu_peak_bytes for _, e in traced.values()})
+    for budget in peaks:
+        machine = _machine(budget)
+        evaluate, calls = _cached(traced)
+        result = auto_fit(cfg, machine, evaluate=evaluate, space=space)
+        assert result.choice == _cheapest_fitting(cfg, traced, machine), budget
+        assert result.estimate.fits and not result.capped
+        assert len(calls) == len(set(calls)) < len(space.points())
+
+
+def _synthetic(space: SearchSpace, cfg):
+    """A planner whose memory falls with every choice within a family; Untied holds more than Ulysses
+    without recompute and less with it (as on small and large models); offload costs host bytes."""
+    points = {space.candidate(p): p for p in space.points()}
+
+    def evaluate(c, machine, seq_length):
+        mode, mlp, loss, attn = points[Candidate(
+            c.memory.recompute_granularity,
+            "off" if not c.memory.offload_activations else "on_demand" if c.memory.no_offload_prefetch else "prefetch",
+            c.memory.tiled_mlp_tiles, c.memory.tiled_loss_tiles,
+            c.parallel.cp_impl, c.parallel.untied_heads_per_stage)]
+        untied = attn > 0
+        layer = 100 - 18 * mode - 9 * mlp - (6 * attn + 5 if untied and mode >= 2 else -4 * untied)
+        head = 80 - 7 * loss
+        gpu = max(layer, head) * 10 ** 6
+        host = 500 * 10 ** 6 if space.modes[mode][1] != "off" else 0
+        by_category = dict.fromkeys(("parameters", "gradients", "optimizer state", "activations",
+                                     "communication buffers", "temporaries"), 0)
+        by_category["activations"] = gpu
+        return Estimate(seq_length, by_category, 0, host // 2, "test", [], 0, (1,), machine)
+    return evaluate
+
+
+@pytest.mark.parametrize("host_gib", [1907.0, 0.4])
+def test_search_matches_brute_force_on_a_synthetic_planner(host_gib):
+    cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "262144", "--context-parallel-size", "8",
+                        "--mock-data"])
+    space = search_space(cfg)
+    assert [impl for impl, _ in space.attention] == ["ulysses", "untied_ulysses", "untied_ulysses"]
+    evaluate = _synthetic(space, cfg)
+    everything = {c: evaluate(c.apply(cfg), _machine(GIB), 0) for c in map(space.candidate, space.points())}
+    for budget in sorted({e.gpu_peak_bytes for e in everything.values()}):
+        machine = _machine(budget, host_gib)
+        calls = []
+        result = auto_fit(cfg, machine, evaluate=lambda *a: calls.append(a) or evaluate(*a), space=space)
+        fitting = [c for c, e in everything.items() if dataclasses.replace(e, machine=machine).fits]
+        best = min(fitting, key=lambda c: (extra_time(c, cfg, 8).total_s, c.flags()), default=None)
+        chosen = result.choice and extra_time(result.choice, cfg, 8).total_s
+        assert chosen == (best and extra_time(best, cfg, 8).total_s), budget
+        assert len(calls) <= 40 and not result.capped
+        if host_gib < 1 and result.choice:
+            assert result.choice.offload == "off"
+
+
+def test_trace_cap_answers_with_a_candidate_known_to_fit(tiny):
+    cfg, space, traced = tiny
+    peaks = sorted({e.gpu_peak_bytes for _, e in traced.values()})
+    evaluate, calls = _cached(traced)
+    result = auto_fit(cfg, _machine(peaks[len(peaks) // 2]), evaluate=evaluate, space=space, max_traces=2)
+    assert result.capped and result.estimate.fits and len(calls) <= 3
+
+
+def test_cost_model_terms():
+    cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "5242880", "--context-parallel-size", "8",
+                        "--mock-data"])
+    off = Candidate("full", "off", None, None, "ulysses", None)
+    full = extra_time(off, cfg, 8)
+    assert 0.3 < full.recompute_s / full.step_s < 1 / 3  # one more forward of the blocks (the head is not redone)
+    selective = extra_time(dataclasses.replace(off, recompute="selective"), cfg, 8)
+    assert 0 < selective.recompute_s < full.recompute_s
+    prefetch = extra_time(dataclasses.replace(off, offload="prefetch"), cfg, 8)
+    on_demand = extra_time(dataclasses.replace(off, offload="on_demand"), cfg, 8)
+    copy = 31 * 655360 * 4096 * 2 / 25e9  # 31 offloaded block inputs of [S/cp, hidden] bf16 at 25 GB/s
+    assert prefetch.offload_s == pytest.approx(0.2 * copy) and on_demand.offload_s == pytest.approx(1.1 * copy)
+    untied = extra_time(dataclasses.replace(off, cp_impl="untied_ulysses", heads_per_stage=8), cfg, 8)
+    assert 0 < untied.untied_s < full.recompute_s
+    loss = extra_time(dataclasses.replace(off, loss_tiles=314), cfg, 8)
+    assert loss.total_s - full.total_s == pytest.approx(314 * 20e-6)
+
+
+def test_strip_memory_flags():
+    argv = ["--model", "x", "--recompute-granularity", "full", "--tiled-mlp", "--cp-impl=untied_ulysses",
+            "--untied-heads-per-stage", "8", "--bf16", "--offload-activations", "--tiled-loss-tiles", "3"]
+    assert strip_memory_flags(argv) == ["--model", "x", "--bf16"]
+
+
+def test_command_line_flags_parse_and_validate():
+    base = [*TINY, "--num-gpus", "2", "--reserve-gib", "0", "--gpu-memory-gib", "0.25", "--recompute-granularity",
+            "selective", "--auto-fit", "--json"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert estimate_memory.main(base) == 0
+    got = json.loads(out.getvalue())
+    fit = got["auto_fit"]
+    assert {"flags", "gpu_peak_gib", "host_peak_gib", "extra_time_model", "command", "traced"} <= fit.keys()
+    assert got["fits"] and got["gpu_peak_gib"] == fit["gpu_peak_gib"] <= 0.25
+    assert fit["flags"] and fit["extra_time_model"]["total_s"] > 0 and len(fit["traced"]) < fit["candidates"]
+    command = fit["command"]
+    assert command[:3] == ["python", "-m", "megatron_lc.train"] and command[-len(fit["flags"]):] == fit["flags"]
+    cfg = parse_config([*command[3:], "--mock-data"])
+    cfg.validate(2)
+    assert (cfg.memory.recompute_granularity, cfg.memory.offload_activations) in {(r, o != "off") for r, o in MODES}
+    assert cfg.memory.tiled_loss and cfg.memory.tiled_loss_tiles == 1  # the untiled loss cannot fit 0.25 GiB
