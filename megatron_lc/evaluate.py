@@ -49,10 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def evaluate(args) -> dict:
     launch = detect_launch()
-    path = checkpointing.latest_checkpoint(args.load)
-    if path is None:
+    found = checkpointing.newest_intact_checkpoint(args.load)
+    if found is None:
         raise ConfigError(f"--load {args.load}: no intact checkpoint there")
-    meta = checkpointing.read_meta(path)
+    path, meta = found
     config = config_from_meta(meta)
     cfg = config_from_values({"context_parallel_size": args.context_parallel_size, "cp_impl": args.cp_impl,
                               "seq_length": args.seq_length, "data_path": [args.data_path]})

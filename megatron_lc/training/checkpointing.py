@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from megatron_lc.config import ConfigError
+from megatron_lc.parallel_state import detect_launch
 
 LATEST = "latest_checkpointed_iteration.txt"
 META = "meta.json"
@@ -43,11 +44,7 @@ META = "meta.json"
 
 def _rank() -> int:
     """This process's rank, also before the process group exists (from the launcher's environment)."""
-    if dist.is_initialized():
-        return dist.get_rank()
-    from megatron_lc.parallel_state import detect_launch
-
-    return detect_launch().rank
+    return dist.get_rank() if dist.is_initialized() else detect_launch().rank
 
 
 def _barrier() -> None:
@@ -98,11 +95,10 @@ def verify_checkpoint(path: Path) -> dict:
     recorded = meta.get("files", {".metadata": None})  # checkpoints older than the file list: DCP's index
     for name, size in recorded.items():
         file = path / name
-        actual = file.stat().st_size if file.is_file() else None
-        if actual is None or (size is not None and actual != size):
-            found = "missing" if actual is None else f"{actual} bytes"
-            raise DamagedCheckpointError(f"{file}: {found}, {size} bytes were written" if size is not None
-                                         else f"{file}: missing")
+        if not file.is_file():
+            raise DamagedCheckpointError(f"{file}: missing")
+        if size is not None and file.stat().st_size != size:
+            raise DamagedCheckpointError(f"{file}: {file.stat().st_size} bytes, {size} bytes were written")
     return meta
 
 
@@ -119,25 +115,29 @@ def _candidates(root: Path) -> list[Path]:
     return found
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest intact checkpoint under root (or root itself when it is one), else None.
+def newest_intact_checkpoint(root: str | Path) -> tuple[Path, dict] | None:
+    """The newest intact checkpoint under root (or root itself when it is one) and its verified meta.
 
     A damaged candidate is reported with what is wrong, and the next older one is tried.
     """
     root = Path(root)
     if (root / META).exists():
-        verify_checkpoint(root)
-        return root
+        return root, verify_checkpoint(root)
     for path in _candidates(root):
         if not (path / META).exists():
             continue  # never completed: not a checkpoint
         try:
-            verify_checkpoint(path)
-            return path
+            return path, verify_checkpoint(path)
         except DamagedCheckpointError as e:
             if _rank() == 0:
-                warnings.warn(f"skipping damaged checkpoint {path.name}: {e}", stacklevel=2)
+                warnings.warn(f"skipping damaged checkpoint {path.name}: {e}", stacklevel=3)
     return None
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The path of `newest_intact_checkpoint(root)`, or None."""
+    found = newest_intact_checkpoint(root)
+    return found[0] if found else None
 
 
 def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, keep_last: int = 2) -> Path:
@@ -211,9 +211,8 @@ def check_model_matches(meta: dict, model_config, path) -> None:
         raise ConfigError(f"checkpoint {path} is of another model ({detail})")
 
 
-def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
-    """Load model (and optimizer) shards from a complete checkpoint; returns its meta."""
-    meta = read_meta(path)
+def load_checkpoint(path: str | Path, model, optimizer=None) -> None:
+    """Load model (and optimizer) shards from a checkpoint already verified (`newest_intact_checkpoint`)."""
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
@@ -221,7 +220,6 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
-    return meta
 
 
 def load_state(state: dict, path: str | Path) -> None:
@@ -229,9 +227,9 @@ def load_state(state: dict, path: str | Path) -> None:
     dcp.load(state, checkpoint_id=str(path))
 
 
-def load_model_weights(path: str | Path, model) -> dict:
+def load_model_weights(path: str | Path, model) -> None:
     """Model weights only (evaluation, conversion)."""
-    return load_checkpoint(path, model, optimizer=None)
+    load_checkpoint(path, model, optimizer=None)
 
 
 def rng_state() -> dict:

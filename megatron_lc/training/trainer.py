@@ -41,6 +41,11 @@ def set_allocator_defaults() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
+def global_batch_size(cfg: TrainConfig, dp_size: int) -> int:
+    """Samples per optimizer step over all data-parallel ranks (--global-batch-size, default micro x dp)."""
+    return cfg.data.global_batch_size or cfg.data.micro_batch_size * dp_size
+
+
 def build_sample_sources(cfg: TrainConfig, vocab_size: int, dp_size: int) -> tuple[SampleSource, SampleSource | None]:
     """Training and validation sources: mock tokens, or Megatron's --data-path/--split/--*-data-path blends."""
     d = cfg.data
@@ -49,12 +54,11 @@ def build_sample_sources(cfg: TrainConfig, vocab_size: int, dp_size: int) -> tup
             raise ConfigError("--eval-interval with --mock-data: mock data has no validation part; give "
                               "--data-path with --split or --valid-data-path")
         return MockSamples(vocab_size, d.seq_length, cfg.train.seed), None
-    per_step = d.global_batch_size or d.micro_batch_size * dp_size
     try:  # ids beyond the vocabulary, a split without training documents: one line, exit 2, before step 1
         sources = build_datasets(
             d.data_path, d.seq_length, cfg.train.seed, split=d.split, train_data_path=d.train_data_path,
             valid_data_path=d.valid_data_path, test_data_path=d.test_data_path, cache_path=d.data_cache_path,
-            num_samples={"train": cfg.train.train_iters * per_step,
+            num_samples={"train": cfg.train.train_iters * global_batch_size(cfg, dp_size),
                          "valid": cfg.logging.eval_iters * d.micro_batch_size * dp_size},
             shuffle=not d.no_shuffle, vocab_size=vocab_size)
     except ValueError as e:
@@ -123,8 +127,7 @@ def build_run(cfg: TrainConfig) -> Run:
     optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps)
     train_source, valid_source = build_sample_sources(cfg, model_config.vocab_size, pstate.dp_size)
-    per_step = cfg.data.micro_batch_size * pstate.dp_size
-    accumulation = (cfg.data.global_batch_size or per_step) // per_step
+    accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg), offload,
                _loader(train_source, cfg, pstate, eod), valid_source, eod, accumulation)
 
@@ -221,7 +224,7 @@ def _data_settings(cfg: TrainConfig, pstate: ParallelState) -> dict:
             "--seq-length": d.seq_length, "--seed": cfg.train.seed,
             "--no-shuffle": d.no_shuffle, "--reset-position-ids": d.reset_position_ids,
             "--eod-mask-loss": d.eod_mask_loss,
-            "--global-batch-size": d.global_batch_size or d.micro_batch_size * pstate.dp_size}
+            "--global-batch-size": global_batch_size(cfg, pstate.dp_size)}
 
 
 def _checkpoint_extra(run: Run) -> dict:
@@ -260,10 +263,11 @@ def apply_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
     """--use-checkpoint-args: the model's shape from the checkpoint in --load."""
     if not cfg.checkpoint.load:
         raise ConfigError("--use-checkpoint-args reads the checkpoint in --load: give --load DIR")
-    path = checkpointing.latest_checkpoint(cfg.checkpoint.load)
-    if path is None:
+    found = checkpointing.newest_intact_checkpoint(cfg.checkpoint.load)
+    if found is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {cfg.checkpoint.load}")
-    model = checkpointing.read_meta(path).get("train_config", {}).get("model")
+    path, meta = found
+    model = meta.get("train_config", {}).get("model")
     if not model:
         raise ConfigError(f"--use-checkpoint-args: {path} records no model settings")
     return dataclasses.replace(cfg, model=type(cfg.model)(**model))
@@ -279,11 +283,11 @@ def resume(run: Run) -> int:
     c = run.cfg.checkpoint
     if not c.load:
         return 0
-    path = checkpointing.latest_checkpoint(c.load)
-    if path is None:
+    found = checkpointing.newest_intact_checkpoint(c.load)
+    if found is None:
         _say(run, f"--load {c.load}: no checkpoint there yet; training starts from scratch")
         return 0
-    meta = checkpointing.read_meta(path)
+    path, meta = found
     checkpointing.check_model_matches(meta, run.model.config, path)
     if meta.get("weights_only") or c.finetune:
         checkpointing.load_model_weights(path, run.model)

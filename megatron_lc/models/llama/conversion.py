@@ -45,19 +45,21 @@ def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype=t
     out = Path(save)
     out.mkdir(parents=True, exist_ok=True)
     remove_hf_weights(out)
-    names = _hf_names_to_write(path, config)
-    shards = plan_shards({hf: size * dtype.itemsize for hf, (_, size) in names.items()}, max_shard_bytes)
+    items = checkpoint_tensors(path)
+    names = _hf_names_to_write(items, config)
+    sizes = {hf: math.prod(items[key].size) * dtype.itemsize for hf, key in names.items()}
+    shards = plan_shards(sizes, max_shard_bytes)
     weight_map = {}
     for i, shard in enumerate(shards):
         file = _shard_name(i, len(shards))
-        tensors = {hf: read_checkpoint_tensor(path, names[hf][0]).to(dtype).contiguous() for hf in shard}
+        tensors = {hf: read_checkpoint_tensor(path, names[hf], items[names[hf]]).to(dtype).contiguous()
+                   for hf in shard}
         save_safetensors(tensors, out / file)
         weight_map.update(dict.fromkeys(shard, file))
         del tensors  # one shard at a time
     if len(shards) > 1:
-        total = sum(size * dtype.itemsize for _, size in names.values())
         (out / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=1))
     _write_hf_config(config, dtype, out)
     if tokenizer_model:
         save_tokenizer(tokenizer_model, save)
@@ -70,13 +72,13 @@ def remove_hf_weights(directory: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def _hf_names_to_write(path: Path, config: LlamaConfig) -> dict[str, tuple[str, int]]:
-    """transformers' name -> (checkpoint key, element count), in checkpoint order; a tied output weight once."""
+def _hf_names_to_write(items: dict, config: LlamaConfig) -> dict[str, str]:
+    """transformers' name -> checkpoint key, in checkpoint order; a tied output weight once."""
     names = {}
-    for key, numel in checkpoint_tensor_sizes(path).items():
+    for key in items:
         hf = to_hf_name(key.removeprefix(MODEL_PREFIX))
         if not (config.tie_embeddings and hf == "lm_head.weight"):
-            names[hf] = (key, numel)
+            names[hf] = key
     return names
 
 
@@ -113,20 +115,16 @@ def _write_hf_config(config: LlamaConfig, dtype: torch.dtype, out: Path) -> None
 MODEL_PREFIX = "model."  # the model's tensors sit under this key in a checkpoint's state
 
 
-def checkpoint_tensor_sizes(path: Path) -> dict[str, int]:
-    """Element count of every model tensor of a checkpoint, from its DCP index alone."""
+def checkpoint_tensors(path: Path) -> dict:
+    """Checkpoint key -> DCP's tensor metadata (size, dtype) of every model tensor, from its index alone."""
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {key: math.prod(item.size) for key, item in metadata.items()
-            if key.startswith(MODEL_PREFIX) and hasattr(item, "size")}
+    return {key: item for key, item in metadata.items() if key.startswith(MODEL_PREFIX) and hasattr(item, "size")}
 
 
-def read_checkpoint_tensor(path: Path, key: str) -> torch.Tensor:
-    """One tensor of a checkpoint (DCP reads only its bytes)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    item = FileSystemReader(str(path)).read_metadata().state_dict_metadata[key]
+def read_checkpoint_tensor(path: Path, key: str, item) -> torch.Tensor:
+    """One tensor of a checkpoint, given its metadata (DCP reads only its bytes)."""
     tensor = torch.empty(item.size, dtype=item.properties.dtype)
     checkpointing.load_state({MODEL_PREFIX.rstrip("."): {key.removeprefix(MODEL_PREFIX): tensor}}, path)
     return tensor
