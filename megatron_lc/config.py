@@ -427,11 +427,12 @@ def _preset_argv(path: str, values: dict, parser: argparse.ArgumentParser) -> li
     return argv
 
 
-def _parse_preset(path: str, parser: argparse.ArgumentParser) -> dict:
+def _parse_preset(path: str) -> dict:
     """The preset's values, parsed by the flags' own parser; errors name the file."""
+    parser = build_parser(exit_on_error=False)
     argv = _preset_argv(path, _read_preset(path), parser)
     try:
-        parsed, extra = build_parser(exit_on_error=False).parse_known_args(argv)
+        parsed, extra = parser.parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise ConfigError(f"--config {path}: {e}") from e
     if extra:
@@ -456,9 +457,8 @@ def config_from_values(values: dict) -> TrainConfig:
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """TrainConfig from the command line (and the --config preset)."""
-    parser = build_parser()
-    args = vars(parser.parse_args(argv))
+    args = vars(build_parser().parse_args(argv))
     path = args.pop("config")
-    preset = _parse_preset(path, parser) if path else {}
+    preset = _parse_preset(path) if path else {}
     values = {**preset, **{k: v for k, v in args.items() if v is not None}}
     return config_from_values(values)

@@ -112,18 +112,17 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
     parser.description = __doc__.splitlines()[0]
     add_planner_flags(parser)
     args = parser.parse_args(argv)  # validates every flag and serves --help
-    planner_only = argparse.ArgumentParser(add_help=False)
-    add_planner_flags(planner_only)
-    planner, training_argv = planner_only.parse_known_args(argv)
-    cfg = parse_config(training_argv + (["--mock-data"] if not args.data_path else []))
+    planner, training = split_argv(argv)
+    cfg = parse_config(training + (["--mock-data"] if not args.data_path else []))
     return planner, cfg
 
 
-def training_argv(argv: list[str]) -> list[str]:
-    """The training flags of a planner command line (what python -m megatron_lc.train takes)."""
+def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(planner flags, the training flags: what python -m megatron_lc.train takes) of a command line."""
     planner_only = argparse.ArgumentParser(add_help=False)
     add_planner_flags(planner_only)
-    return planner_only.parse_known_args(argv)[1]
+    return planner_only.parse_known_args(argv)
+
 
 
 def machine_of(planner: argparse.Namespace, cfg) -> Machine:
@@ -158,7 +157,7 @@ def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[
     cost = CostModel(gpu_flops_per_s=planner.auto_fit_tflops * 1e12, pcie_bytes_per_s=planner.auto_fit_pcie_gbps * 1e9,
                      a2a_bytes_per_s=planner.auto_fit_a2a_gbps * 1e9)
     result = autofit.auto_fit(cfg, machine, cost, planner.auto_fit_max_traces, on_estimate=auto_fit_progress)
-    command = ["python", "-m", "megatron_lc.train", *autofit.strip_memory_flags(training_argv(argv))]
+    command = ["python", "-m", "megatron_lc.train", *autofit.strip_memory_flags(split_argv(argv)[1])]
     if result.estimate is not None:
         out.update(result.estimate.to_json())
     else:

@@ -62,14 +62,14 @@ def _import_flash_attn():
     version = getattr(flash_attn, "__version__", "0")
     if _version_tuple(version) < FLASH_ATTN_MIN_VERSION:
         wanted = ".".join(map(str, FLASH_ATTN_MIN_VERSION))
-        return None, (f"flash-attn {version} is installed but megatron_lc needs flash-attn>={wanted} "
-                      f"(pip install 'flash-attn>={wanted}')")
+        problem = (f"flash-attn {version} is installed but megatron_lc needs flash-attn>={wanted} "
+                   f"(pip install 'flash-attn>={wanted}')")
+        warnings.warn(problem + "; 'auto' uses torch's kernels instead", stacklevel=2)
+        return None, problem
     return interface, ""
 
 
 _flash_attn_interface, FLASH_ATTN_PROBLEM = _import_flash_attn()
-if FLASH_ATTN_PROBLEM and "installed but" in FLASH_ATTN_PROBLEM:  # pragma: no cover - depends on the machine
-    warnings.warn(FLASH_ATTN_PROBLEM + "; 'auto' uses torch's kernels instead", stacklevel=1)
 
 
 class Kernel(NamedTuple):
@@ -421,9 +421,10 @@ def select_kernel(device: torch.device, name: str = "auto") -> Kernel:
     """
     if name == "auto":
         if device.type != "cuda":
-            return KERNELS["cpu_flash"]
-        low = KERNELS["flash_attn" if flash_attn_available() else "sdpa_flash"]
-        return _by_dtype(low, KERNELS["sdpa_efficient"])
+            return KERNELS[resolve_kernel_name(device.type, name, torch.float32, flash_attn_available())]
+        low, full = (KERNELS[resolve_kernel_name("cuda", name, dtype, flash_attn_available())]
+                     for dtype in (torch.bfloat16, torch.float32))
+        return _by_dtype(low, full)
     if name not in KERNELS:
         raise ValueError(f"attention kernel {name!r}: expected one of auto, {', '.join(KERNELS)}")
     if name == "flash_attn" and not flash_attn_available():

@@ -23,7 +23,8 @@ def blending_indices(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(source of each sample, its sample index within the source) for samples
     `[start, start + size)`, given each source's samples `drawn` before `start`."""
-    normalized = [float(w) / float(sum(weights)) for w in weights]
+    total = float(sum(weights))
+    normalized = [float(w) / total for w in weights]
     counts = list(drawn) if drawn is not None else [0] * len(weights)
     sources = np.empty(size, dtype=np.int16)
     source_samples = np.empty(size, dtype=np.int64)

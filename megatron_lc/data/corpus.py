@@ -264,7 +264,7 @@ def read_text_file(path: str, options: ReadOptions, problems: InputProblems) -> 
         line = data.count(b"\n", 0, error.start) + 1
         problems.invalid(Location(path, line), "invalid UTF-8", f"byte {data[error.start]:#04x} ({error.reason})")
         return
-    if not text.strip():
+    if not text or text.isspace():  # isspace: no copy of a large file, unlike strip
         problems.skipped(location, "empty document", "blank file")
         return
     yield Document(location, {options.keys[0]: text})

@@ -384,11 +384,12 @@ def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessS
                 for i, (group, prefixes) in enumerate(zip(groups, part_prefixes, strict=True))
             ]
             parts = [future.result() for future in futures]
-        if sum(part.documents for part in parts) == 0:
-            raise no_documents_error(options, files, _combine(parts, final_prefixes).problems)
+        summary = _combine(parts, final_prefixes)
+        if summary.documents == 0:
+            raise no_documents_error(options, files, summary.problems)
         for key_index, final in enumerate(final_prefixes):
             merge_datasets([prefixes[key_index] for prefixes in part_prefixes], final)
-        return _combine(parts, final_prefixes)
+        return summary
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 

@@ -132,8 +132,8 @@ class LongSequenceSamples(SampleSource):
         self.seq_length = seq_length
         self.seed = seed
         self.shuffle = shuffle
-        all_documents = np.arange(len(dataset.sequence_lengths), dtype=np.int64)
-        self.documents = all_documents if documents is None else np.asarray(documents, dtype=np.int64)
+        self.documents = (np.arange(len(dataset.sequence_lengths), dtype=np.int64) if documents is None
+                          else np.asarray(documents, dtype=np.int64))
         self._lengths = dataset.sequence_lengths[self.documents].astype(np.int64)
         self._bin_starts = dataset.sequence_pointers[self.documents] // dataset.dtype.itemsize
         self.tokens_per_epoch = int(self._lengths.sum())

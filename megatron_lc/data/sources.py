@@ -98,8 +98,10 @@ def largest_token_id(dataset: IndexedDataset, cache: IndexCache | None = None) -
         tokens = dataset.read_span(0, dataset.num_tokens)
         return {"largest": np.array([int(tokens.max()) if tokens.size else -1], dtype=np.int64)}
 
+    if cache is None:  # no cache: no fingerprint to compute either
+        return int(build()["largest"][0])
     description = {"kind": "largest_token_id", "dataset": dataset_fingerprint(dataset.path_prefix)}
-    return int((cache or IndexCache(None)).arrays("largest-id", description, build)["largest"][0])
+    return int(cache.arrays("largest-id", description, build)["largest"][0])
 
 
 def check_token_ids(dataset: IndexedDataset, vocab_size: int, cache: IndexCache | None = None) -> None:

@@ -69,7 +69,7 @@ class HostArena:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, slots: int, device: torch.device,
                  lock=None, unlock=None) -> None:
         numel = math.prod(shape)
-        self.key, self.nbytes = (tuple(shape), dtype), slots * numel * dtype.itemsize
+        self.nbytes = slots * numel * dtype.itemsize
         self._storage = torch.empty(slots * numel, dtype=dtype, device=device) if lock is None \
             else _page_aligned(self.nbytes, device).view(dtype)
         self._unlock = unlock

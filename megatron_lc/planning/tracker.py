@@ -95,13 +95,17 @@ class TimelineAnalysis:
     peak: PhasePeak
     phase_peaks: dict[str, PhasePeak]
     host_peak: int
-    communicators: tuple[str, ...]
     buffers: dict[int, BufferInfo] = field(repr=False)
     events: list[Event] = field(repr=False)
     communicator_sizes: dict[str, int] = field(default_factory=dict)
     """Ranks of each group the step communicates on."""
     all_to_all_groups: tuple[str, ...] = ()
     """The groups that carry all-to-all (their NCCL communicators connect every pair of ranks)."""
+
+    @property
+    def communicators(self) -> tuple[str, ...]:
+        """The groups the step communicates on (one NCCL communicator each)."""
+        return tuple(self.communicator_sizes)
 
     def live_buffers(self, event_index: int, host: Callable[[str], bool]) -> dict[int, int]:
         """serial -> bytes of the accelerator buffers alive just after `event_index`."""
@@ -278,7 +282,7 @@ class TimelineMixin:
             if best is None or total > best.total:
                 phase_peaks[event.phase] = PhasePeak(total, dict(categories), index)
         host_peak = max(host_peak, max((e.probe for e in self._plan_events), default=0))
-        return TimelineAnalysis(peak, phase_peaks, host_peak, tuple(self._plan_groups), dict(self._plan_buffers),
+        return TimelineAnalysis(peak, phase_peaks, host_peak, dict(self._plan_buffers),
                                 list(self._plan_events), dict(self._plan_groups), tuple(self._plan_all_to_all))
 
 

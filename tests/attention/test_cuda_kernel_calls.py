@@ -79,12 +79,16 @@ def _naive_grads(dout, q, k, v, scale):
     return qd.grad, kd.grad, vd.grad
 
 
-class FlashRecorder:
-    """Stand-ins for `_flash_attention_forward/_backward` (variable-length path)."""
+class _Recorder:
+    """Calls received (op name, arguments by schema name) and what the forward returned."""
 
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
         self.returned: dict = {}
+
+
+class FlashRecorder(_Recorder):
+    """Stand-ins for `_flash_attention_forward/_backward` (variable-length path)."""
 
     def forward(self, *args, **kwargs):
         a = _check_schema(torch.ops.aten._flash_attention_forward.default, args, kwargs)
@@ -117,12 +121,8 @@ class FlashRecorder:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(k.dtype)
 
 
-class EfficientRecorder:
+class EfficientRecorder(_Recorder):
     """Stand-ins for `_efficient_attention_forward/_backward` (cu_seqlens path)."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, dict]] = []
-        self.returned: dict = {}
 
     def forward(self, *args, **kwargs):
         a = _check_schema(torch.ops.aten._efficient_attention_forward.default, args, kwargs)
@@ -222,7 +222,7 @@ def test_explicit_flash_kernel_refuses_fp32_naming_the_flag(flash, name):
     assert not flash.calls
 
 
-def test_cu_seqlens_tensor_is_built_once_per_micro_batch(flash):
+def test_cu_seqlens_tensor_is_built_once_per_micro_batch():
     first = kernels.device_cu_seqlens(CU, torch.device("cpu"))
     assert kernels.device_cu_seqlens(list(CU), torch.device("cpu")) is first
     other = kernels.device_cu_seqlens((0, 128, 256), torch.device("cpu"))

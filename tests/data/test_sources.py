@@ -162,7 +162,7 @@ def test_blend_is_deterministic_for_a_seed(prefixes):
     assert read(first) == read(again) and read(first) != read(other)
 
 
-def test_each_cp_rank_reads_only_its_slice_of_a_blended_sample(prefixes, make_dataset, counting_reads):
+def test_each_cp_rank_reads_only_its_slice_of_a_blended_sample(make_dataset, counting_reads):
     counted = [counting_reads(make_dataset(labelled_documents(label, 50, 37), name=f"c{label}")) for label in (1, 2)]
     blend = BlendedSamples([LongSequenceSamples(d, 64, seed=1) for d in counted], [0.5, 0.5], size=8)
     for index in range(8):
@@ -273,7 +273,7 @@ def test_token_ids_at_or_above_the_vocabulary_are_found_before_training(make_dat
         check_token_ids(dataset, 700)
 
 
-def test_build_datasets_checks_ids_against_the_vocabulary(prefixes, tmp_path):
+def test_build_datasets_checks_ids_against_the_vocabulary(prefixes):
     build_datasets([prefixes["A"]], SEQ, seed=0, vocab_size=1100)
     with pytest.raises(ValueError, match=r"B: token id 2039 \(first at sequence 0\) .* vocabulary size 1100"):
         build_datasets(["0.5", prefixes["A"], "0.5", prefixes["B"]], SEQ, seed=0, vocab_size=1100)

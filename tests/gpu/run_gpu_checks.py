@@ -92,8 +92,7 @@ def sizes(dry_run: bool) -> Sizes:
     if dry_run:
         return Sizes("cpu", torch.bfloat16, dict(model="debug", num_layers=4), (256, 512, 1024), 1024, 512,
                      (256, 8, 2, 16), ("cpu_flash",), 1)
-    cuda_kernels = ("flash_attn", "sdpa_flash", "sdpa_efficient") if kernels.flash_attn_available() \
-        else ("sdpa_flash", "sdpa_efficient")
+    cuda_kernels = tuple(n for n in kernels.CUDA_KERNELS if n != "flash_attn" or kernels.flash_attn_available())
     return Sizes("cuda", torch.bfloat16, dict(model="llama3-8b", num_layers=4), (32768, 65536, 131072),
                  1 << 20, 32768, (4096, 32, 8, 128), cuda_kernels, 2)
 
