@@ -53,8 +53,17 @@ class ModelArgs:
 @dataclass
 class ParallelArgs:
     context_parallel_size: int = flag(1, "context-parallel degree: each sequence is split over this many ranks")
-    cp_impl: str = flag("ulysses", "context-parallel attention", choices=("ulysses", "untied_ulysses"))
-    untied_heads_per_stage: int | None = flag(None, "Untied Ulysses heads per stage (a multiple of cp; default cp)")
+    cp_impl: str = flag("ulysses", "context-parallel attention of the all-to-all level",
+                        choices=("ulysses", "untied_ulysses"))
+    cp_comm_type: str = flag("a2a", "context-parallel communication: a2a (all-to-all, --cp-impl), p2p (ring "
+                             "attention over the cp group), a2a+p2p (all-to-all inside groups of contiguous ranks, "
+                             "a ring across them; see --hierarchical-context-parallel-sizes)",
+                             choices=("a2a", "p2p", "a2a+p2p"))
+    hierarchical_context_parallel_sizes: list[int] = flag_list(
+        "with --cp-comm-type a2a+p2p: A R, the all-to-all degree (contiguous ranks: a node) and the ring degree; "
+        "A x R = --context-parallel-size")
+    untied_heads_per_stage: int | None = flag(None, "Untied Ulysses heads per stage (a multiple of the all-to-all "
+                                              "degree; default that degree)")
     data_parallel_replicate: int = flag(1, "HSDP replicas (outer data-parallel dimension); the rest is sharded")
     attention_kernel: str = flag("auto", "local attention kernel",
                                  choices=("auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash",
@@ -204,12 +213,20 @@ class TrainConfig:
                            mlp_tiles=mem.tiled_mlp_tiles, loss_tiles=mem.tiled_loss_tiles)
         dtype = torch.bfloat16 if self.train.bf16 else torch.float32
         return ParallelizeOptions(
-            cp_impl=par.cp_impl, attention_kernel=par.attention_kernel, heads_per_stage=par.untied_heads_per_stage,
+            cp_impl=par.cp_impl, seq_length=self.data.seq_length, attention_kernel=par.attention_kernel, heads_per_stage=par.untied_heads_per_stage,
             recompute_granularity=mem.recompute_granularity, offload_activations=mem.offload_activations,
             offload_keep_last=mem.offload_keep_last, offload_prefetch=not mem.no_offload_prefetch,
             mlp_tiles=plan.mlp_tiles if mem.tiled_mlp else None, loss_tiles=plan.loss_tiles if mem.tiled_loss else None,
             param_dtype=dtype, reduce_dtype=torch.float32, reshard_after_forward=not par.no_reshard_after_forward, fsdp_cpu_offload=par.fsdp_cpu_offload,
         )
+
+    def context_layout(self):
+        """The two levels of context parallelism (`megatron_lc.context_layout`) the flags ask for."""
+        from megatron_lc.context_layout import context_layout_from_flags
+
+        p = self.parallel
+        return context_layout_from_flags(p.context_parallel_size, p.cp_comm_type,
+                                         p.hierarchical_context_parallel_sizes)
 
     def validate(self, world_size: int) -> None:
         """Every impossible combination, with the reason and the fix, before any GPU time is spent."""
@@ -232,23 +249,25 @@ class TrainConfig:
         validate_data_flags(d.data_path, d.split, d.train_data_path, d.valid_data_path, d.test_data_path)
 
     def _check_parallel(self, world_size: int) -> None:
-        from megatron_lc.attention.ulysses import check_ulysses_shapes
-
         p, d = self.parallel, self.data
         cp = p.context_parallel_size
         if cp < 1 or world_size % (cp * p.data_parallel_replicate):
             raise ValueError(f"world size {world_size} is not divisible by --context-parallel-size {cp} x "
                              f"--data-parallel-replicate {p.data_parallel_replicate}")
-        if d.seq_length % cp:
-            raise ValueError(f"--seq-length {d.seq_length} is not divisible by --context-parallel-size {cp}; "
-                             f"use a multiple of {cp}")
-        if cp > 1:
-            c = self.model_config()
-            check_ulysses_shapes(c.num_attention_heads, c.num_query_groups, cp, d.seq_length)
-            if p.cp_impl == "untied_ulysses":
-                from megatron_lc.attention.untied_ulysses import check_untied_shapes
-
-                check_untied_shapes(c.num_attention_heads, c.num_query_groups, cp, p.untied_heads_per_stage or cp)
+        layout = self.context_layout()
+        layout.check(d.seq_length)
+        a2a = layout.a2a_size
+        if cp > 1 and a2a == 1 and (p.cp_impl != "ulysses" or p.untied_heads_per_stage):
+            raise ValueError(f"--cp-impl {p.cp_impl} and --untied-heads-per-stage choose the all-to-all level, which "
+                             f"--cp-comm-type {p.cp_comm_type} with a ring of all {cp} ranks does not have")
+        if a2a > 1:
+            try:
+                self._check_all_to_all_level(a2a)
+            except ValueError as e:
+                if a2a == cp:
+                    raise
+                raise ValueError(f"{e} [the all-to-all degree is {a2a}, the first of "
+                                 "--hierarchical-context-parallel-sizes]") from e
         if p.attention_kernel in ("flash_attn", "sdpa_flash") and not self.train.bf16:
             raise ConfigError(f"--attention-kernel {p.attention_kernel} takes fp16/bf16 only: add --bf16, or use "
                               "--attention-kernel auto (fp32 runs torch's memory-efficient kernel)")
@@ -256,6 +275,16 @@ class TrainConfig:
         if d.global_batch_size is not None and d.global_batch_size % (d.micro_batch_size * dp):
             raise ValueError(f"--global-batch-size {d.global_batch_size} is not a multiple of --micro-batch-size "
                              f"{d.micro_batch_size} x data-parallel size {dp}")
+
+    def _check_all_to_all_level(self, a2a: int) -> None:
+        from megatron_lc.attention.ulysses import check_ulysses_shapes
+
+        c, p = self.model_config(), self.parallel
+        check_ulysses_shapes(c.num_attention_heads, c.num_query_groups, a2a)
+        if p.cp_impl == "untied_ulysses":
+            from megatron_lc.attention.untied_ulysses import check_untied_shapes
+
+            check_untied_shapes(c.num_attention_heads, c.num_query_groups, a2a, p.untied_heads_per_stage or a2a)
 
     def _check_memory(self, world_size: int) -> None:
         self.parallelize_options().validate()

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lc.config import ConfigError, config_from_values
+from megatron_lc.context_layout import CP_COMM_TYPES
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import LongSequenceSamples
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--cp-impl", default="ulysses", choices=("ulysses", "untied_ulysses"))
+    p.add_argument("--cp-comm-type", default="a2a", choices=CP_COMM_TYPES, help="as for megatron_lc.train")
+    p.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A", "R"),
+                   help="with --cp-comm-type a2a+p2p: all-to-all degree and ring degree")
     p.add_argument("--loss-by-position", type=int, default=None, metavar="BUCKETS",
                    help="also report the mean loss in BUCKETS equal position ranges")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
@@ -55,6 +59,8 @@ def evaluate(args) -> dict:
     path, meta = found
     config = config_from_meta(meta)
     cfg = config_from_values({"context_parallel_size": args.context_parallel_size, "cp_impl": args.cp_impl,
+                              "cp_comm_type": args.cp_comm_type,
+                              "hierarchical_context_parallel_sizes": args.hierarchical_context_parallel_sizes or [],
                               "seq_length": args.seq_length, "data_path": [args.data_path]})
     cfg.validate(launch.world_size)
     source = LongSequenceSamples(IndexedDataset(args.data_path), args.seq_length, seed=0, shuffle=False)
@@ -67,23 +73,25 @@ def evaluate(args) -> dict:
     if devices.is_cuda:
         torch.cuda.set_device(devices.accelerator)
     init_distributed(devices.accelerator)
-    pstate = ParallelState(ParallelDims(launch.world_size, cp=args.context_parallel_size), devices.accelerator.type)
+    layout = cfg.context_layout()
+    pstate = ParallelState(ParallelDims(launch.world_size, cp=args.context_parallel_size, cp_ring=layout.ring_size),
+                           devices.accelerator.type)
     model = build_model(config, device="meta")
     parallelize_llama(model, pstate, cfg.parallelize_options(), devices)
     materialize(model, devices)
     checkpointing.load_model_weights(path, model)
     model.eval()
     loader = MicroBatchLoader(source, args.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
-                              pstate.cp_size, num_samples=total - total % per_step)
+                              pstate.cp_size, num_samples=total - total % per_step, cp_ring=layout.ring_size)
     return _loss_over(loader, model, pstate, devices.accelerator, args)
 
 
 def _loss_over(loader, model, pstate, device, args) -> dict:
     buckets = args.loss_by_position or 1
-    local = args.seq_length // pstate.cp_size
+    positions = [p for a, b in pstate.context_layout.token_ranges(args.seq_length, pstate.cp_rank) for p in range(a, b)]
     sums = torch.zeros(buckets, dtype=torch.float64, device=device)
     counts = torch.zeros(buckets, dtype=torch.float64, device=device)
-    bucket_of = (torch.arange(local, device=device) + pstate.cp_rank * local) * buckets // args.seq_length
+    bucket_of = torch.tensor(positions, device=device) * buckets // args.seq_length
     samples = 0
     with torch.no_grad():
         for mb in loader:

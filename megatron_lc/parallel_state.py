@@ -2,9 +2,10 @@
 
 One `ParallelState` is built per run and passed explicitly to whoever needs a group:
 there are no module-level process groups. The world is laid out as a mesh
-[dp_replicate, dp_shard, cp]:
+[dp_replicate, dp_shard, cp_ring, cp_a2a] (cp = cp_ring x cp_a2a, see `context_layout`):
 
-- `cp_mesh`: the context-parallel group (ranks holding slices of the same sequences).
+- `cp_mesh`: the context-parallel group (ranks holding slices of the same sequences);
+  `a2a_mesh` its all-to-all groups (contiguous ranks), `ring_mesh` its rings.
 - `fsdp_mesh`: dp_shard x cp flattened (parameters are sharded over context ranks too),
   with dp_replicate as an outer replicate dimension when > 1 (HSDP).
 - `batch_mesh`: dp_replicate x dp_shard flattened: ranks that read different samples.
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from megatron_lc.context_layout import ContextLayout
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -35,11 +38,15 @@ class ParallelDims:
     """Replicas of the sharded model (HSDP's outer dimension)."""
     dp_shard: int = -1
     """FSDP data-parallel shards; -1 takes the rest of the world."""
+    cp_ring: int = 1
+    """Ring degree of context parallelism: cp / cp_ring contiguous ranks form each all-to-all group."""
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "cp", "dp_replicate"):
+        for name in ("world_size", "cp", "dp_replicate", "cp_ring"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cp % self.cp_ring:
+            raise ValueError(f"context-parallel size {self.cp} is not divisible by its ring degree {self.cp_ring}")
         rest, remainder = divmod(self.world_size, self.cp * self.dp_replicate)
         if remainder:
             raise ValueError(f"world size {self.world_size} is not divisible by context-parallel size {self.cp} "
@@ -55,6 +62,10 @@ class ParallelDims:
         """Data-parallel degree: ranks reading different samples."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def context_layout(self) -> ContextLayout:
+        return ContextLayout(a2a_size=self.cp // self.cp_ring, ring_size=self.cp_ring)
+
 
 def _flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """Flatten a (sub)mesh into one named dimension; the one use of DeviceMesh's private `_flatten`."""
@@ -69,14 +80,17 @@ class ParallelState:
         self.world_mesh: DeviceMesh | None = None
         if dims.world_size == 1:
             return  # one process: no groups, no collectives
+        layout = dims.context_layout
         self.world_mesh = init_device_mesh(
-            device_type, (dims.dp_replicate, dims.dp_shard, dims.cp), mesh_dim_names=("dp_replicate", "dp_shard", "cp")
+            device_type, (dims.dp_replicate, dims.dp_shard, layout.ring_size, layout.a2a_size),
+            mesh_dim_names=("dp_replicate", "dp_shard", "cp_ring", "cp_a2a"),
         )
         m = self.world_mesh
-        self.cp_mesh = m["cp"]
+        self.cp_mesh = _flatten(m["cp_ring", "cp_a2a"], "cp")
+        self.a2a_mesh, self.ring_mesh = m["cp_a2a"], m["cp_ring"]
         self.batch_mesh = _flatten(m["dp_replicate", "dp_shard"], "dp")
-        self.loss_mesh = _flatten(m["dp_replicate", "dp_shard", "cp"], "dp_cp")
-        shard_cp = _flatten(m["dp_shard", "cp"], "dp_shard_cp")
+        self.loss_mesh = _flatten(m["dp_replicate", "dp_shard", "cp_ring", "cp_a2a"], "dp_cp")
+        shard_cp = _flatten(m["dp_shard", "cp_ring", "cp_a2a"], "dp_shard_cp")
         self.fsdp_mesh = m["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard_cp
 
     @property
@@ -94,6 +108,20 @@ class ParallelState:
     @property
     def cp_group(self):
         return self.cp_mesh.get_group() if self.distributed else None
+
+    @property
+    def context_layout(self) -> ContextLayout:
+        return self.dims.context_layout
+
+    @property
+    def a2a_group(self):
+        """The all-to-all group of this rank's context-parallel ranks (the whole cp group without a ring)."""
+        return self.a2a_mesh.get_group() if self.distributed else None
+
+    @property
+    def ring_group(self):
+        """The ring this rank belongs to (ranks at the same place in each all-to-all group)."""
+        return self.ring_mesh.get_group() if self.distributed else None
 
     @property
     def dp_size(self) -> int:
@@ -119,15 +147,8 @@ class ParallelState:
 
     def __repr__(self) -> str:
         d = self.dims
-        return f"ParallelState(world={d.world_size}, dp_replicate={d.dp_replicate}, dp_shard={d.dp_shard}, cp={d.cp})"
-
-
-def local_sequence_slice(seq_length: int, cp_rank: int, cp_size: int) -> slice:
-    """Token range of one context-parallel rank: [c*S/cp, (c+1)*S/cp)."""
-    if seq_length % cp_size:
-        raise ValueError(f"--seq-length {seq_length} is not divisible by --context-parallel-size {cp_size}")
-    n = seq_length // cp_size
-    return slice(cp_rank * n, (cp_rank + 1) * n)
+        return (f"ParallelState(world={d.world_size}, dp_replicate={d.dp_replicate}, dp_shard={d.dp_shard}, "
+                f"cp={d.cp}, cp_ring={d.cp_ring})")
 
 
 # --- launch -------------------------------------------------------------------------------

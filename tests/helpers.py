@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_lc.entry import exit_process
-from megatron_lc.parallel_state import local_sequence_slice
+from megatron_lc.context_layout import ContextLayout
 
 
 def free_port() -> int:
@@ -70,12 +70,16 @@ def flatten_cu_seqlens(per_sample: list[tuple], seq_length: int) -> tuple:
     return tuple(out)
 
 
-def shard_batch(batch: Batch, per_sample, dp_rank: int, dp: int, cp_rank: int, cp: int) -> Batch:
-    """This rank's samples (by dp rank) and sequence slice (by cp rank); boundaries stay global."""
+def shard_batch(batch: Batch, per_sample, dp_rank: int, dp: int, cp_rank: int, cp: int,
+                layout: ContextLayout | None = None) -> Batch:
+    """This rank's samples (by dp rank) and tokens (by cp rank and `layout`, default
+    all-to-all only); boundaries stay global."""
     B = batch.input_ids.shape[0] // dp
     S = batch.input_ids.shape[1]
     rows = slice(dp_rank * B, (dp_rank + 1) * B)
-    cols = local_sequence_slice(S, cp_rank, cp)
+    layout = layout or ContextLayout(a2a_size=cp)
+    assert layout.cp_size == cp
+    cols = torch.tensor([p for a, b in layout.token_ranges(S, cp_rank) for p in range(a, b)])
     return Batch(batch.input_ids[rows, cols], batch.labels[rows, cols], batch.position_ids[rows, cols],
                  flatten_cu_seqlens(per_sample[rows], S))
 

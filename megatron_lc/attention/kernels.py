@@ -6,11 +6,19 @@ full sequence:
     out, lse, state = kernel.forward(q, k, v, cu_seqlens)
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, cu_seqlens, state=state)
 
+Ring attention also asks for attention between different token sets: with
+`cu_seqlens_k=` given, segment i of q attends to segment i of k, and `causal=False`
+lets every query see every key of its segment (a key block that lies wholly before
+the query block). Causal attention takes one segmentation for both: q and k are the
+same tokens.
+
 Layout (as flash-attn's varlen API): q [T, H, d], k and v [T, Hkv, d] with H a multiple
 of Hkv (grouped-query attention), out [T, H, d], lse [H, T] in fp32. T is the total
 number of tokens of the packed batch; `cu_seqlens` is a tuple of Python ints, the
 boundaries of the causal segments (documents, and samples of a micro-batch):
 (0, ..., T). Attention never crosses a boundary and no T x T mask is ever built.
+The backward needs nothing from its forward but (q, k, v, out, lse) and `state`: ring
+attention calls it with the out and lse merged over every key block.
 `state` is a tuple of the tensors the forward returned that its backward needs (the rng
 state of the flash kernels), () for the others.
 
@@ -85,6 +93,21 @@ def segments(cu_seqlens: CuSeqlens) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
 
 
+def segment_pairs(cu_q: CuSeqlens, cu_k: CuSeqlens | None, causal: bool) -> list[tuple[int, int, int, int]]:
+    """(q start, q end, k start, k end) of each segment with queries and keys.
+
+    `cu_k` None: keys are the queries' own tokens. Causal attention between different
+    token sets is refused: where its diagonal lies would be a guess.
+    """
+    if cu_k is None:
+        return [(a, b, a, b) for a, b in segments(cu_q)]
+    if causal:
+        raise ValueError("causal attention takes one cu_seqlens for q and k; pass causal=False with cu_seqlens_k")
+    if len(cu_k) != len(cu_q):
+        raise ValueError(f"cu_seqlens_k has {len(cu_k) - 1} segments, cu_seqlens {len(cu_q) - 1}")
+    return [(a, b, c, d) for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]) if b > a and d > c]
+
+
 def check_cu_seqlens(cu_seqlens: CuSeqlens, num_tokens: int) -> None:
     """cu_seqlens must start at 0, end at the token count and never decrease."""
     if len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_tokens:
@@ -119,8 +142,8 @@ def _reduce_kv_grad(g: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 # --- reference: blockwise online softmax ------------------------------------------------
 
 
-def _reference_segment_forward(q, k, v, scale, block):
-    """One causal segment, q/k/v [L, H, d] in fp32; returns out [L, H, d], lse [H, L]."""
+def _reference_segment_forward(q, k, v, scale, block, causal=True):
+    """One segment, q [L, H, d] and k/v [Lk, H, d] in fp32; returns out [L, H, d], lse [H, L]."""
     L, H, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(H, L, dtype=q.dtype, device=q.device)
@@ -130,10 +153,11 @@ def _reference_segment_forward(q, k, v, scale, block):
         m = torch.full((H, i1 - i0), -math.inf, dtype=q.dtype, device=q.device)
         den = torch.zeros(H, i1 - i0, dtype=q.dtype, device=q.device)
         acc = torch.zeros(H, i1 - i0, d, dtype=q.dtype, device=q.device)
-        for j0 in range(0, i1, block):
-            j1 = min(j0 + block, i1)
+        keys = i1 if causal else k.shape[0]
+        for j0 in range(0, keys, block):
+            j1 = min(j0 + block, keys)
             s = qi @ k[j0:j1].permute(1, 2, 0) * scale  # [H, bq, bk]
-            s = _mask_causal(s, i0, j0)
+            s = _mask_causal(s, i0, j0) if causal else s
             m_new = torch.maximum(m, s.amax(dim=-1))
             p = torch.exp(s - m_new.unsqueeze(-1))
             corr = torch.exp(m - m_new)
@@ -155,18 +179,20 @@ def _mask_causal(s: torch.Tensor, i0: int, j0: int) -> torch.Tensor:
     return s.masked_fill(kj > qi, -math.inf)
 
 
-def _reference_segment_backward(dout, q, k, v, out, lse, scale, block):
-    """Gradients of one causal segment (fp32, expanded kv heads)."""
+def _reference_segment_backward(dout, q, k, v, out, lse, scale, block, causal=True):
+    """Gradients of one segment (fp32, expanded kv heads)."""
     L = q.shape[0]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = (dout * out).sum(dim=-1).transpose(0, 1)  # [H, L]
     for i0 in range(0, L, block):
         i1 = min(i0 + block, L)
         qi, doi = q[i0:i1].transpose(0, 1), dout[i0:i1].transpose(0, 1)  # [H, bq, d]
-        for j0 in range(0, i1, block):
-            j1 = min(j0 + block, i1)
+        keys = i1 if causal else k.shape[0]
+        for j0 in range(0, keys, block):
+            j1 = min(j0 + block, keys)
             kj, vj = k[j0:j1].transpose(0, 1), v[j0:j1].transpose(0, 1)  # [H, bk, d]
-            s = _mask_causal(qi @ kj.transpose(1, 2) * scale, i0, j0)
+            s = qi @ kj.transpose(1, 2) * scale
+            s = _mask_causal(s, i0, j0) if causal else s
             p = torch.exp(s - lse[:, i0:i1].unsqueeze(-1))
             dv[j0:j1] += (p.transpose(1, 2) @ doi).transpose(0, 1)
             ds = p * (doi @ vj.transpose(1, 2) - delta[:, i0:i1].unsqueeze(-1))
@@ -175,20 +201,21 @@ def _reference_segment_backward(dout, q, k, v, out, lse, scale, block):
     return dq, dk, dv
 
 
-def reference_forward(q, k, v, cu_seqlens, scale=None, block: int = 128):
+def reference_forward(q, k, v, cu_seqlens, scale=None, block: int = 128, *, cu_seqlens_k=None, causal=True):
     """Blockwise online-softmax attention in plain PyTorch (fp32 math)."""
     scale = _softmax_scale(q.shape[-1], scale)
     H = q.shape[1]
     acc = _acc_dtype(q)
     qf, kf, vf = q.to(acc), _expand_kv(k, H).to(acc), _expand_kv(v, H).to(acc)
     out = torch.zeros_like(qf)
-    lse = torch.zeros(H, q.shape[0], dtype=acc, device=q.device)
-    for a, b in segments(cu_seqlens):
-        out[a:b], lse[:, a:b] = _reference_segment_forward(qf[a:b], kf[a:b], vf[a:b], scale, block)
+    lse = torch.full((H, q.shape[0]), -math.inf, dtype=acc, device=q.device)
+    for a, b, c, d in segment_pairs(cu_seqlens, cu_seqlens_k, causal):
+        out[a:b], lse[:, a:b] = _reference_segment_forward(qf[a:b], kf[c:d], vf[c:d], scale, block, causal)
     return out.to(q.dtype), lse, ()
 
 
-def reference_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), block: int = 128):
+def reference_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), block: int = 128, *,
+                       cu_seqlens_k=None, causal=True):
     """Backward of `reference_forward` from (dout, q, k, v, out, lse) alone."""
     scale = _softmax_scale(q.shape[-1], scale)
     H, Hkv = q.shape[1], k.shape[1]
@@ -196,9 +223,9 @@ def reference_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()
     qf, kf, vf = q.to(acc), _expand_kv(k, H).to(acc), _expand_kv(v, H).to(acc)
     dof, of = dout.to(acc), out.to(acc)
     dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-    for a, b in segments(cu_seqlens):
-        dq[a:b], dk[a:b], dv[a:b] = _reference_segment_backward(
-            dof[a:b], qf[a:b], kf[a:b], vf[a:b], of[a:b], lse[:, a:b], scale, block
+    for a, b, c, d in segment_pairs(cu_seqlens, cu_seqlens_k, causal):
+        dq[a:b], dk[c:d], dv[c:d] = _reference_segment_backward(
+            dof[a:b], qf[a:b], kf[c:d], vf[c:d], of[a:b], lse[:, a:b], scale, block, causal
         )
     return dq.to(q.dtype), _reduce_kv_grad(dk, Hkv).to(k.dtype), _reduce_kv_grad(dv, Hkv).to(v.dtype)
 
@@ -233,31 +260,46 @@ TORCH_OPS = {
 """The private operators by role; tests swap an entry for a recording stand-in."""
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
-CAUSAL_FROM_TOP_LEFT = 1
-"""`custom_mask_type` of the memory-efficient kernels: causal, each segment from its first token."""
+NO_MASK, CAUSAL_FROM_TOP_LEFT = 0, 1
+"""`custom_mask_type` of the memory-efficient kernels: none; causal, each segment from its first token."""
 
-_DEVICE_CU_SEQLENS: dict[torch.device, tuple[tuple, torch.Tensor]] = {}
+_DEVICE_CU_SEQLENS: dict[tuple[torch.device, tuple], torch.Tensor] = {}
+_KEPT_CU_SEQLENS = 64
+"""Boundary tensors kept: a micro-batch's own, and each chunk pair's of ring attention."""
 
 
 def device_cu_seqlens(cu_seqlens: CuSeqlens, device: torch.device) -> torch.Tensor:
     """cu_seqlens as an int32 tensor on `device`, built once per micro-batch.
 
-    Every layer and every Untied stage of a micro-batch asks for the same boundaries, so
-    the last tensor built on each device is kept and handed out again. On CUDA it is
-    copied from page-locked memory without blocking the host. Tensors made under a fake
-    mode (the planner) are not kept: they belong to that mode.
+    Every layer and every Untied stage of a micro-batch asks for the same boundaries
+    (ring attention: the same few per chunk pair), so the tensors built last on each
+    device are kept and handed out again. On CUDA they are copied from page-locked
+    memory without blocking the host. Tensors made under a fake mode (the planner) are
+    not kept: they belong to that mode.
     """
-    key = tuple(cu_seqlens)
-    cached = _DEVICE_CU_SEQLENS.get(device)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    key = (device, tuple(cu_seqlens))
+    cached = _DEVICE_CU_SEQLENS.get(key)
+    if cached is not None:
+        return cached
     if device.type == "cuda":
-        tensor = torch.tensor(key, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+        tensor = torch.tensor(key[1], dtype=torch.int32).pin_memory().to(device, non_blocking=True)
     else:
-        tensor = torch.tensor(key, dtype=torch.int32, device=device)
+        tensor = torch.tensor(key[1], dtype=torch.int32, device=device)
     if type(tensor) is torch.Tensor:
-        _DEVICE_CU_SEQLENS[device] = (key, tensor)
+        if len(_DEVICE_CU_SEQLENS) >= _KEPT_CU_SEQLENS:
+            _DEVICE_CU_SEQLENS.pop(next(iter(_DEVICE_CU_SEQLENS)))
+        _DEVICE_CU_SEQLENS[key] = tensor
     return tensor
+
+
+def _varlen_args(cu_seqlens: CuSeqlens, cu_seqlens_k: CuSeqlens | None, causal: bool, device: torch.device):
+    """(cu_q, cu_k, max_q, max_k) device tensors and ints for the variable-length operators."""
+    segment_pairs(cu_seqlens, cu_seqlens_k, causal)  # the same checks as every kernel
+    cu_q = device_cu_seqlens(cu_seqlens, device)
+    if cu_seqlens_k is None:
+        m = max_seqlen(cu_seqlens)
+        return cu_q, cu_q, m, m
+    return cu_q, device_cu_seqlens(cu_seqlens_k, device), max_seqlen(cu_seqlens), max_seqlen(cu_seqlens_k)
 
 
 def max_seqlen(cu_seqlens: CuSeqlens) -> int:
@@ -272,22 +314,23 @@ def _check_flash_dtype(q: torch.Tensor, kernel: str) -> None:
                         "use --attention-kernel auto (fp32 runs torch's memory-efficient kernel)")
 
 
-def sdpa_flash_forward(q, k, v, cu_seqlens, scale=None):
+def sdpa_flash_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
     """torch's flash kernel, variable-length: one call for every segment, kv heads as they are."""
     _check_flash_dtype(q, "sdpa_flash")
-    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
+    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
     out, lse, rng_state, unused, _ = TORCH_OPS["flash_forward"](
-        q, k, v, cu, cu, m, m, 0.0, True, False, scale=_softmax_scale(q.shape[-1], scale))
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=_softmax_scale(q.shape[-1], scale))
     return out, lse, (rng_state, unused)
 
 
-def sdpa_flash_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
+def sdpa_flash_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None,
+                        causal=True):
     """Backward of `sdpa_flash_forward`, given the rng tensors its forward returned (`state`)."""
     _check_flash_dtype(q, "sdpa_flash")
     rng_state, unused = state
-    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
-    return TORCH_OPS["flash_backward"](dout, q, k, v, out, lse, cu, cu, m, m, 0.0, True, rng_state, unused,
-                                       scale=_softmax_scale(q.shape[-1], scale))
+    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
+    return TORCH_OPS["flash_backward"](dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state,
+                                       unused, scale=_softmax_scale(q.shape[-1], scale))
 
 
 def _lse_to_heads_tokens(native: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.Tensor:
@@ -298,25 +341,41 @@ def _lse_to_heads_tokens(native: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.T
     return lse
 
 
-def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None):
+def _lse_to_native(lse: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.Tensor:
+    """[H, T] -> the memory-efficient layout [segments, H, round32(longest)], padded with +inf as its forward
+    pads (rows past a segment's end then weigh nothing)."""
+    padded = -(-max_seqlen(cu_seqlens) // 32) * 32
+    native = lse.new_full((len(cu_seqlens) - 1, lse.shape[0], padded), math.inf)
+    for i, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        native[i, :, : b - a] = lse[:, a:b]
+    return native
+
+
+def _efficient_mask(causal: bool) -> int:
+    return CAUSAL_FROM_TOP_LEFT if causal else NO_MASK
+
+
+def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
     """torch's memory-efficient kernel (fp32 too), variable-length; kv heads expanded (it has no GQA)."""
     H = q.shape[1]
-    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
+    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
     out, native_lse, seed, offset, _, _ = TORCH_OPS["efficient_forward"](
-        q.unsqueeze(0), _expand_kv(k, H).unsqueeze(0), _expand_kv(v, H).unsqueeze(0), None, cu, cu, m, m, 0.0,
-        CAUSAL_FROM_TOP_LEFT, True, scale=_softmax_scale(q.shape[-1], scale))
-    return out.squeeze(0), _lse_to_heads_tokens(native_lse, cu_seqlens), (native_lse, seed, offset)
+        q.unsqueeze(0), _expand_kv(k, H).unsqueeze(0), _expand_kv(v, H).unsqueeze(0), None, cu_q, cu_k, max_q,
+        max_k, 0.0, _efficient_mask(causal), True, scale=_softmax_scale(q.shape[-1], scale))
+    return out.squeeze(0), _lse_to_heads_tokens(native_lse, cu_seqlens), (seed, offset)
 
 
-def sdpa_efficient_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
-    """Backward of `sdpa_efficient_forward` from the lse and philox tensors its forward returned."""
-    native_lse, seed, offset = state
+def sdpa_efficient_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None,
+                            causal=True):
+    """Backward of `sdpa_efficient_forward`: its lse layout rebuilt from `lse` (which may be merged over key
+    blocks), the philox tensors its forward returned."""
+    seed, offset = state
     H, Hkv = q.shape[1], k.shape[1]
-    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
+    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
     dq, dk, dv, _ = TORCH_OPS["efficient_backward"](
         dout.unsqueeze(0), q.unsqueeze(0), _expand_kv(k, H).unsqueeze(0), _expand_kv(v, H).unsqueeze(0), None,
-        out.unsqueeze(0), cu, cu, m, m, native_lse, 0.0, seed, offset, CAUSAL_FROM_TOP_LEFT, False,
-        scale=_softmax_scale(q.shape[-1], scale))
+        out.unsqueeze(0), cu_q, cu_k, max_q, max_k, _lse_to_native(lse, cu_seqlens), 0.0, seed, offset,
+        _efficient_mask(causal), False, scale=_softmax_scale(q.shape[-1], scale))
     return dq.squeeze(0), _reduce_kv_grad(dk.squeeze(0), Hkv), _reduce_kv_grad(dv.squeeze(0), Hkv)
 
 
@@ -331,55 +390,58 @@ def _from_bhld(t: torch.Tensor) -> torch.Tensor:
     return t.squeeze(0).transpose(0, 1)  # [1, H, L, d] -> [L, H, d]
 
 
-def cpu_flash_forward(q, k, v, cu_seqlens, scale=None):
+def cpu_flash_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
     """torch's CPU flash kernel per segment (it has no variable-length entry point)."""
     scale = _softmax_scale(q.shape[-1], scale)
     H = q.shape[1]
-    out = torch.empty_like(q)
-    lse = torch.empty(H, q.shape[0], dtype=_acc_dtype(q), device=q.device)
-    for a, b in segments(cu_seqlens):
-        o, l = TORCH_OPS["cpu_flash_forward"](_to_bhld(q[a:b]), _to_bhld(_expand_kv(k[a:b], H)),
-                                              _to_bhld(_expand_kv(v[a:b], H)), 0.0, True, scale=scale)
+    out = torch.zeros_like(q)
+    lse = torch.full((H, q.shape[0]), -math.inf, dtype=_acc_dtype(q), device=q.device)
+    for a, b, c, d in segment_pairs(cu_seqlens, cu_seqlens_k, causal):
+        o, l = TORCH_OPS["cpu_flash_forward"](_to_bhld(q[a:b]), _to_bhld(_expand_kv(k[c:d], H)),
+                                              _to_bhld(_expand_kv(v[c:d], H)), 0.0, causal, scale=scale)
         out[a:b] = _from_bhld(o)
         lse[:, a:b] = l.squeeze(0)
     return out, lse, ()
 
 
-def cpu_flash_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
+def cpu_flash_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None,
+                       causal=True):
     """Backward of `cpu_flash_forward`, segment by segment."""
     scale = _softmax_scale(q.shape[-1], scale)
     H, Hkv = q.shape[1], k.shape[1]
     dq = torch.zeros_like(q)
     dk = torch.zeros(k.shape[0], H, k.shape[2], dtype=k.dtype, device=k.device)
     dv = torch.zeros_like(dk)
-    for a, b in segments(cu_seqlens):
-        args = [_to_bhld(t) for t in (dout[a:b], q[a:b], _expand_kv(k[a:b], H), _expand_kv(v[a:b], H), out[a:b])]
+    for a, b, c, d in segment_pairs(cu_seqlens, cu_seqlens_k, causal):
+        args = [_to_bhld(t) for t in (dout[a:b], q[a:b], _expand_kv(k[c:d], H), _expand_kv(v[c:d], H), out[a:b])]
         seg_lse = lse[:, a:b].unsqueeze(0).to(q.dtype if q.dtype == torch.float64 else torch.float32)
-        gq, gk, gv = TORCH_OPS["cpu_flash_backward"](*args, seg_lse.contiguous(), 0.0, True, scale=scale)
-        dq[a:b], dk[a:b], dv[a:b] = _from_bhld(gq), _from_bhld(gk), _from_bhld(gv)
+        gq, gk, gv = TORCH_OPS["cpu_flash_backward"](*args, seg_lse.contiguous(), 0.0, causal, scale=scale)
+        dq[a:b], dk[c:d], dv[c:d] = _from_bhld(gq), _from_bhld(gk), _from_bhld(gv)
     return dq, _reduce_kv_grad(dk, Hkv), _reduce_kv_grad(dv, Hkv)
 
 
 # --- flash-attn varlen --------------------------------------------------------------------
 
 
-def flash_attn_forward(q, k, v, cu_seqlens, scale=None):  # pragma: no cover - needs CUDA
+def flash_attn_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):  # pragma: no cover
     """flash-attn's variable-length forward (GQA native); keeps its rng state for the backward."""
     _check_flash_dtype(q, "flash_attn")
-    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
+    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
     out, lse, _, rng_state = _flash_attn_interface._flash_attn_varlen_forward(
-        q, k, v, cu, cu, m, m, dropout_p=0.0, softmax_scale=_softmax_scale(q.shape[-1], scale), causal=True)
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=_softmax_scale(q.shape[-1], scale),
+        causal=causal)
     return out, lse, (rng_state,)
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):  # pragma: no cover
+def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *,  # pragma: no cover
+                        cu_seqlens_k=None, causal=True):
     _check_flash_dtype(q, "flash_attn")
     (rng_state,) = state or (None,)
-    cu, m = device_cu_seqlens(cu_seqlens, q.device), max_seqlen(cu_seqlens)
+    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _flash_attn_interface._flash_attn_varlen_backward(
-        dout, q, k, v, out, lse, dq, dk, dv, cu, cu, m, m,
-        dropout_p=0.0, softmax_scale=_softmax_scale(q.shape[-1], scale), causal=True,
+        dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+        dropout_p=0.0, softmax_scale=_softmax_scale(q.shape[-1], scale), causal=causal,
         window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
         rng_state=rng_state,
     )
@@ -389,11 +451,12 @@ def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(
 def _by_dtype(low: Kernel, full: Kernel) -> Kernel:
     """`low` for fp16/bf16 inputs, `full` otherwise: what `auto` runs on CUDA (flash never sees fp32)."""
 
-    def forward(q, k, v, cu_seqlens, scale=None):
-        return (low if q.dtype in FLASH_DTYPES else full).forward(q, k, v, cu_seqlens, scale)
+    def forward(q, k, v, cu_seqlens, scale=None, **segmentation):
+        return (low if q.dtype in FLASH_DTYPES else full).forward(q, k, v, cu_seqlens, scale, **segmentation)
 
-    def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
-        return (low if q.dtype in FLASH_DTYPES else full).backward(dout, q, k, v, out, lse, cu_seqlens, scale, state)
+    def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), **segmentation):
+        return (low if q.dtype in FLASH_DTYPES else full).backward(dout, q, k, v, out, lse, cu_seqlens, scale, state,
+                                                                   **segmentation)
 
     return Kernel(f"{low.name}|{full.name}", forward, backward)
 

@@ -1,11 +1,13 @@
-"""Attention backends by name: `local` (no CP), `ulysses`, `untied_ulysses`."""
+"""Attention backends by name: `local` (no CP), `ulysses`, `untied_ulysses`, each with
+ring attention under it when the context-parallel layout has a ring."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_lc.attention.kernels import select_kernel
+from megatron_lc.attention.kernels import Kernel, select_kernel
 from megatron_lc.attention.local import LocalAttention
+from megatron_lc.attention.ring import RingAttention
 from megatron_lc.attention.ulysses import UlyssesAttention, check_ulysses_shapes
 from megatron_lc.attention.untied_ulysses import (
     UntiedUlyssesAttention,
@@ -18,19 +20,34 @@ CP_IMPLS = ("ulysses", "untied_ulysses")
 
 def build_attention_backend(name: str, head_dim: int, device: torch.device, pstate: ParallelState, *,
                             kernel: str = "auto", heads_per_stage: int | None = None,
-                            num_heads: int, num_kv_heads: int):
-    """The backend `name` on `device`, checked against the head counts and cp degree.
+                            num_heads: int, num_kv_heads: int, seq_length: int | None = None):
+    """The backend `name` on `device`, checked against the head counts and the cp layout.
 
-    `heads_per_stage` (Untied Ulysses only) defaults to the cp degree: one head per rank per stage.
+    `name` is the all-to-all level (`--cp-impl`); with a ring (`--cp-comm-type p2p` or
+    `a2a+p2p`) its local kernel is ring attention over `pstate.ring_group`, which needs
+    the `seq_length` it cuts into chunks. `heads_per_stage` (Untied Ulysses only)
+    defaults to the all-to-all degree: one head per rank per stage.
     """
     local_kernel = select_kernel(device, kernel)
-    if name == "local":
+    if name == "local" or pstate.cp_size == 1:
         return LocalAttention(head_dim, local_kernel)
     if name not in CP_IMPLS:
         raise ValueError(f"--cp-impl {name!r}: expected one of {', '.join(CP_IMPLS)}")
-    check_ulysses_shapes(num_heads, num_kv_heads, pstate.cp_size)
+    layout = pstate.context_layout
+    if layout.ring_size > 1:
+        if seq_length is None:
+            raise ValueError("ring attention needs the sequence length it cuts into chunks")
+        local_kernel = RingAttention(local_kernel, pstate.ring_group, layout, seq_length).as_kernel()
+    if layout.a2a_size == 1:
+        return LocalAttention(head_dim, local_kernel)  # the ring alone: every head on every rank
+    return _all_to_all_backend(name, head_dim, local_kernel, pstate, heads_per_stage, num_heads, num_kv_heads)
+
+
+def _all_to_all_backend(name: str, head_dim: int, kernel: Kernel, pstate: ParallelState,
+                        heads_per_stage: int | None, num_heads: int, num_kv_heads: int):
+    a2a = pstate.context_layout.a2a_size
+    check_ulysses_shapes(num_heads, num_kv_heads, a2a)
     if name == "ulysses":
-        return UlyssesAttention(head_dim, local_kernel, pstate.cp_group, pstate.cp_size)
-    stage_heads = pstate.cp_size if heads_per_stage is None else heads_per_stage
-    plan = check_untied_shapes(num_heads, num_kv_heads, pstate.cp_size, stage_heads)
-    return UntiedUlyssesAttention(head_dim, local_kernel, pstate.cp_group, plan)
+        return UlyssesAttention(head_dim, kernel, pstate.a2a_group, a2a)
+    plan = check_untied_shapes(num_heads, num_kv_heads, a2a, a2a if heads_per_stage is None else heads_per_stage)
+    return UntiedUlyssesAttention(head_dim, kernel, pstate.a2a_group, plan)

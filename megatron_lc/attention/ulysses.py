@@ -83,7 +83,8 @@ def check_ulysses_shapes(num_heads: int, num_kv_heads: int, cp: int, seq_length:
     """Configuration-time check: heads and sequence must split evenly over cp ranks."""
     if num_heads % cp:
         raise ValueError(f"--num-attention-heads {num_heads} is not divisible by --context-parallel-size {cp} "
-                         "(Ulysses gives each rank heads/cp heads)")
+                         "(Ulysses gives each rank heads/cp heads; ring attention has no such limit: --cp-comm-type p2p, "
+                         "or a2a+p2p with a smaller all-to-all degree)")
     if num_kv_heads % cp and cp % num_kv_heads:
         raise ValueError(f"--num-query-groups {num_kv_heads} and --context-parallel-size {cp}: one must divide "
                          "the other (kv heads are split, or replicated when fewer than cp)")

@@ -2,7 +2,7 @@
 
 Step `k` covers samples `[k*B*dp, (k+1)*B*dp)` of the sample source; data-parallel
 rank `r` takes its `B` consecutive samples from `k*B*dp + r*B`, and context-parallel
-rank `c` receives only its `S/cp` slice of each. The state is the number of samples
+rank `c` receives only its `S/cp` tokens of each (see `context_layout`). The state is the number of samples
 consumed by all data-parallel ranks together, as in Megatron.
 """
 
@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from megatron_lc.data.samples import Sample, SampleSource, cp_slice
+from megatron_lc.data.samples import Sample, SampleSource, cp_ranges
 
 
 @dataclass
@@ -66,6 +66,7 @@ class MicroBatchLoader:
         eod_mask_loss: bool = False,
         eod_token: int | None = None,
         num_samples: int | None = None,
+        cp_ring: int = 1,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
@@ -73,11 +74,11 @@ class MicroBatchLoader:
             raise ValueError(f"dp_rank {dp_rank} is not a rank of a data-parallel group of size {dp_size}")
         if eod_mask_loss and eod_token is None:
             raise ValueError("eod_mask_loss needs eod_token (the tokenizer's EOD id)")
-        cp_slice(samples.seq_length, cp_rank, cp_size)  # fails early on a bad cp layout
+        cp_ranges(samples.seq_length, cp_rank, cp_size, cp_ring)  # fails early on a bad cp layout
         self.samples = samples
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.cp_rank, self.cp_size, self.cp_ring = cp_rank, cp_size, cp_ring
         self.reset_position_ids = reset_position_ids
         self.eod_mask_loss = eod_mask_loss
         self.eod_token = eod_token
@@ -101,9 +102,8 @@ class MicroBatchLoader:
         return batch
 
     def _sample(self, index: int) -> Sample:
-        return self.samples.get(
-            index, self.cp_rank, self.cp_size, self.reset_position_ids, self.eod_mask_loss, self.eod_token
-        )
+        return self.samples.get(index, self.cp_rank, self.cp_size, self.reset_position_ids, self.eod_mask_loss,
+                                self.eod_token, cp_ring=self.cp_ring)
 
     def state_dict(self) -> dict[str, int]:
         """What a checkpoint needs to resume exactly."""

@@ -3,8 +3,9 @@
 The stream is every document of an indexed dataset (or of a subset, such as one
 `--split` part) back to back, in a seeded permuted order (a new permutation each epoch, as many epochs as needed). Sample `i`
 is stream tokens `[i*S, (i+1)*S + 1)`: `S` inputs and, shifted by one, `S` labels.
-Context-parallel rank `c` of `cp` reads only tokens `[c*S/cp, (c+1)*S/cp + 1)` of
-the sample from the memory map, so its host memory is O(S/cp). Document boundaries
+Context-parallel rank `c` reads only its own token ranges of the sample from the
+memory map (`[c*S/cp, (c+1)*S/cp)` without a ring, two chunks with one: see
+`context_layout`), so its host memory is O(S/cp). Document boundaries
 of the whole sample come from the index's sequence lengths, never from the tokens.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_lc.context_layout import ContextLayout
 from megatron_lc.data.index_cache import IndexCache, array_digest, dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset
 
@@ -31,14 +33,11 @@ class Sample:
     cu_seqlens: tuple[int, ...]  # document boundaries of the whole sample: (0, ..., S)
 
 
-def cp_slice(seq_length: int, cp_rank: int, cp_size: int) -> tuple[int, int]:
-    """Input positions `[start, stop)` of cp rank `cp_rank`."""
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} is not a rank of a context-parallel group of size {cp_size}")
-    if seq_length % cp_size:
-        raise ValueError(f"seq_length {seq_length} is not divisible by the context-parallel size {cp_size}")
-    local = seq_length // cp_size
-    return cp_rank * local, (cp_rank + 1) * local
+def cp_ranges(seq_length: int, cp_rank: int, cp_size: int, cp_ring: int = 1) -> tuple[tuple[int, int], ...]:
+    """Input positions `[start, stop)` of cp rank `cp_rank` (a ring of `cp_ring`: see `context_layout`)."""
+    if cp_size < 1 or cp_ring < 1 or cp_size % cp_ring:
+        raise ValueError(f"context-parallel size {cp_size} is not a multiple of its ring degree {cp_ring}")
+    return ContextLayout(a2a_size=cp_size // cp_ring, ring_size=cp_ring).token_ranges(seq_length, cp_rank)
 
 
 def position_ids_for(start: int, stop: int, cu_seqlens: tuple[int, ...], reset: bool) -> np.ndarray:
@@ -82,19 +81,20 @@ class SampleSource(ABC):
         reset_position_ids: bool = False,
         eod_mask_loss: bool = False,
         eod_token: int | None = None,
+        cp_ring: int = 1,
     ) -> Sample:
-        """Context-parallel rank `cp_rank`'s slice of sample `index`."""
+        """Context-parallel rank `cp_rank`'s tokens of sample `index` (one range, or two with a ring)."""
         if index < 0:
             raise IndexError(f"sample index {index} is negative")
-        start, stop = cp_slice(self.seq_length, cp_rank, cp_size)
-        tokens = self.read_tokens(index, start, stop + 1).astype(np.int64)
         cu_seqlens = self.cu_seqlens(index)
-        return Sample(
-            input_ids=tokens[:-1],
-            labels=labels_for(tokens, eod_mask_loss, eod_token),
-            position_ids=position_ids_for(start, stop, cu_seqlens, reset_position_ids),
-            cu_seqlens=cu_seqlens,
-        )
+        pieces = []
+        for start, stop in cp_ranges(self.seq_length, cp_rank, cp_size, cp_ring):
+            tokens = self.read_tokens(index, start, stop + 1).astype(np.int64)
+            pieces.append((tokens[:-1], labels_for(tokens, eod_mask_loss, eod_token),
+                           position_ids_for(start, stop, cu_seqlens, reset_position_ids)))
+        inputs, labels, positions = (np.concatenate(column) if len(pieces) > 1 else column[0]
+                                     for column in zip(*pieces))
+        return Sample(input_ids=inputs, labels=labels, position_ids=positions, cu_seqlens=cu_seqlens)
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) ->
     d = cfg.data
     return MicroBatchLoader(source, d.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
                             pstate.cp_size, reset_position_ids=d.reset_position_ids, eod_mask_loss=d.eod_mask_loss,
-                            eod_token=eod)
+                            eod_token=eod, cp_ring=pstate.context_layout.ring_size)
 
 
 def build_run(cfg: TrainConfig) -> Run:
@@ -111,7 +111,8 @@ def build_run(cfg: TrainConfig) -> Run:
     init_distributed(devices.accelerator)
     p = cfg.parallel
     pstate = ParallelState(ParallelDims(launch.world_size, cp=p.context_parallel_size,
-                                        dp_replicate=p.data_parallel_replicate), devices.accelerator.type)
+                                        dp_replicate=p.data_parallel_replicate,
+                                        cp_ring=cfg.context_layout().ring_size), devices.accelerator.type)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model) if cfg.data.tokenizer_type else None
     eod = tokenizer.eod if tokenizer else None
     model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)

@@ -149,7 +149,11 @@ class EfficientRecorder(_Recorder):
         a = _check_schema(torch.ops.aten._efficient_attention_backward.default, args, kwargs)
         r = self.returned
         q, k, v = a["query"], a["key"], a["value"]
-        assert _same(a["logsumexp"], r["lse"]), "the forward's own lse layout"
+        lse, native = a["logsumexp"], r["lse"]
+        assert lse.shape == native.shape and lse.dtype == native.dtype and lse.is_contiguous(), "native lse layout"
+        for i, (s, e) in enumerate(zip(CU[:-1], CU[1:])):
+            assert torch.equal(lse[i, :, : e - s], native[i, :, : e - s]), "the lse it is given, re-laid out"
+            assert torch.isinf(lse[i, :, e - s:]).all() and (lse[i, :, e - s:] > 0).all(), "padding +inf as the forward's"
         assert _same(a["philox_seed"], r["seed"]) and _same(a["philox_offset"], r["offset"])
         assert a["out"].shape == r["out"].shape and a["bias"] is None and a["bias_requires_grad"] is False
         assert q.shape[2] == k.shape[2] and a["custom_mask_type"] == 1
@@ -239,3 +243,70 @@ def test_resolve_kernel_name_matches_select_kernel():
 def test_flash_attn_version_parsing():
     assert kernels._version_tuple("2.7.4.post1") == (2, 7, 4)
     assert kernels._version_tuple("2.6.3") < kernels.FLASH_ATTN_MIN_VERSION <= kernels._version_tuple("2.7.0")
+
+
+# --- unmasked attention between different token sets (ring attention's key blocks) --------------
+
+CU_Q, CU_K = (0, 24, 40), (0, 56, 64)
+
+
+class _ArgumentRecorder:
+    """Records the arguments of every call (checked against the schema) and returns zeros of the output layout."""
+
+    def __init__(self, op, outputs):
+        self.op, self.outputs, self.calls = op, outputs, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(_check_schema(self.op, args, kwargs))
+        return self.outputs(self.calls[-1])
+
+
+def _cross_qkv(dtype):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(n, h, 16, generator=g).to(dtype) for n, h in ((40, 8), (64, 2), (64, 2))]
+
+
+def test_flash_kernels_take_separate_query_and_key_boundaries_unmasked(monkeypatch):
+    q, k, v = _cross_qkv(torch.bfloat16)
+    fwd = _ArgumentRecorder(torch.ops.aten._flash_attention_forward.default, lambda a: (
+        torch.zeros_like(a["query"]), torch.zeros(8, 40), torch.empty(2, dtype=torch.int64),
+        torch.empty((), dtype=torch.int64), torch.empty(0)))
+    bwd = _ArgumentRecorder(torch.ops.aten._flash_attention_backward.default, lambda a: (
+        torch.zeros_like(a["query"]), torch.zeros_like(a["key"]), torch.zeros_like(a["value"])))
+    monkeypatch.setitem(kernels.TORCH_OPS, "flash_forward", fwd)
+    monkeypatch.setitem(kernels.TORCH_OPS, "flash_backward", bwd)
+    out, lse, state = KERNELS["sdpa_flash"].forward(q, k, v, CU_Q, cu_seqlens_k=CU_K, causal=False)
+    merged = torch.randn(8, 40)  # ring attention's backward passes the lse merged over key blocks
+    KERNELS["sdpa_flash"].backward(out, q, k, v, out, merged, CU_Q, state=state, cu_seqlens_k=CU_K, causal=False)
+    for call in (fwd.calls[0], bwd.calls[0]):
+        assert tuple(call["cum_seq_q"].tolist()) == CU_Q and tuple(call["cum_seq_k"].tolist()) == CU_K
+        assert call["cum_seq_q"].dtype == call["cum_seq_k"].dtype == torch.int32
+        assert (call["max_q"], call["max_k"], call["is_causal"]) == (24, 56, False)
+    assert bwd.calls[0]["logsumexp"] is merged
+
+
+def test_memory_efficient_kernel_takes_separate_boundaries_and_the_given_lse(monkeypatch):
+    q, k, v = _cross_qkv(torch.float32)
+    fwd = _ArgumentRecorder(torch.ops.aten._efficient_attention_forward.default, lambda a: (
+        torch.zeros_like(a["query"]), torch.zeros(2, 8, 32), torch.empty((), dtype=torch.int64),
+        torch.empty((), dtype=torch.int64), 24, 56))
+    bwd = _ArgumentRecorder(torch.ops.aten._efficient_attention_backward.default, lambda a: (
+        torch.zeros_like(a["query"]), torch.zeros_like(a["key"]), torch.zeros_like(a["value"]), torch.empty(0)))
+    monkeypatch.setitem(kernels.TORCH_OPS, "efficient_forward", fwd)
+    monkeypatch.setitem(kernels.TORCH_OPS, "efficient_backward", bwd)
+    out, lse, state = KERNELS["sdpa_efficient"].forward(q, k, v, CU_Q, cu_seqlens_k=CU_K, causal=False)
+    merged = torch.randn(8, 40)
+    KERNELS["sdpa_efficient"].backward(out, q, k, v, out, merged, CU_Q, state=state, cu_seqlens_k=CU_K, causal=False)
+    for call in (fwd.calls[0], bwd.calls[0]):
+        assert tuple(call["cu_seqlens_q"].tolist()) == CU_Q and tuple(call["cu_seqlens_k"].tolist()) == CU_K
+        assert (call["max_seqlen_q"], call["max_seqlen_k"], call["custom_mask_type"]) == (24, 56, kernels.NO_MASK)
+    native = bwd.calls[0]["logsumexp"]
+    assert native.shape == (2, 8, 32)
+    assert torch.equal(native[0, :, :24], merged[:, :24]) and torch.equal(native[1, :, :16], merged[:, 24:])
+
+
+def test_causal_attention_between_different_token_sets_is_refused():
+    q, k, v = _cross_qkv(torch.float32)
+    for name in ("reference", "cpu_flash", "sdpa_efficient"):
+        with pytest.raises(ValueError, match="causal attention takes one cu_seqlens"):
+            KERNELS[name].forward(q, k, v, CU_Q, cu_seqlens_k=CU_K)

@@ -26,6 +26,7 @@ from megatron_lc.attention.untied_ulysses import (
     check_untied_shapes,
     valid_heads_per_stage,
 )
+from megatron_lc.context_layout import ContextLayout
 from megatron_lc.models.llama import get_config
 from megatron_lc.models.llama.parallelize import ParallelizeOptions
 from megatron_lc.parallel_state import ParallelDims, ParallelState
@@ -96,7 +97,7 @@ def test_stages_not_aligned_with_gqa_groups_are_refused():
 
 def test_registry_builds_untied_ulysses_and_checks_the_stage_width():
     assert "untied_ulysses" in CP_IMPLS
-    pstate = SimpleNamespace(cp_size=4, cp_group=None)  # the registry reads only these
+    pstate = SimpleNamespace(cp_size=4, a2a_group=None, context_layout=ContextLayout(a2a_size=4))  # all it reads
     backend = build_attention_backend("untied_ulysses", 16, CPU, pstate, num_heads=8, num_kv_heads=2)
     assert isinstance(backend, UntiedUlyssesAttention) and backend.plan.heads_per_stage == 4
     with pytest.raises(ValueError, match="--untied-heads-per-stage 2 must be a positive multiple"):

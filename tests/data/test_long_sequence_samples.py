@@ -130,7 +130,7 @@ def test_a_cp_rank_reads_only_its_slice_from_the_memory_map(make_dataset, random
 
 def test_cp_size_that_does_not_divide_seq_length_is_an_error(dataset):
     samples = LongSequenceSamples(dataset, 30, seed=0)
-    with pytest.raises(ValueError, match="seq_length 30 is not divisible by the context-parallel size 4"):
+    with pytest.raises(ValueError, match="--seq-length 30 is not divisible by 4"):
         samples.get(0, cp_rank=0, cp_size=4)
     with pytest.raises(ValueError, match="cp_rank 2 is not a rank of a context-parallel group of size 2"):
         samples.get(0, cp_rank=2, cp_size=2)

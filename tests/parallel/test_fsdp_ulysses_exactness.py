@@ -50,8 +50,9 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def check_against_reference(rank, world, config, cp, opts, batch_args, steps=2):
-    """Each step's loss (1e-5), gradient norm and every full gradient (1e-4) equal the reference's.
+def check_against_reference(rank, world, config, cp, opts, batch_args, steps=2, cp_ring=1):
+    """Each step's loss (1e-5), gradient norm and every full gradient (1e-4) equal the reference's
+    (`cp_ring`: ring degree of the cp group; the rest is all-to-all).
 
     Steps after the first check the AdamW update of sharded parameters through their effect
     on the next step's loss and gradients."""
@@ -59,10 +60,11 @@ def check_against_reference(rank, world, config, cp, opts, batch_args, steps=2):
     ref_losses, ref_norms, ref_grads = reference_run(config, batch, steps)
     # The update must move the loss far beyond the tolerance, or step 2 would prove nothing.
     assert abs(ref_losses[1] - ref_losses[0]) > 100 * 1e-5 * abs(ref_losses[0])
-    pstate = ParallelState(ParallelDims(world_size=world, cp=cp))
+    pstate = ParallelState(ParallelDims(world_size=world, cp=cp, cp_ring=cp_ring))
+    opts = dataclasses.replace(opts, seq_length=batch_args["seq_length"])
     model = build_parallel_model(config, pstate, opts, build_model(config, device="cpu", seed=0).state_dict())
     opt = build_optimizer(model, lr=LR, eps=ADAM_EPS)
-    local = shard_batch(batch, per_sample, pstate.dp_rank, pstate.dp_size, pstate.cp_rank, cp)
+    local = shard_batch(batch, per_sample, pstate.dp_rank, pstate.dp_size, pstate.cp_rank, cp, pstate.context_layout)
     for step in range(steps):
         result = forward_backward(model, [local], pstate, CPU.accelerator)
         torch.testing.assert_close(result.loss, ref_losses[step], rtol=1e-5, atol=0)

@@ -28,7 +28,9 @@ class ParallelizeOptions:
     """How to run the model; flags of the same names in `megatron_lc.config`."""
 
     cp_impl: str = "ulysses"
-    """Context-parallel attention backend when cp > 1: ulysses | untied_ulysses."""
+    """Context-parallel attention backend of the all-to-all level: ulysses | untied_ulysses."""
+    seq_length: int | None = None
+    """Tokens per sample: ring attention (a cp layout with a ring) cuts them into chunks."""
     attention_kernel: str = "auto"
     """Local attention kernel: auto | flash_attn | sdpa_flash | cpu_flash | reference."""
     heads_per_stage: int | None = None
@@ -71,7 +73,7 @@ def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: Par
     model.set_attention_backend(build_attention_backend(
         opts.cp_impl if pstate.cp_size > 1 else "local", c.kv_channels, devices.accelerator, pstate,
         kernel=opts.attention_kernel, heads_per_stage=opts.heads_per_stage,
-        num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups,
+        num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups, seq_length=opts.seq_length,
     ))
 
 

@@ -1,0 +1,238 @@
+"""Ring attention: causal attention over a sequence spread around a ring of ranks.
+
+Ring rank r holds chunks r and 2R-1-r of each sample (see `context_layout`), laid out
+per sample as [chunk r, chunk 2R-1-r] rows of q, k and v [T, heads, d]. Its keys and
+values travel around the ring (to rank r+1, from rank r-1) while it attends to the
+block in hand: step s holds the keys of ring rank r-s. Against its own block a rank
+runs one causal call over both chunks; against an earlier chunk, only the document
+that crosses from that chunk into the query chunk is attended, without a mask (every
+key lies before every query). Partial outputs are merged by log-sum-exp in fp32.
+
+The backward passes the keys and values around again with fp32 dK/dV accumulators,
+each rank adding its share for the block in hand; after R hops each accumulator is
+back at its owner. The kernels are this package's local kernels, called with the merged
+out and lse (`kernels` module contract), so every kernel works in a ring.
+
+`RingAttention` is itself a `Kernel` (same forward/backward contract, `cu_seqlens` the
+boundaries of the whole micro-batch, `(0, ..., B*S)`), so it stands wherever a local
+kernel does: alone (`--cp-comm-type p2p`) or inside Ulysses and Untied Ulysses
+(`a2a+p2p`), where it attends over the ring rank's tokens on the heads the
+all-to-all gave this rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_lc.attention.kernels import CuSeqlens, Kernel
+from megatron_lc.context_layout import ContextLayout
+
+
+@dataclass(frozen=True)
+class ChunkPair:
+    """One kernel call: query rows attending to key rows of the block in hand."""
+
+    q_rows: tuple[int, int]
+    k_rows: tuple[int, int]
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...] | None
+    """None: keys are the query rows themselves (causal)."""
+
+
+def _chunk_boundaries(cu: CuSeqlens, sample_start: int, low: int, high: int) -> list[int]:
+    """Document boundaries inside sample positions (low, high), relative to low."""
+    first = bisect.bisect_right(cu, sample_start + low)
+    last = bisect.bisect_left(cu, sample_start + high)
+    return [b - sample_start - low for b in cu[first:last]]
+
+
+def _document_around(cu: CuSeqlens, sample_start: int, position: int) -> tuple[int, int]:
+    """(start, end) in sample positions of the document holding `position`."""
+    i = bisect.bisect_right(cu, sample_start + position) - 1
+    return cu[i] - sample_start, cu[i + 1] - sample_start
+
+
+@dataclass(frozen=True)
+class RingSchedule:
+    """Which rows attend to which, for one ring rank and a micro-batch's document boundaries."""
+
+    layout: ContextLayout
+    seq_length: int
+    cu_seqlens: tuple[int, ...]
+    ring_rank: int
+
+    @property
+    def chunk(self) -> int:
+        return self.seq_length // (2 * self.layout.ring_size)
+
+    @property
+    def samples(self) -> int:
+        return self.cu_seqlens[-1] // self.seq_length
+
+    def own_block(self) -> ChunkPair:
+        """Causal attention of every local row over its own chunk: one call for the micro-batch."""
+        C, S = self.chunk, self.seq_length
+        cu = [0]
+        for b in range(self.samples):
+            for slot, index in enumerate(self.layout.ring_chunks(self.ring_rank)):
+                base = (2 * b + slot) * C
+                cu += [base + x for x in _chunk_boundaries(self.cu_seqlens, b * S, index * C, (index + 1) * C)]
+                cu.append(base + C)
+        return ChunkPair((0, 2 * C * self.samples), (0, 2 * C * self.samples), tuple(cu), None)
+
+    def cross_pairs(self, kv_ring_rank: int) -> list[ChunkPair]:
+        """Unmasked calls of local query chunks over the earlier chunks of ring rank `kv_ring_rank`'s block."""
+        C, S = self.chunk, self.seq_length
+        pairs = []
+        for b in range(self.samples):
+            for q_slot, q_chunk in enumerate(self.layout.ring_chunks(self.ring_rank)):
+                for k_slot, k_chunk in enumerate(self.layout.ring_chunks(kv_ring_rank)):
+                    if k_chunk >= q_chunk:
+                        continue
+                    start, end = _document_around(self.cu_seqlens, b * S, q_chunk * C)
+                    if start >= (k_chunk + 1) * C:
+                        continue  # the query chunk's first document starts after the key chunk
+                    q0, k0 = (2 * b + q_slot) * C, (2 * b + k_slot) * C
+                    n_q, first_k = min(end, (q_chunk + 1) * C) - q_chunk * C, max(start, k_chunk * C) - k_chunk * C
+                    pairs.append(ChunkPair((q0, q0 + n_q), (k0 + first_k, k0 + C), (0, n_q), (0, C - first_k)))
+        return pairs
+
+
+class _Ring:
+    """Point-to-point exchange with the ring's neighbours: send to rank r+1, receive from rank r-1."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, tensors: tuple[torch.Tensor, ...], wait: bool) -> "_Transfer":
+        """Send `tensors` on and receive the same shapes from behind; `wait` blocks until both are done."""
+        sent = tuple(t.contiguous() for t in tensors)
+        received = tuple(torch.empty_like(t) for t in sent)
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+        transfer = _Transfer(dist.batch_isend_irecv(ops), sent, received)
+        if wait:
+            transfer.wait()
+        return transfer
+
+
+@dataclass
+class _Transfer:
+    works: list
+    sent: tuple[torch.Tensor, ...]
+    """Held until the sends complete: their memory must not be reused before."""
+    received: tuple[torch.Tensor, ...]
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        for work in self.works:
+            work.wait()
+        self.works, self.sent = [], ()
+        return self.received
+
+
+def _merge(acc: torch.Tensor, lse: torch.Tensor, rows: tuple[int, int], out: torch.Tensor,
+           out_lse: torch.Tensor) -> None:
+    """Fold a partial result (out [n, H, d], lse [H, n]) into the running fp32 accumulators, in place."""
+    a, b = rows
+    old = lse[:, a:b]
+    new = torch.logaddexp(old, out_lse)
+    acc[a:b].mul_(torch.exp(old - new).t().unsqueeze(-1)).add_(out.to(acc.dtype) * torch.exp(out_lse - new).t().unsqueeze(-1))
+    lse[:, a:b] = new
+
+
+@dataclass
+class RingAttention:
+    """Ring attention over `group` (ring ranks) with `kernel` for every block; see the module docstring.
+
+    `overlap=False` waits for each transfer before computing: the same results, for
+    measuring what the overlap gains.
+    """
+
+    kernel: Kernel
+    group: object
+    layout: ContextLayout
+    seq_length: int
+    overlap: bool = True
+    ring: _Ring = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.layout.ring_size < 2:
+            raise ValueError("ring attention needs a ring of at least 2 ranks")
+        self.ring = _Ring(self.group)
+        if self.ring.size != self.layout.ring_size:
+            raise ValueError(f"ring group of {self.ring.size} ranks for a ring of {self.layout.ring_size}")
+        self.layout.check(self.seq_length)
+
+    @property
+    def name(self) -> str:
+        return f"ring({self.kernel.name})"
+
+    def as_kernel(self) -> Kernel:
+        return Kernel(self.name, self.forward, self.backward)
+
+    def _schedule(self, q: torch.Tensor, cu_seqlens: CuSeqlens) -> RingSchedule:
+        cu = tuple(cu_seqlens)
+        if cu[-1] % self.seq_length or q.shape[0] * self.layout.ring_size != cu[-1]:
+            raise ValueError(f"ring attention over {q.shape[0]} local tokens x {self.layout.ring_size} ring ranks: "
+                             f"cu_seqlens must cover whole samples of {self.seq_length} tokens, got {cu[-1]}")
+        return RingSchedule(self.layout, self.seq_length, cu, self.ring.rank)
+
+    def _kv_rank(self, step: int) -> int:
+        return (self.ring.rank - step) % self.ring.size
+
+    def forward(self, q, k, v, cu_seqlens, scale=None):
+        schedule = self._schedule(q, cu_seqlens)
+        own = schedule.own_block()
+        out, lse, state = self.kernel.forward(q, k, v, own.cu_q, scale)
+        acc, states = out.to(lse.dtype), [state]
+        kv = (k, v)
+        for step in range(self.ring.size):
+            last = step == self.ring.size - 1
+            transfer = None if last else self.ring.start(kv, wait=not self.overlap)
+            for pair in schedule.cross_pairs(self._kv_rank(step)):
+                (a, b), (c, d) = pair.q_rows, pair.k_rows
+                o, l, s = self.kernel.forward(q[a:b], kv[0][c:d], kv[1][c:d], pair.cu_q, scale,
+                                              cu_seqlens_k=pair.cu_k, causal=False)
+                _merge(acc, lse, pair.q_rows, o, l)
+                states.append(s)
+            if transfer is not None:
+                kv = transfer.wait()
+        return acc.to(q.dtype), lse, tuple(t for s in states for t in s)
+
+    def backward(self, dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
+        schedule = self._schedule(q, cu_seqlens)
+        per_call = len(state) // (1 + sum(len(schedule.cross_pairs(j)) for j in range(self.ring.size)))
+        states = iter(zip(*[iter(state)] * per_call)) if per_call else iter(lambda: (), None)
+        acc = lse.dtype
+        own = schedule.own_block()
+        gq, gk, gv = self.kernel.backward(dout, q, k, v, out, lse, own.cu_q, scale, tuple(next(states)))
+        dq, dk, dv = gq.to(acc), gk.to(acc), gv.to(acc)  # dk, dv: contributions to the block in hand
+        kv, dkv_transfer = (k, v), None
+        for step in range(self.ring.size):
+            last = step == self.ring.size - 1
+            kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
+            for pair in schedule.cross_pairs(self._kv_rank(step)):
+                (a, b), (c, d) = pair.q_rows, pair.k_rows
+                gq, gk, gv = self.kernel.backward(dout[a:b], q[a:b], kv[0][c:d], kv[1][c:d], out[a:b],
+                                                  lse[:, a:b].contiguous(), pair.cu_q, scale, tuple(next(states)),
+                                                  cu_seqlens_k=pair.cu_k, causal=False)
+                dq[a:b] += gq
+                dk[c:d] += gk
+                dv[c:d] += gv
+            if dkv_transfer is not None:  # what the ranks before this one added to this block
+                dk_in, dv_in = dkv_transfer.wait()
+                dk += dk_in
+                dv += dv_in
+            dkv_transfer = self.ring.start((dk, dv), wait=not self.overlap)
+            if kv_transfer is not None:
+                kv = kv_transfer.wait()
+                dk, dv = torch.zeros_like(dk), torch.zeros_like(dv)
+        dk, dv = dkv_transfer.wait()  # this rank's own block, back from its last hop
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

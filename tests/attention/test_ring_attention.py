@@ -1,0 +1,140 @@
+"""Ring attention: its schedule covers causal attention exactly once, and its kernel
+matches full-sequence attention (outputs and gradients) in multi-process gloo runs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_lc.attention.kernels import KERNELS, attention, segment_pairs
+from megatron_lc.attention.ring import RingAttention, RingSchedule
+from megatron_lc.context_layout import ContextLayout, context_layout_from_flags
+from megatron_lc.parallel_state import ParallelDims, ParallelState
+from tests.helpers import run_distributed
+
+
+def _positions(layout: ContextLayout, S: int, ring_rank: int) -> list[int]:
+    """Sequence positions of a ring rank's rows, in row order (its all-to-all ranks' ranges back to back)."""
+    ranks = range(ring_rank * layout.a2a_size, (ring_rank + 1) * layout.a2a_size)
+    return [p for c in ranks for a, b in layout.token_ranges(S, c) for p in range(a, b)]
+
+
+@pytest.mark.parametrize("a2a,ring,S", [(1, 2, 16), (1, 4, 32), (2, 2, 16), (3, 2, 24), (2, 3, 24), (4, 1, 16)])
+def test_token_ranges_partition_the_sequence_evenly(a2a, ring, S):
+    layout = ContextLayout(a2a, ring)
+    held = [[p for a, b in layout.token_ranges(S, c) for p in range(a, b)] for c in range(layout.cp_size)]
+    assert sorted(itertools.chain(*held)) == list(range(S))
+    assert {len(h) for h in held} == {S // layout.cp_size}
+    if ring > 1:  # ring rank r holds chunks r and 2R-1-r, in that order
+        C = S // (2 * ring)
+        for r in range(ring):
+            assert _positions(layout, S, r) == [*range(r * C, (r + 1) * C), *range((2 * ring - 1 - r) * C,
+                                                                                     (2 * ring - r) * C)]
+
+
+def test_layout_refuses_lengths_it_cannot_cut_naming_the_flag():
+    with pytest.raises(ValueError, match="--seq-length 20 is not divisible by 12"):
+        ContextLayout(3, 2).check(20)
+    with pytest.raises(ValueError, match="--hierarchical-context-parallel-sizes 2 2: the product"):
+        context_layout_from_flags(8, "a2a+p2p", (2, 2))
+    with pytest.raises(ValueError, match="needs --hierarchical-context-parallel-sizes"):
+        context_layout_from_flags(4, "a2a+p2p", None)
+    with pytest.raises(ValueError, match="--cp-comm-type 'ring'"):
+        context_layout_from_flags(4, "ring")
+    assert context_layout_from_flags(4, "p2p") == ContextLayout(1, 4)
+    assert context_layout_from_flags(4, "a2a+p2p", [2, 2]).comm_type == "a2a+p2p"
+
+
+@pytest.mark.parametrize("ring", [2, 3, 4])
+def test_schedule_attends_every_causal_same_document_pair_exactly_once(ring):
+    S, B = 24 * ring, 2
+    layout = ContextLayout(1, ring)
+    g = torch.Generator().manual_seed(ring)
+    cu = [0]
+    for b in range(B):  # documents of uneven length, one longer than a chunk, one of a single token
+        cuts = sorted({int(x) for x in torch.randint(1, S, (4,), generator=g)} | {5, 6})
+        cu += [b * S + c for c in cuts] + [(b + 1) * S]
+    doc = lambda p: max(i for i, c in enumerate(cu) if c <= p)  # noqa: E731
+    want = {(b * S + i, b * S + j) for b in range(B) for i in range(S) for j in range(i + 1) if doc(b * S + i) ==
+            doc(b * S + j)}
+    seen = []
+    for r in range(ring):
+        schedule = RingSchedule(layout, S, tuple(cu), r)
+        rows = [b * S + p for b in range(B) for p in _positions(layout, S, r)]
+        for kv in range(ring):
+            kv_rows = [b * S + p for b in range(B) for p in _positions(layout, S, kv)]
+            pairs = ([schedule.own_block()] if kv == r else []) + schedule.cross_pairs(kv)
+            for pair in pairs:
+                (a, _), (c, _) = pair.q_rows, pair.k_rows
+                for qa, qb, ka, kb in segment_pairs(pair.cu_q, pair.cu_k, pair.cu_k is None):
+                    for i in range(qa, qb):
+                        for j in range(ka, kb):
+                            if pair.cu_k is None and j > i:
+                                continue  # causal inside the own block
+                            seen.append((rows[a + i], kv_rows[c + j]))
+    assert len(seen) == len(set(seen)), "a pair attended twice"
+    assert set(seen) == want
+
+
+# --- multi-process: the kernel against full-sequence attention ------------------------------------
+
+
+def _full_and_local(S, B, H, Hkv, d, layout, cp_rank, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, S, h, d, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    cu = [0]
+    for b in range(B):
+        cu += [b * S + c for c in (3, 5, S // 2 + 1, S - 2)] + [(b + 1) * S]
+    idx = torch.tensor([p for a, e in layout.token_ranges(S, cp_rank) for p in range(a, e)])
+    return (q, k, v), tuple(cu), idx
+
+
+def _check_ring_kernel(rank, world, overlap):
+    torch.manual_seed(0)
+    S, B, H, Hkv, d = 32, 2, 4, 2, 8
+    layout = ContextLayout(1, world)
+    pstate = ParallelState(ParallelDims(world, cp=world, cp_ring=world))
+    ring = RingAttention(KERNELS["reference"], pstate.ring_group, layout, S, overlap=overlap).as_kernel()
+    (q, k, v), cu, idx = _full_and_local(S, B, H, Hkv, d, layout, pstate.cp_rank)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*(t.flatten(0, 1) for t in full), cu, KERNELS["reference"]).unflatten(0, (B, S))
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    local = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
+    got = attention(*(t.flatten(0, 1) for t in local), cu, ring).unflatten(0, (B, len(idx)))
+    got.backward(dout[:, idx])
+    torch.testing.assert_close(got, out[:, idx].detach(), rtol=1e-10, atol=1e-10)
+    for mine, ref in zip(local, full):
+        torch.testing.assert_close(mine.grad, ref.grad[:, idx], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("world,overlap", [(2, True), (4, True), (4, False)])
+def test_ring_kernel_matches_full_sequence_attention(world, overlap):
+    run_distributed(_check_ring_kernel, world, overlap)
+
+
+def _check_cpu_flash_in_ring(rank, world):
+    """torch's CPU flash kernel (fp32) through the ring's unmasked calls, against the fp64 reference."""
+    torch.manual_seed(0)  # the same output gradient on every rank
+    S, B, H, Hkv, d = 32, 1, 4, 1, 8
+    layout = ContextLayout(1, world)
+    pstate = ParallelState(ParallelDims(world, cp=world, cp_ring=world))
+    ring = RingAttention(KERNELS["cpu_flash"], pstate.ring_group, layout, S).as_kernel()
+    (q, k, v), cu, idx = _full_and_local(S, B, H, Hkv, d, layout, pstate.cp_rank, seed=1)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*(t.flatten(0, 1) for t in full), cu, KERNELS["reference"])
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    local = [t[:, idx].float().requires_grad_() for t in (q, k, v)]
+    got = attention(*(t.flatten(0, 1) for t in local), cu, ring)
+    got.backward(dout.unflatten(0, (B, S))[:, idx].flatten(0, 1).float())
+    torch.testing.assert_close(got.double(), out.unflatten(0, (B, S))[:, idx].flatten(0, 1).detach(),
+                               rtol=1e-5, atol=1e-5)
+    for mine, ref in zip(local, full):
+        torch.testing.assert_close(mine.grad.double(), ref.grad[:, idx], rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_flash_kernel_runs_in_the_ring():
+    run_distributed(_check_cpu_flash_in_ring, 2)
