@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from typing import Callable, NoReturn
 
@@ -51,6 +52,10 @@ def finish_distributed() -> None:
         dist.destroy_process_group()
 
 
+REPORTING_GRACE_S = 5.0
+"""How long ranks that stay silent about a configuration error wait before they exit."""
+
+
 def report_config_error(error: ConfigError) -> None:
     """One line from rank 0; other nodes' first ranks speak too, as a check of files (data, --save) can
     fail on one node alone and that node would otherwise leave without a word."""
@@ -71,6 +76,8 @@ def run_entry_point(main: Callable[[], object]) -> NoReturn:
         exit_process(EXIT_OK if e.code is None else e.code if isinstance(e.code, int) else EXIT_FAILURE)
     except ConfigError as e:
         report_config_error(e)
+        if dist.is_initialized() and detect_launch().local_rank != 0:
+            time.sleep(REPORTING_GRACE_S)  # the launcher stops the others when one exits: let the reporting rank speak
         exit_process(EXIT_CONFIG_ERROR)
     except BaseException:  # noqa: BLE001 - any other failure: its traceback, then a failing status
         traceback.print_exc()
