@@ -143,7 +143,8 @@ def _merge(acc: torch.Tensor, lse: torch.Tensor, rows: tuple[int, int], out: tor
     a, b = rows
     old = lse[:, a:b]
     new = torch.logaddexp(old, out_lse)
-    acc[a:b].mul_(torch.exp(old - new).t().unsqueeze(-1)).add_(out.to(acc.dtype) * torch.exp(out_lse - new).t().unsqueeze(-1))
+    # Weights are [n, H, 1]: the [n, H, d] products are formed element by element, never as temporaries.
+    acc[a:b].mul_(torch.exp(old - new).t().unsqueeze(-1)).addcmul_(out, torch.exp(out_lse - new).t().unsqueeze(-1))
     lse[:, a:b] = new
 
 

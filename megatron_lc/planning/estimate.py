@@ -236,7 +236,9 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     analysis = step.trace.analysis
     communicators = len(analysis.communicators)
     nccl = nccl_bytes(analysis.communicator_sizes, analysis.all_to_all_groups, machine.nccl,
-                      min(machine.gpus_per_node, machine.num_gpus)) if machine.device == "cuda" else 0
+                      min(machine.gpus_per_node, machine.num_gpus), analysis.point_to_point_groups,
+                      ring_on_node=cfg.parallel.context_parallel_size <= machine.gpus_per_node) \
+        if machine.device == "cuda" else 0
     by_category = dict(step.peak.by_category)
     by_category["communication buffers"] += nccl
     top = step.trace.analysis.top_buffers(step.peak.event_index, lambda d: d == "meta")

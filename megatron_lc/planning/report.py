@@ -13,7 +13,13 @@ def describe_config(cfg: TrainConfig, num_gpus: int) -> str:
     p, m = cfg.parallel, cfg.memory
     stack = ["FSDP" if num_gpus > 1 else "no FSDP"]
     if p.context_parallel_size > 1:
-        stack.append(f"{p.cp_impl} cp={p.context_parallel_size}")
+        layout = cfg.context_layout()
+        if layout.ring_size == 1:
+            stack.append(f"{p.cp_impl} cp={p.context_parallel_size}")
+        elif layout.a2a_size == 1:
+            stack.append(f"ring cp={p.context_parallel_size}")
+        else:
+            stack.append(f"{p.cp_impl} {layout.a2a_size} x ring {layout.ring_size}")
     if m.recompute_granularity != "none":
         stack.append(f"{m.recompute_granularity} recompute")
     stack += [name for name, on in (("offload", m.offload_activations), ("tiled MLP", m.tiled_mlp),

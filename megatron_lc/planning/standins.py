@@ -72,14 +72,15 @@ def _flash_varlen_kernel(name: str, name_buffer: NameBuffer, copies_strided: boo
     (`copies_strided`): Untied Ulysses hands both in as views of its receive buffer.
     """
 
-    def forward(q, k, v, cu_seqlens, scale=None):
+    def forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
         kernels._check_flash_dtype(q, name)
+        kernels.segment_pairs(cu_seqlens, cu_seqlens_k, causal)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         name_buffer(lse, "flash log-sum-exp")
         return out, lse, (torch.empty(2, dtype=torch.int64, device=q.device),)
 
-    def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
+    def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None, causal=True):
         copies = [t.contiguous() for t in (dout, out) if copies_strided and not t.is_contiguous()]
         for t in copies:
             name_buffer(t, "sdpa flash bwd contiguous copy of grad_out/out")
@@ -259,6 +260,17 @@ def connection_bytes(s: NcclSettings) -> int:
     return receive + _round_up(s.buffsize, s.granularity)
 
 
+def ring_communicator_bytes(ranks: int, s: NcclSettings, on_node: bool) -> int:
+    """NCCL buffers of a communicator that carries send/recv to the two ring neighbours only (ring
+    attention): per neighbour, `p2p_channels_per_peer` connections on NVLink or `net_channels_per_peer`
+    across nodes. NCCL connects on first use, so the ring/tree channels of collectives are not made."""
+    if ranks < 2:
+        return 0
+    neighbours = 1 if ranks == 2 else 2
+    per_peer = s.p2p_channels_per_peer if on_node else s.net_channels_per_peer
+    return neighbours * per_peer * connection_bytes(s)
+
+
 def communicator_bytes(ranks: int, all_to_all: bool, s: NcclSettings, ranks_per_node: int = 8) -> int:
     """NCCL buffers one rank holds for one communicator of `ranks` ranks.
 
@@ -278,6 +290,9 @@ def communicator_bytes(ranks: int, all_to_all: bool, s: NcclSettings, ranks_per_
     return (s.channels + peers) * connection_bytes(s)
 
 
-def nccl_bytes(groups: dict[str, int], all_to_all: tuple[str, ...], s: NcclSettings, ranks_per_node: int = 8) -> int:
-    """Modelled NCCL buffer bytes of one rank: one communicator per group the step communicates on."""
-    return sum(communicator_bytes(ranks, name in all_to_all, s, ranks_per_node) for name, ranks in groups.items())
+def nccl_bytes(groups: dict[str, int], all_to_all: tuple[str, ...], s: NcclSettings, ranks_per_node: int = 8,
+               point_to_point: tuple[str, ...] = (), ring_on_node: bool = True) -> int:
+    """Modelled NCCL buffer bytes of one rank: one communicator per group the step communicates on
+    (`point_to_point`: groups that carry only ring send/recv, on one node or across nodes)."""
+    return sum(ring_communicator_bytes(ranks, s, ring_on_node) if name in point_to_point and name not in all_to_all
+               else communicator_bytes(ranks, name in all_to_all, s, ranks_per_node) for name, ranks in groups.items())

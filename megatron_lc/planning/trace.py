@@ -118,7 +118,8 @@ def measure_real_step(cfg: TrainConfig, pstate: ParallelState, batch: Batch,
 
 def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """The run's parallel degrees."""
-    return ParallelDims(world_size, cp=cfg.parallel.context_parallel_size, dp_replicate=cfg.parallel.data_parallel_replicate)
+    return ParallelDims(world_size, cp=cfg.parallel.context_parallel_size,
+                        dp_replicate=cfg.parallel.data_parallel_replicate, cp_ring=cfg.context_layout().ring_size)
 
 
 def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str = "cuda",

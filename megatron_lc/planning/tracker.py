@@ -48,6 +48,7 @@ _LAYER = re.compile(r"\blayers\.(\d+)\b")
 _DEVICE_QUERY = torch.ops.prim.device.default
 _PROPAGATION_FUNCTION = "_propagate_tensor_meta_non_cached"
 _ALL_TO_ALL_OPS = ("c10d.alltoall_base_", "c10d.alltoall_", "_c10d_functional.all_to_all_single")
+_POINT_TO_POINT_OPS = ("c10d.send", "c10d.recv_")
 
 
 def category_of(reftype) -> str:
@@ -101,6 +102,8 @@ class TimelineAnalysis:
     """Ranks of each group the step communicates on."""
     all_to_all_groups: tuple[str, ...] = ()
     """The groups that carry all-to-all (their NCCL communicators connect every pair of ranks)."""
+    point_to_point_groups: tuple[str, ...] = ()
+    """The groups that carry send/recv (ring attention: each rank connects to its two neighbours)."""
 
     @property
     def communicators(self) -> tuple[str, ...]:
@@ -136,6 +139,7 @@ class TimelineMixin:
         self._plan_unit = "start"
         self._plan_groups: dict[str, int] = {}  # name -> ranks
         self._plan_all_to_all: dict[str, None] = {}
+        self._plan_point_to_point: dict[str, None] = {}
         self._plan_probe = host_bytes_probe
 
     # --- what the step is doing now -----------------------------------------------------
@@ -246,6 +250,8 @@ class TimelineMixin:
                 self._plan_groups.setdefault(*group)
                 if self._plan_op.startswith(_ALL_TO_ALL_OPS):
                     self._plan_all_to_all.setdefault(group[0])
+                elif self._plan_op.startswith(_POINT_TO_POINT_OPS):
+                    self._plan_point_to_point.setdefault(group[0])
         if self._plan_op.startswith(_ALL_TO_ALL_OPS):
             tensors = [value for value in args if isinstance(value, torch.Tensor)]
             for tensor, role in zip(tensors, ("all-to-all receive buffer", "all-to-all send buffer")):
@@ -283,7 +289,8 @@ class TimelineMixin:
                 phase_peaks[event.phase] = PhasePeak(total, dict(categories), index)
         host_peak = max(host_peak, max((e.probe for e in self._plan_events), default=0))
         return TimelineAnalysis(peak, phase_peaks, host_peak, dict(self._plan_buffers),
-                                list(self._plan_events), dict(self._plan_groups), tuple(self._plan_all_to_all))
+                                list(self._plan_events), dict(self._plan_groups), tuple(self._plan_all_to_all),
+                                tuple(self._plan_point_to_point))
 
 
 def _in_sharding_propagation() -> bool:

@@ -38,6 +38,10 @@ DISTRIBUTED = {
 if "untied_ulysses" in CP_IMPLS:
     DISTRIBUTED["untied-cp4-full-stack-fetch-on-demand"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
                                                                 no_offload_prefetch=True, **FULL_STACK)
+DISTRIBUTED["ring-p2p-cp4-full-stack"] = dict(context_parallel_size=4, cp_comm_type="p2p", **FULL_STACK)
+DISTRIBUTED["untied-2x2-ring-full-stack"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
+                                                 cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2],
+                                                 **FULL_STACK)
 SINGLE = {"one-rank": {}, "one-rank-full-stack": dict(FULL_STACK)}
 
 

@@ -22,6 +22,7 @@ from megatron_lc.planning.standins import (
     communicator_bytes,
     connection_bytes,
     nccl_bytes,
+    ring_communicator_bytes,
     planned_kernel_name,
 )
 from megatron_lc.planning.trace import trace_step
@@ -167,3 +168,21 @@ def test_nccl_model_uses_network_channels_for_peers_on_other_nodes():
     s = NcclSettings()
     two_nodes = communicator_bytes(16, True, s, ranks_per_node=8)
     assert two_nodes == (s.channels + 7 * s.p2p_channels_per_peer + 8 * s.net_channels_per_peer) * connection_bytes(s)
+
+
+def test_ring_attention_groups_are_modelled_as_two_neighbour_connections():
+    """A ring's communicator carries only send/recv: connections to its two neighbours (one for a ring of two),
+    NVLink channels on one node, network channels across nodes; the trace finds the group by its send/recv."""
+    s = NcclSettings()
+    assert ring_communicator_bytes(4, s, on_node=True) == 2 * s.p2p_channels_per_peer * connection_bytes(s)
+    assert ring_communicator_bytes(2, s, on_node=False) == s.net_channels_per_peer * connection_bytes(s)
+    cfg = config_from_values(dict(model="debug", context_parallel_size=4, cp_comm_type="a2a+p2p",
+                                  hierarchical_context_parallel_sizes=[2, 2], seq_length=256, mock_data=True,
+                                  bf16=True))
+    a = trace_step(cfg, 4, 2, "cuda").analysis
+    (ring,) = a.point_to_point_groups
+    assert a.communicator_sizes[ring] == 2 and ring not in a.all_to_all_groups
+    assert all(a.communicator_sizes[g] == 2 for g in a.all_to_all_groups)
+    assert nccl_bytes(a.communicator_sizes, a.all_to_all_groups, s, 8, a.point_to_point_groups, False) == \
+        nccl_bytes({g: n for g, n in a.communicator_sizes.items() if g != ring}, a.all_to_all_groups, s) + \
+        ring_communicator_bytes(2, s, on_node=False)
