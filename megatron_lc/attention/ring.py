@@ -211,11 +211,13 @@ class RingAttention:
         schedule = self._schedule(q, cu_seqlens)
         per_call = len(state) // (1 + sum(len(schedule.cross_pairs(j)) for j in range(self.ring.size)))
         states = iter(zip(*[iter(state)] * per_call)) if per_call else iter(lambda: (), None)
-        acc = lse.dtype
         own = schedule.own_block()
         gq, gk, gv = self.kernel.backward(dout, q, k, v, out, lse, own.cu_q, scale, tuple(next(states)))
-        dq, dk, dv = gq.to(acc), gk.to(acc), gv.to(acc)  # dk, dv: contributions to the block in hand
-        kv, dkv_transfer = (k, v), None
+        dq = gq.to(lse.dtype)
+        # This step's dK/dV shares of the block in hand, kept as the kernel returned them until the
+        # block's fp32 accumulator arrives: only the accumulator in flight and the next one exist in fp32.
+        shares = [(own.k_rows, gk, gv)]
+        kv, accumulator = (k, v), None
         for step in range(self.ring.size):
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
@@ -225,15 +227,18 @@ class RingAttention:
                                                   lse[:, a:b].contiguous(), pair.cu_q, scale, tuple(next(states)),
                                                   cu_seqlens_k=pair.cu_k, causal=False)
                 dq[a:b] += gq
+                shares.append((pair.k_rows, gk, gv))
+            if accumulator is None:  # step 0: this rank's own block starts its round of the ring
+                dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (k, v))
+            else:  # what the ranks before this one added to the block in hand
+                dk, dv = accumulator.wait()
+            for (c, d), gk, gv in shares:
                 dk[c:d] += gk
                 dv[c:d] += gv
-            if dkv_transfer is not None:  # what the ranks before this one added to this block
-                dk_in, dv_in = dkv_transfer.wait()
-                dk += dk_in
-                dv += dv_in
-            dkv_transfer = self.ring.start((dk, dv), wait=not self.overlap)
+            shares = []
+            accumulator = self.ring.start((dk, dv), wait=not self.overlap)
+            del dk, dv  # held by the transfer until it completes
             if kv_transfer is not None:
                 kv = kv_transfer.wait()
-                dk, dv = torch.zeros_like(dk), torch.zeros_like(dv)
-        dk, dv = dkv_transfer.wait()  # this rank's own block, back from its last hop
+        dk, dv = accumulator.wait()  # this rank's own block, back from its last hop
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -39,7 +39,7 @@ def _recorded_train_args(script: str, args: list[str], tmp_path: Path) -> list[s
 @pytest.mark.parametrize("script, leading, world_size", [
     ("examples/pretrain_llama_5m.sh", [], 8),
     ("examples/pretrain_llama_3m.sh", [], 8),
-    ("examples/slurm/pretrain_llama_5m.sbatch", [], 16),
+    ("examples/slurm/pretrain_llama_8m_2nodes.sbatch", [], 16),
     ("examples/mpirun_pretrain.sh", ["hosts"], 8),
 ])
 def test_recipe_flags_parse_and_validate(script, leading, world_size, tmp_path):
