@@ -323,10 +323,11 @@ def search_space(cfg: TrainConfig) -> SearchSpace:
     tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cp
     plan = plan_chunks(tokens, c.hidden_size, c.ffn_hidden_size, c.vocab_size, 2 if cfg.train.bf16 else 4)
     attention: list[tuple[str | None, int | None]] = [(None, None)]
-    if cp > 1:
+    a2a = cfg.context_layout().a2a_size  # the all-to-all level (the whole cp group without a ring)
+    if a2a > 1:
         attention = [("ulysses", None)]
         if "untied_ulysses" in CP_IMPLS:
-            stages = sorted(valid_heads_per_stage(c.num_attention_heads, c.num_query_groups, cp), reverse=True)
+            stages = sorted(valid_heads_per_stage(c.num_attention_heads, c.num_query_groups, a2a), reverse=True)
             attention += [("untied_ulysses", u) for u in stages if u < c.num_attention_heads]
     return SearchSpace(MODES, (None, *tile_ladder(plan.mlp_tiles)), (None, *tile_ladder(plan.loss_tiles)),
                        tuple(attention))

@@ -150,10 +150,13 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
         memory = dataclasses.replace(base.memory, **{k: v for k, v in changes.items() if hasattr(base.memory, k)})
         return dataclasses.replace(base, parallel=parallel, memory=memory)
 
-    fsdp = with_(cfg, context_parallel_size=1, cp_impl="ulysses", recompute_granularity="none",
+    p = cfg.parallel
+    fsdp = with_(cfg, context_parallel_size=1, cp_impl="ulysses", cp_comm_type="a2a",
+                 hierarchical_context_parallel_sizes=[], recompute_granularity="none",
                  offload_activations=False, no_offload_prefetch=False, tiled_mlp=False, tiled_loss=False)
     cp = default_cp(cfg, num_gpus)
-    ulysses = with_(fsdp, context_parallel_size=cp)
+    ulysses = with_(fsdp, context_parallel_size=cp, cp_comm_type=p.cp_comm_type,  # the configured layout
+                    hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes)
     checkpointing = with_(ulysses, recompute_granularity="full")
     offload = with_(checkpointing, offload_activations=True)
     tiling = with_(offload, tiled_mlp=True, tiled_loss=True)

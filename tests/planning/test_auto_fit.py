@@ -194,3 +194,13 @@ def test_command_line_flags_parse_and_validate():
     cfg.validate(2)
     assert (cfg.memory.recompute_granularity, cfg.memory.offload_activations) in {(r, o != "off") for r, o in MODES}
     assert cfg.memory.tiled_loss and cfg.memory.tiled_loss_tiles == 1  # the untiled loss cannot fit 0.25 GiB
+
+
+def test_untied_stage_widths_follow_the_all_to_all_level_of_a_hierarchical_layout():
+    """a2a+p2p 4 x 2 (cp 8): stages are multiples of the all-to-all degree 4, not of cp; a ring alone has no
+    all-to-all level to choose."""
+    base = ["--model", "debug", "--mock-data", "--seq-length", "1024", "--context-parallel-size", "8"]
+    hierarchical = parse_config(base + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4",
+                                        "2"])
+    assert search_space(hierarchical).attention == (("ulysses", None), ("untied_ulysses", 4))
+    assert search_space(parse_config(base + ["--cp-comm-type", "p2p"])).attention == ((None, None),)
