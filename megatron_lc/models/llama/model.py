@@ -153,14 +153,22 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, cos, sin, cu_seqlens):
         if self.memory.recompute == "full":
-            from megatron_lc.memory.checkpoint import checkpoint_block
+            from megatron_lc.memory.checkpoint import checkpoint_residual_block
 
-            return checkpoint_block(lambda t: self._forward(t, cos, sin, cu_seqlens), x,
-                                    offload=self.memory.offload, layer_idx=self.layer_idx)
+            # A block's output feeds only the next block or the head: its gradient is this block's alone.
+            return checkpoint_residual_block((lambda t: self._attention_branch(t, cos, sin, cu_seqlens),
+                                              self._mlp_branch), x, offload=self.memory.offload,
+                                             layer_idx=self.layer_idx, owns_output_grad=True)
         return self._forward(x, cos, sin, cu_seqlens)
 
+    def _attention_branch(self, x, cos, sin, cu_seqlens):
+        return self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
+
+    def _mlp_branch(self, h):
+        return self.mlp(self.post_attention_layernorm(h))
+
     def _forward(self, x, cos, sin, cu_seqlens):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
+        h = x + self._attention_branch(x, cos, sin, cu_seqlens)
         if self.memory.recompute == "selective":
             from megatron_lc.memory.checkpoint import checkpoint_block
 
@@ -168,7 +176,7 @@ class TransformerBlock(nn.Module):
         return self._mlp_residual(h)
 
     def _mlp_residual(self, h):
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self._mlp_branch(h)
 
 
 # --- output head and loss -------------------------------------------------------------------
