@@ -93,6 +93,11 @@ def measure_layer(backend_name: str, heads: int, kv_heads: int, head_dim: int, h
             plan = check_untied_shapes(heads, kv_heads, cp, heads_per_stage or cp)
             backend = UntiedUlyssesAttention(head_dim, kernel, dist.group.WORLD, plan)
         tracker.track_external(x, *weights, cos, sin, dout)
+        held = [0]  # the stage buffers' size when the op releases them (its largest)
+        if backend_name != "ulysses":
+            release = backend.workspace.release
+            backend.workspace.release = lambda: (held.__setitem__(0, max(held[0], backend.workspace.nbytes())),
+                                                 release())
         with tracker:
             before = _total(tracker, "current")
             out = backend(x, *weights, cos, sin, (0, seq_length))  # one document: the longest segment
@@ -103,7 +108,7 @@ def measure_layer(backend_name: str, heads: int, kv_heads: int, head_dim: int, h
         intermediates = peak - output - grads
         if backend_name == "ulysses":
             intermediates = max(intermediates, record["peak_after_attention_backward"] - before - output)
-        workspace = backend.workspace.nbytes() if backend_name != "ulysses" else 0
+        workspace = held[0]
     return {"backend": backend_name, "U": heads_per_stage or (cp if backend_name != "ulysses" else heads),
             "peak_mib": peak / MIB, "intermediates_mib": intermediates / MIB, "workspace_mib": workspace / MIB}
 

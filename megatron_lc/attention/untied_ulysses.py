@@ -149,13 +149,15 @@ def check_untied_shapes(num_heads: int, num_kv_heads: int, cp: int, heads_per_st
 
 
 class StageWorkspace:
-    """Stage buffers by role, reused across stages, layers and steps.
+    """Stage buffers by role, reused across the stages of one forward or backward.
 
     The backend's only state. Each role holds one buffer, grown to the largest shape it
     is asked for and handed out as a view of that shape; the op uses a role for one
-    thing at a time and never returns or saves a view of it. Everything is dropped when
-    the op meets an input of another shape, dtype, device or tensor kind (e.g. fake
-    tensors, inference mode), so buffers never accumulate.
+    thing at a time and never returns or saves a view of it. The op releases them when
+    it returns: between attention calls (the recompute and the MLP of a block) that
+    memory serves the rest of the block, and the allocator hands the same blocks back at
+    the next call. Everything is also dropped when the op meets an input of another
+    shape, dtype, device or tensor kind (e.g. fake tensors, inference mode).
     """
 
     def __init__(self) -> None:
@@ -229,7 +231,7 @@ class _Call:
     cu_seqlens: tuple
     out: torch.Tensor  # [B, s, H*d], written in forward, read in backward
     lses: list  # per stage (lse [U/cp, B*S], *kernel state), appended in forward, read in backward
-    dout: torch.Tensor | None = None
+    dout: "OutputGradient | None" = None
     dx: torch.Tensor | None = None
 
     @property
@@ -267,25 +269,40 @@ class _Heads:
 
 
 class _UntiedUlyssesFunction(torch.autograd.Function):
-    """Autograd around the staged forward and backward of `UntiedUlyssesAttention`."""
+    """Autograd around the staged forward and backward of `UntiedUlyssesAttention`, and the output
+    projection `wo` when given (its input gradient is then made stage by stage, never whole)."""
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, cos, sin, cu_seqlens, backend):
+    def forward(ctx, x, wq, wk, wv, wo, cos, sin, cu_seqlens, backend):
         out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens)
         # Each stage's (lse, *kernel state), flattened: save_for_backward takes tensors only.
-        ctx.save_for_backward(x, wq, wk, wv, cos, sin, out, *itertools.chain.from_iterable(lses))
+        ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, out, *itertools.chain.from_iterable(lses))
         ctx.stage_sizes = [len(stage) for stage in lses]
         ctx.cu_seqlens, ctx.backend = cu_seqlens, backend
-        return out
+        return out if wo is None else torch.nn.functional.linear(out, wo)
 
     @staticmethod
-    def backward(ctx, dout):
-        x, wq, wk, wv, cos, sin, out, *flat = ctx.saved_tensors
+    def backward(ctx, grad):
+        x, wq, wk, wv, wo, cos, sin, out, *flat = ctx.saved_tensors
         ends = list(itertools.accumulate(ctx.stage_sizes))
         lses = [tuple(flat[end - size:end]) for size, end in zip(ctx.stage_sizes, ends)]
-        grads = ctx.backend.backward_stages(dout, x, wq, wk, wv, cos, sin, out, lses, ctx.cu_seqlens,
-                                            ctx.needs_input_grad[:4])
-        return (*grads, None, None, None, None)
+        needs = ctx.needs_input_grad
+        dwo = None
+        if wo is not None and needs[4]:  # as nn.Linear's weight gradient: grad^T @ input, one GEMM
+            dwo = torch.mm(grad.reshape(-1, grad.shape[-1]).t(), out.reshape(-1, out.shape[-1]))
+        output_grad = OutputGradient(grad.contiguous(), wo)
+        grads = ctx.backend.backward_stages(output_grad, x, wq, wk, wv, cos, sin, out, lses, ctx.cu_seqlens,
+                                            needs[:4])
+        return (*grads, dwo, None, None, None, None)
+
+
+@dataclass
+class OutputGradient:
+    """The gradient of the op's output: of the attention output itself (`wo` None), or of its projection
+    by `wo`, whose product with `wo`'s columns gives any stage's attention-output gradient."""
+
+    grad: torch.Tensor  # [B, s, H*d], or [B, s, hidden] with wo
+    wo: torch.Tensor | None = None  # [hidden, H*d]
 
 
 @dataclass
@@ -321,9 +338,13 @@ class UntiedUlyssesAttention:
         """k and v travel with the stage's q: every round has one stage."""
         return self.plan.stages_per_round == 1
 
-    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens):
-        """x [B, S/cp, hidden], cos/sin [B, S/cp, d] -> pre-`o_proj` output [B, S/cp, H*d]."""
-        return _UntiedUlyssesFunction.apply(x, wq, wk, wv, cos, sin, tuple(cu_seqlens), self)
+    projects_output = True
+    """Takes `o_proj`'s weight (`wo=`): its backward then never holds the whole attention-output gradient."""
+
+    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, wo=None):
+        """x [B, S/cp, hidden], cos/sin [B, S/cp, d] -> pre-`o_proj` output [B, S/cp, H*d], or with `wo`
+        the projected output [B, S/cp, hidden]."""
+        return _UntiedUlyssesFunction.apply(x, wq, wk, wv, wo, cos, sin, tuple(cu_seqlens), self)
 
     # --- forward ---
 
@@ -345,6 +366,7 @@ class UntiedUlyssesAttention:
                 call.lses.append((lse, *state))
                 pending = (o, stage)
         self._exchange_with_output(call, [], pending)
+        self.workspace.release()
         return out, call.lses
 
     def _exchange_with_output(self, call: _Call, blocks: list[_Heads], pending) -> list[torch.Tensor]:
@@ -361,10 +383,10 @@ class UntiedUlyssesAttention:
 
     # --- backward ---
 
-    def backward_stages(self, dout, x, wq, wk, wv, cos, sin, out, lses, cu_seqlens, needs):
+    def backward_stages(self, dout: OutputGradient, x, wq, wk, wv, cos, sin, out, lses, cu_seqlens, needs):
         """dx, dWq, dWk, dWv (None where not needed), each one buffer filled stage by stage."""
         call = self._begin(x, cos, sin, cu_seqlens, out, lses)
-        call.dout = dout.contiguous()  # no-op from o_proj
+        call.dout = dout
         call.dx, dwq, dwk, dwv = (torch.zeros_like(t) if need else None for t, need in zip((x, wq, wk, wv), needs))
         for kv_round in range(self.plan.num_rounds):
             kv = [self._k_heads(wk, dwk, kv_round), self._v_heads(wv, dwv, kv_round)]
@@ -372,6 +394,7 @@ class UntiedUlyssesAttention:
                 self._stage_backward(call, self.plan.stages(kv_round)[0], (wq, dwq), kv_heads=kv)
             else:
                 self._round_backward(call, kv_round, (wq, dwq), kv)
+        self.workspace.release()
         return call.dx, dwq, dwk, dwv
 
     def _round_backward(self, call: _Call, kv_round: int, wq_dwq, kv: list[_Heads]) -> None:
@@ -388,7 +411,8 @@ class UntiedUlyssesAttention:
         k, v travel apart."""
         u = self.plan.stage_heads_per_rank * self.head_dim
         q_heads = self._q_heads(*wq_dwq, stage)
-        o_heads, do_heads = (_Heads(u, piece=self._output_piece(t, stage)) for t in (call.out, call.dout))
+        o_heads = _Heads(u, piece=self._output_piece(call.out, stage))
+        do_heads = _Heads(u, piece=self._output_grad_piece(call.dout, stage))
         received = self._exchange(call, [*kv_heads, q_heads, o_heads, do_heads], "recv_stage")
         k, v = kv if kv is not None else map(self._full_sequence, received[:2])
         q, o, do = map(self._full_sequence, received[-3:])
@@ -468,6 +492,18 @@ class UntiedUlyssesAttention:
         u, d = self.plan.stage_heads_per_rank, self.head_dim
         per_rank = t.view(t.shape[0], t.shape[1], self.cp, self.plan.q_heads_per_rank, d)
         return per_rank[:, :, :, stage * u:(stage + 1) * u]
+
+    def _output_grad_piece(self, dout: OutputGradient, stage: int) -> torch.Tensor:
+        """Stage `stage`'s heads of the attention-output gradient, [B, S/cp, cp, U/cp, d]: a view of it, or
+        with `wo` the product of the projection's gradient with the stage's columns of `wo` (a stage's
+        share: the whole [B, S/cp, H*d] gradient never exists)."""
+        if dout.wo is None:
+            return self._output_piece(dout.grad, stage)
+        u, d = self.plan.stage_heads_per_rank, self.head_dim
+        columns = self._output_piece(dout.wo.unsqueeze(0), stage)  # [1, hidden, cp, U/cp, d]
+        grad = dout.grad
+        piece = torch.matmul(grad.reshape(-1, grad.shape[-1]), columns.reshape(grad.shape[-1], -1))
+        return piece.view(grad.shape[0], grad.shape[1], self.cp, u, d)
 
     # --- exchanges ---
 

@@ -94,8 +94,10 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = LocalAttention(d, select_kernel(torch.device("cpu")))
 
     def forward(self, x, cos, sin, cu_seqlens):
-        out = self.backend(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, cos, sin, cu_seqlens)
-        return self.o_proj(out)
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        if getattr(self.backend, "projects_output", False):  # applies o_proj itself, to save memory in backward
+            return self.backend(x, *weights, cos, sin, cu_seqlens, wo=self.o_proj.weight)
+        return self.o_proj(self.backend(x, *weights, cos, sin, cu_seqlens))
 
 
 # --- MLP and block ------------------------------------------------------------------------
