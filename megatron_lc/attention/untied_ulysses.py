@@ -233,6 +233,7 @@ class _Call:
     lses: list  # per stage (lse [U/cp, B*S], *kernel state), appended in forward, read in backward
     dout: "OutputGradient | None" = None
     dx: torch.Tensor | None = None
+    norm: "InputNorm | None" = None  # x is the block input, normed on the fly by every projection
 
     @property
     def batch(self) -> int:
@@ -273,17 +274,20 @@ class _UntiedUlyssesFunction(torch.autograd.Function):
     projection `wo` when given (its input gradient is then made stage by stage, never whole)."""
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, cos, sin, cu_seqlens, backend):
-        out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens)
+    def forward(ctx, x, wq, wk, wv, wo, norm_weight, cos, sin, cu_seqlens, norm_eps, backend):
+        norm = None if norm_weight is None else InputNorm.of(x, norm_weight, norm_eps)
+        out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens, norm)
+        rstd = norm.rstd if norm is not None else None
         # Each stage's (lse, *kernel state), flattened: save_for_backward takes tensors only.
-        ctx.save_for_backward(x, wq, wk, wv, wo, cos, sin, out, *itertools.chain.from_iterable(lses))
+        ctx.save_for_backward(x, wq, wk, wv, wo, norm_weight, rstd, cos, sin, out,
+                              *itertools.chain.from_iterable(lses))
         ctx.stage_sizes = [len(stage) for stage in lses]
         ctx.cu_seqlens, ctx.backend = cu_seqlens, backend
         return out if wo is None else torch.nn.functional.linear(out, wo)
 
     @staticmethod
     def backward(ctx, grad):
-        x, wq, wk, wv, wo, cos, sin, out, *flat = ctx.saved_tensors
+        x, wq, wk, wv, wo, norm_weight, rstd, cos, sin, out, *flat = ctx.saved_tensors
         ends = list(itertools.accumulate(ctx.stage_sizes))
         lses = [tuple(flat[end - size:end]) for size, end in zip(ctx.stage_sizes, ends)]
         needs = ctx.needs_input_grad
@@ -291,9 +295,50 @@ class _UntiedUlyssesFunction(torch.autograd.Function):
         if wo is not None and needs[4]:  # as nn.Linear's weight gradient: grad^T @ input, one GEMM
             dwo = torch.mm(grad.reshape(-1, grad.shape[-1]).t(), out.reshape(-1, out.shape[-1]))
         output_grad = OutputGradient(grad.contiguous(), wo)
-        grads = ctx.backend.backward_stages(output_grad, x, wq, wk, wv, cos, sin, out, lses, ctx.cu_seqlens,
-                                            needs[:4])
-        return (*grads, dwo, None, None, None, None)
+        norm = None if norm_weight is None else InputNorm(norm_weight, rstd)
+        dx, dwq, dwk, dwv = ctx.backend.backward_stages(output_grad, x, wq, wk, wv, cos, sin, out, lses,
+                                                        ctx.cu_seqlens, (needs[0] or norm is not None, *needs[1:4]),
+                                                        norm)
+        dnorm = None
+        if norm is not None:  # dx holds the gradient of the normed input: through the norm, in place
+            dnorm = rms_norm_backward_(dx, x, norm)
+            dnorm = dnorm.to(norm_weight.dtype) if needs[5] else None
+        return dx if needs[0] else None, dwq, dwk, dwv, dwo, dnorm, None, None, None, None, None
+
+
+@dataclass
+class InputNorm:
+    """The block's RMSNorm folded into the projections: xn = x * rstd * weight is never stored;
+    every projection multiplies x by weight-scaled rows and scales its output rows by rstd."""
+
+    weight: torch.Tensor  # [hidden]
+    rstd: torch.Tensor  # [B, s] fp32
+
+    @staticmethod
+    def of(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> "InputNorm":
+        """rstd = 1 / sqrt(mean(x^2) + eps) per token, in fp32, a row chunk at a time (no fp32 copy of x)."""
+        eps = torch.finfo(x.dtype).eps if eps is None else eps  # F.rms_norm's default
+        rstd = torch.empty(x.shape[:2], dtype=torch.float32, device=x.device)
+        for b in range(x.shape[0]):
+            for start, end in tiling.tile_bounds(x.shape[1], -(-x.shape[1] // DX_CHUNK_ROWS)):
+                rstd[b, start:end] = x[b, start:end].to(torch.float32).square().mean(-1).add_(eps).rsqrt_()
+        return InputNorm(weight, rstd)
+
+
+def rms_norm_backward_(grad: torch.Tensor, x: torch.Tensor, norm: InputNorm) -> torch.Tensor:
+    """RMSNorm's backward: `grad` (of xn) becomes the gradient of x, in place, a row chunk at a time in
+    fp32; returns the weight's gradient (fp32). dx = rstd * (g - xh * mean(g * xh)), g = grad * w, xh = x * rstd."""
+    w = norm.weight.to(torch.float32)
+    dweight = torch.zeros_like(w)
+    for b in range(x.shape[0]):
+        for start, end in tiling.tile_bounds(x.shape[1], -(-x.shape[1] // DX_CHUNK_ROWS)):
+            rstd = norm.rstd[b, start:end].unsqueeze(-1)
+            xh = x[b, start:end].to(torch.float32) * rstd
+            dn = grad[b, start:end].to(torch.float32)
+            dweight += (dn * xh).sum(0)
+            g = dn * w
+            grad[b, start:end].copy_(rstd * (g - xh * (g * xh).mean(-1, keepdim=True)))
+    return dweight
 
 
 @dataclass
@@ -340,18 +385,21 @@ class UntiedUlyssesAttention:
 
     projects_output = True
     """Takes `o_proj`'s weight (`wo=`): its backward then never holds the whole attention-output gradient."""
+    fuses_input_norm = True
+    """Takes the block input and its RMSNorm (`norm_weight=`, `norm_eps=`): the normed input is never stored."""
 
-    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, wo=None):
-        """x [B, S/cp, hidden], cos/sin [B, S/cp, d] -> pre-`o_proj` output [B, S/cp, H*d], or with `wo`
-        the projected output [B, S/cp, hidden]."""
-        return _UntiedUlyssesFunction.apply(x, wq, wk, wv, wo, cos, sin, tuple(cu_seqlens), self)
+    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, wo=None, norm_weight=None, norm_eps=None):
+        """x [B, S/cp, hidden] (normed, or the block input with `norm_weight`), cos/sin [B, S/cp, d] ->
+        pre-`o_proj` output [B, S/cp, H*d], or with `wo` the projected output [B, S/cp, hidden]."""
+        return _UntiedUlyssesFunction.apply(x, wq, wk, wv, wo, norm_weight, cos, sin, tuple(cu_seqlens), norm_eps,
+                                            self)
 
     # --- forward ---
 
-    def forward_stages(self, x, wq, wk, wv, cos, sin, cu_seqlens):
+    def forward_stages(self, x, wq, wk, wv, cos, sin, cu_seqlens, norm=None):
         """The output [B, S/cp, H*d] and each stage's (log-sum-exp [U/cp, B*S], *kernel state)."""
         out = x.new_empty(*x.shape[:2], self.plan.num_heads * self.head_dim)
-        call = self._begin(x, cos, sin, cu_seqlens, out, [])
+        call = self._begin(x, cos, sin, cu_seqlens, out, [], norm)
         pending = None  # the last stage's (output, stage), not yet sent back
         for kv_round in range(self.plan.num_rounds):
             kv = [self._k_heads(wk, None, kv_round), self._v_heads(wv, None, kv_round)]
@@ -383,9 +431,11 @@ class UntiedUlyssesAttention:
 
     # --- backward ---
 
-    def backward_stages(self, dout: OutputGradient, x, wq, wk, wv, cos, sin, out, lses, cu_seqlens, needs):
-        """dx, dWq, dWk, dWv (None where not needed), each one buffer filled stage by stage."""
-        call = self._begin(x, cos, sin, cu_seqlens, out, lses)
+    def backward_stages(self, dout: OutputGradient, x, wq, wk, wv, cos, sin, out, lses, cu_seqlens, needs,
+                        norm=None):
+        """dx (with `norm`: of the normed input), dWq, dWk, dWv (None where not needed), each one buffer
+        filled stage by stage."""
+        call = self._begin(x, cos, sin, cu_seqlens, out, lses, norm)
         call.dout = dout
         call.dx, dwq, dwk, dwv = (torch.zeros_like(t) if need else None for t, need in zip((x, wq, wk, wv), needs))
         for kv_round in range(self.plan.num_rounds):
@@ -507,10 +557,10 @@ class UntiedUlyssesAttention:
 
     # --- exchanges ---
 
-    def _begin(self, x, cos, sin, cu_seqlens, out, lses) -> _Call:
+    def _begin(self, x, cos, sin, cu_seqlens, out, lses, norm=None) -> _Call:
         self.workspace.begin(x)
         shape = (x.shape[0], 1, x.shape[1], 1, self.head_dim)
-        return _Call(x, cos.reshape(shape), sin.reshape(shape), cu_seqlens, out, lses)
+        return _Call(x, cos.reshape(shape), sin.reshape(shape), cu_seqlens, out, lses, norm=norm)
 
     def _full_sequence(self, received: torch.Tensor) -> torch.Tensor:
         """A received block [B, cp, s, width] (index 1: the source rank's tokens) as [B*S, heads, d]; a view."""
@@ -593,8 +643,12 @@ class UntiedUlyssesAttention:
             # One rank's rows at a time: stacking every rank's would add a weight-slice copy
             # to the moment both exchange buffers are full.
             rows = torch.cat([block.rows[r] for block in blocks]) if len(blocks) > 1 else blocks[0].rows[r]
+            if call.norm is not None:
+                rows = rows * call.norm.weight  # xn @ rows^T = rstd * (x @ (rows * weight)^T)
             for b in range(call.batch):
                 torch.mm(call.x[b], rows.t(), out=send[b, r])
+                if call.norm is not None:
+                    send[b, r].mul_(call.norm.rstd[b].unsqueeze(-1))
 
     def _project_back(self, call: _Call, blocks: list[_Heads], grad: torch.Tensor) -> None:
         """The transpose of `_project_into` for grad [B, cp, s, columns] (the blocks side by side):
@@ -604,11 +658,15 @@ class UntiedUlyssesAttention:
             self._add_to_dx(call, self._stacked_rows(blocks), grad)
         stacked = None  # the weight gradient of every rank's rows, [cp, columns, hidden], fp32
         if any(block.grad_rows is not None for block in blocks):
+            if call.norm is not None:  # grad^T @ xn = ((rstd * grad)^T @ x) * weight; grad is consumed here
+                grad.mul_(call.norm.rstd.view(call.batch, 1, -1, 1))
             stacked = torch.zeros(self.cp, grad.shape[-1], call.x.shape[-1], device=grad.device,
                                   dtype=torch.promote_types(grad.dtype, torch.float32))
             for r in range(self.cp):
                 for b in range(call.batch):
                     addmm_fp32_(stacked[r], grad[b, r].t(), call.x[b])
+            if call.norm is not None:
+                stacked.mul_(call.norm.weight.to(stacked.dtype))
         for block, cols in zip(blocks, self._columns(blocks)):
             if stacked is not None and block.grad_rows is not None:
                 per_rank = stacked[:, cols]

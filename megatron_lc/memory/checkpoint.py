@@ -2,10 +2,12 @@
 
 ``checkpoint_block`` is reentrant-style: one autograd node per block, which runs the
 block under no_grad in forward and keeps only its input (on the accelerator, or on the
-host through an ``OffloadScheduler``). Its backward brings the input back, asks the
-scheduler to start bringing back the previous layer's input (so that copy overlaps this
-layer's recompute), recomputes the block with autograd on, and calls
-``torch.autograd.backward`` on it: parameter gradients accumulate into ``.grad`` exactly
+host through an ``OffloadScheduler``). Its backward brings the input back, recomputes
+the block with autograd on, and calls ``torch.autograd.backward`` on it; only then, past
+the block's memory peak, does it ask the scheduler to start bringing back the previous
+layer's input (the copy then overlaps the hand-off to that layer and costs no memory at
+this block's peak; a prefetch at the start of the backward would keep one more block
+input through it): parameter gradients accumulate into ``.grad`` exactly
 as with reentrant checkpointing, which FSDP2's hooks rely on.
 
 The backward starts from the recomputed output's gradient edge, not from the output
@@ -93,6 +95,7 @@ class _CheckpointBlock(torch.autograd.Function):
             del y  # freed here unless the graph saved it
             torch.autograd.backward(edge, grad_y)
         grad_x = x.grad if ctx.needs_input_grad[1] else None
+        _prefetch_previous(ctx)
         return None, grad_x, None, None, None
 
 
@@ -136,6 +139,7 @@ class _CheckpointResidualBlock(torch.autograd.Function):
             grad = _add_branch_grad(grad, leaf.grad, owned)
             owned = True  # from here on `grad` is a buffer of this backward's own
             del leaf, edge
+        _prefetch_previous(ctx)
         return None, grad if ctx.needs_input_grad[1] else None, None, None, None, None
 
 
@@ -166,7 +170,7 @@ def _storage_id(t: torch.Tensor) -> int:
 
 
 def _restore_input(ctx) -> torch.Tensor:
-    """The block input back on the accelerator; starts the previous layer's prefetch."""
+    """The block input back on the accelerator."""
     if not ctx.offloaded:
         (x,) = ctx.saved_tensors
     elif ctx.handle is None:
@@ -176,9 +180,13 @@ def _restore_input(ctx) -> torch.Tensor:
         )
     else:
         x, ctx.handle = ctx.offload.fetch(ctx.handle), None
+    return x
+
+
+def _prefetch_previous(ctx) -> None:
+    """Start bringing back the previous layer's input (a no-op without offload or prefetch)."""
     if ctx.offload is not None and ctx.layer_idx > 0:
         ctx.offload.prefetch(ctx.layer_idx - 1)
-    return x
 
 
 def checkpoint_block(

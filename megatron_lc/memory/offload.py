@@ -124,9 +124,10 @@ class OffloadScheduler:
         keep_last, keep_first: layers at each end that stay on the accelerator.
         accelerator: where activations live and come back to (cuda, or cpu in tests).
         host: where offloaded activations live (cpu; page-locked when the accelerator is cuda).
-        prefetch: bring a layer's input back while the next layer's backward runs (overlaps
-            the copy, at the cost of one more block input on the accelerator); False: fetch
-            each input only when its own layer's backward needs it.
+        prefetch: start bringing a layer's input back when the next layer's backward has
+            passed its memory peak (the copy overlaps the hand-off between the layers and costs
+            no memory at the peak); False: fetch each input only when its own layer's
+            backward needs it.
         page_locked: page-lock the arenas (default: when the accelerator is cuda and the host cpu).
     """
 

@@ -94,3 +94,24 @@ def test_without_grad_the_branches_run_plainly():
     x = torch.randn(4, 16)
     with torch.no_grad():
         torch.testing.assert_close(_run(blocks, x, "residual"), _run(blocks, x, "plain"), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "residual"])
+def test_offload_prefetch_costs_no_memory_at_a_blocks_backward_peak(mode):
+    """The previous layer's input comes back once a block's backward is done: prefetch on and on demand
+    peak alike (a prefetch at the start of the backward kept one more block input through it)."""
+    peaks = {}
+    for prefetch in (True, False):
+        blocks = _stack(n=4, hidden=16, ffn=16)
+        offload = OffloadScheduler(4, keep_last=1, accelerator=CPU, prefetch=prefetch)
+        x = torch.randn(8192, 16, requires_grad=True)
+        started = []
+        blocks[2].mix.weight.register_post_accumulate_grad_hook(  # inside block 2's backward, its last branch
+            lambda _: started.append([h.on_accelerator is not None for h in offload._pending.get(1, [])]))
+
+        def step():
+            (_run(blocks, x, mode, offload) ** 2).mean().backward()
+
+        peaks[prefetch] = measure_peak(step, blocks).total("cpu")
+        assert started == [[False]], "layer 1's input came back during block 2's backward"
+    assert peaks[True] == peaks[False], peaks

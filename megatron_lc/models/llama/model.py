@@ -93,11 +93,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
         self.backend: AttentionBackend = LocalAttention(d, select_kernel(torch.device("cpu")))
 
-    def forward(self, x, cos, sin, cu_seqlens):
-        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        if getattr(self.backend, "projects_output", False):  # applies o_proj itself, to save memory in backward
-            return self.backend(x, *weights, cos, sin, cu_seqlens, wo=self.o_proj.weight)
-        return self.o_proj(self.backend(x, *weights, cos, sin, cu_seqlens))
+    def forward(self, x, cos, sin, cu_seqlens, norm: "RMSNorm | None" = None):
+        """Attention of x, or with `norm` of norm(x). A backend may take more of the layer to save memory
+        in backward: o_proj's weight (`projects_output`), the norm too (`fuses_input_norm`)."""
+        weights, backend = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), self.backend
+        if norm is not None and getattr(backend, "fuses_input_norm", False):
+            return backend(x, *weights, cos, sin, cu_seqlens, wo=self.o_proj.weight, norm_weight=norm.weight,
+                           norm_eps=norm.eps)
+        x = norm(x) if norm is not None else x
+        if getattr(backend, "projects_output", False):
+            return backend(x, *weights, cos, sin, cu_seqlens, wo=self.o_proj.weight)
+        return self.o_proj(backend(x, *weights, cos, sin, cu_seqlens))
 
 
 # --- MLP and block ------------------------------------------------------------------------
@@ -164,7 +170,7 @@ class TransformerBlock(nn.Module):
         return self._forward(x, cos, sin, cu_seqlens)
 
     def _attention_branch(self, x, cos, sin, cu_seqlens):
-        return self.self_attn(self.input_layernorm(x), cos, sin, cu_seqlens)
+        return self.self_attn(x, cos, sin, cu_seqlens, norm=self.input_layernorm)
 
     def _mlp_branch(self, h):
         return self.mlp(self.post_attention_layernorm(h))
