@@ -4,13 +4,13 @@
 #
 #   bash examples/pretrain_llama_5m.sh DATA_PREFIX TOKENIZER_MODEL CHECKPOINT_DIR [extra flags...]
 #
-# Predicted (not yet measured on a GPU) at 74.38 GiB per GPU with torch's own kernels and 71.88 GiB
+# Predicted (not yet measured on a GPU) at 60.63 GiB per GPU with torch's own kernels and 58.13 GiB
 # with flash-attn, 1,240 GiB of page-locked host memory per node (a DGX H100 has 1,907):
 #   python tools/estimate_memory.py --model llama3-8b --bf16 --context-parallel-size 8 \
-#       --cp-impl untied_ulysses --recompute-granularity full --offload-activations --no-offload-prefetch \
-#       --tiled-mlp --tiled-loss --num-gpus 8 --gpu-memory-gib 80 --seq-length 5242880 \
-#       --nccl-channels 16 --nccl-p2p-channels-per-peer 16 [--with-flash-attn]
-# With the prefetch on it needs 78.71 GiB without flash-attn: over the 77 GiB budget.
+#       --cp-impl untied_ulysses --untied-heads-per-stage 8 --recompute-granularity full \
+#       --offload-activations --tiled-mlp --tiled-loss --num-gpus 8 --gpu-memory-gib 80 \
+#       --seq-length 5242880 --nccl-channels 16 --nccl-p2p-channels-per-peer 16 [--with-flash-attn]
+# The same stack reaches 7M tokens: examples/pretrain_llama_7m.sh.
 set -euo pipefail
 DATA_PATH=${1:?data prefix (PREFIX of PREFIX.bin/.idx)}
 TOKENIZER_MODEL=${2:?Llama 3 tokenizer.model (tiktoken format)}
@@ -37,7 +37,7 @@ MEMORY_ARGS=(
     --recompute-granularity full
     --offload-activations
     --offload-keep-last 1
-    --no-offload-prefetch           # one block input less on the GPU; needed to fit without flash-attn
+    # the offload prefetch (default) starts after each block's backward peak: it costs no GPU memory
     --tiled-mlp
     --tiled-loss
 )

@@ -39,6 +39,7 @@ def _recorded_train_args(script: str, args: list[str], tmp_path: Path) -> list[s
 @pytest.mark.parametrize("script, leading, world_size", [
     ("examples/pretrain_llama_5m.sh", [], 8),
     ("examples/pretrain_llama_3m.sh", [], 8),
+    ("examples/pretrain_llama_7m.sh", [], 8),
     ("examples/slurm/pretrain_llama_8m_2nodes.sbatch", [], 16),
     ("examples/mpirun_pretrain.sh", ["hosts"], 8),
 ])
