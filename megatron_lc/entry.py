@@ -56,14 +56,15 @@ REPORTING_GRACE_S = 5.0
 """How long ranks that stay silent about a configuration error wait before they exit."""
 
 
-def report_config_error(error: ConfigError) -> None:
+def report_config_error(error: ConfigError) -> bool:
     """One line from rank 0; other nodes' first ranks speak too, as a check of files (data, --save) can
-    fail on one node alone and that node would otherwise leave without a word."""
+    fail on one node alone and that node would otherwise leave without a word. True if this rank spoke."""
     launch = detect_launch()
     if launch.rank == 0:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr, flush=True)
     elif launch.local_rank == 0:
-        print(f"[rank {launch.rank}] error: {error}", file=sys.stderr)
+        print(f"[rank {launch.rank}] error: {error}", file=sys.stderr, flush=True)
+    return launch.rank == 0 or launch.local_rank == 0
 
 
 def run_entry_point(main: Callable[[], object]) -> NoReturn:
@@ -75,8 +76,7 @@ def run_entry_point(main: Callable[[], object]) -> NoReturn:
             raise
         exit_process(EXIT_OK if e.code is None else e.code if isinstance(e.code, int) else EXIT_FAILURE)
     except ConfigError as e:
-        report_config_error(e)
-        if dist.is_initialized() and detect_launch().local_rank != 0:
+        if not report_config_error(e) and detect_launch().world_size > 1:
             time.sleep(REPORTING_GRACE_S)  # the launcher stops the others when one exits: let the reporting rank speak
         exit_process(EXIT_CONFIG_ERROR)
     except BaseException:  # noqa: BLE001 - any other failure: its traceback, then a failing status

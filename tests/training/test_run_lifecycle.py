@@ -45,7 +45,7 @@ def test_configuration_error_is_one_line_from_rank_zero_with_status_two(tmp_path
     out = subprocess.run(_torchrun_cmd(2, BASE + ["--context-parallel-size", "2", "--seq-length", "33"]), env=ENV,
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     ours = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert ours == ["error: --seq-length 33 is not divisible by --context-parallel-size 2; use a multiple of 2"]
+    assert ours == ["error: --seq-length 33 is not divisible by 2 (--context-parallel-size 2); use a multiple of 2"]
     assert "exitcode  : 2" in out.stderr  # torchrun's own summary of the worker's status
     single = subprocess.run(_train_cmd(BASE + ["--min-lr", "1"]), env=ENV, cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)
