@@ -120,6 +120,30 @@ def check_kernel(kernel: kernels.Kernel, dtype: torch.dtype, s: Sizes) -> dict:
             "within_tolerance": max(errors.values()) < (3e-2 if dtype in kernels.FLASH_DTYPES else 1e-3)}
 
 
+def check_unmasked(kernel: kernels.Kernel, dtype: torch.dtype, s: Sizes) -> dict:
+    """Ring attention's call for an earlier key block: unmasked, separate query and key boundaries, the
+    backward given the lse of the forward (as the ring gives the merged one); against the reference."""
+    T, H, Hkv, d = s.kernel_shape
+    g = torch.Generator(device=s.device).manual_seed(1)
+    q, dout = (torch.randn(T // 2, H, d, device=s.device, generator=g, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(T, Hkv, d, device=s.device, generator=g, dtype=dtype) for _ in range(2))
+    cu_q, cu_k = (0, T // 8, T // 2), (0, T // 3, T)
+
+    def run(kern, *tensors):
+        q_, k_, v_, do_ = tensors
+        out, lse, state = kern.forward(q_, k_, v_, cu_q, cu_seqlens_k=cu_k, causal=False)
+        grads = kern.backward(do_, q_, k_, v_, out, lse, cu_q, state=state, cu_seqlens_k=cu_k, causal=False)
+        return out, *grads
+
+    got = run(kernel, q, k, v, dout)
+    want = run(kernels.KERNELS["reference"], q.float(), k.float(), v.float(), dout.float())
+    errors = {key: float((a.float() - b).abs().max() / b.abs().max()) for key, a, b in
+              zip(("out", "dq", "dk", "dv"), got, want)}
+    return {"kernel": kernel.name, "dtype": str(dtype), "cu_seqlens_q": list(cu_q), "cu_seqlens_k": list(cu_k),
+            "relative_error": errors,
+            "within_tolerance": max(errors.values()) < (3e-2 if dtype in kernels.FLASH_DTYPES else 1e-3)}
+
+
 def _fwd_bwd(kernel, q, k, v, dout, cu):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = kernels.attention(q, k, v, cu, kernel)
@@ -128,13 +152,15 @@ def _fwd_bwd(kernel, q, k, v, dout, cu):
 
 
 def section_kernels(s: Sizes) -> dict:
-    """Each kernel in its dtype (sdpa_efficient in fp32), and `auto` for bf16 and fp32 inputs."""
+    """Each kernel in its dtype (sdpa_efficient in fp32), and `auto` for bf16 and fp32 inputs; each also
+    unmasked between different query and key tokens, as ring attention calls it."""
     device = torch.device(s.device)
     runs = {name: (kernels.KERNELS[name], torch.float32 if name == "sdpa_efficient" else s.dtype)
             for name in s.kernels}
     runs.update({f"auto_{str(dt).removeprefix('torch.')}": (kernels.select_kernel(device, "auto"), dt)
                  for dt in (torch.bfloat16, torch.float32)})
     result = {label: check_kernel(kernel, dtype, s) for label, (kernel, dtype) in runs.items()}
+    result.update({f"unmasked_{label}": check_unmasked(kernel, dtype, s) for label, (kernel, dtype) in runs.items()})
     bad = {label: r["relative_error"] for label, r in result.items() if not r["within_tolerance"]}
     if bad:
         raise AssertionError(f"kernel errors beyond tolerance: {json.dumps(bad)}")

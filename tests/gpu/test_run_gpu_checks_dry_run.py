@@ -19,7 +19,7 @@ def test_dry_run_writes_every_section(tmp_path):
     assert not failed, failed
     assert (tmp_path / "gpu_checks.log").read_text().count(": ok in") == len(SECTIONS)
     kernel_runs = results["kernels"]["result"]
-    assert {"cpu_flash", "auto_bfloat16", "auto_float32"} <= kernel_runs.keys()
+    assert {"cpu_flash", "auto_bfloat16", "auto_float32", "unmasked_cpu_flash", "unmasked_auto_bfloat16"} <= kernel_runs.keys()
     assert all(run["within_tolerance"] for run in kernel_runs.values())
     # On CPU the planner traces the CPU kernels as they are: its prediction is the measured peak
     # (measured: 0.9983-0.9990 in bf16).
