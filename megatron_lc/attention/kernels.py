@@ -278,8 +278,9 @@ def device_cu_seqlens(cu_seqlens: CuSeqlens, device: torch.device) -> torch.Tens
     not kept: they belong to that mode.
     """
     key = (device, tuple(cu_seqlens))
-    cached = _DEVICE_CU_SEQLENS.get(key)
+    cached = _DEVICE_CU_SEQLENS.pop(key, None)
     if cached is not None:
+        _DEVICE_CU_SEQLENS[key] = cached  # most recently used last: the oldest unused one goes first
         return cached
     if device.type == "cuda":
         tensor = torch.tensor(key[1], dtype=torch.int32).pin_memory().to(device, non_blocking=True)

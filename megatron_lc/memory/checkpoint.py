@@ -136,8 +136,9 @@ class _CheckpointResidualBlock(torch.autograd.Function):
             leaf, edge = leaves.pop(), edges.pop()
             if edge is not None:
                 torch.autograd.backward(edge, grad)
-            grad = _add_branch_grad(grad, leaf.grad, owned)
-            owned = True  # from here on `grad` is a buffer of this backward's own
+            summed = _add_branch_grad(grad, leaf.grad, owned)
+            owned = owned or summed is not grad  # a new buffer, or the branch's gradient, is this backward's own
+            grad = summed
             del leaf, edge
         _prefetch_previous(ctx)
         return None, grad if ctx.needs_input_grad[1] else None, None, None, None, None
@@ -228,6 +229,8 @@ def checkpoint_residual_block(
     ``owns_output_grad``: the output's gradient reaches this block alone (the output has a
     single consumer), so its buffer may be accumulated into.
     """
+    if not branches:
+        raise ValueError("checkpoint_residual_block needs at least one branch")
     if not torch.is_grad_enabled():
         return _residual_chain(branches, x)
     grad_anchor = torch.empty(0, device=x.device, requires_grad=True)

@@ -115,3 +115,18 @@ def test_offload_prefetch_costs_no_memory_at_a_blocks_backward_peak(mode):
         peaks[prefetch] = measure_peak(step, blocks).total("cpu")
         assert started == [[False]], "layer 1's input came back during block 2's backward"
     assert peaks[True] == peaks[False], peaks
+
+
+def test_a_branch_without_input_gradient_leaves_the_callers_gradient_untouched():
+    """A branch whose output does not depend on its input adds nothing; the gradient arriving from above is
+    still the caller's (not owned), so the next branch must not accumulate into it in place."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8, bias=False)
+    bias = nn.Parameter(torch.randn(8))
+    x = torch.randn(4, 8, requires_grad=True)
+    y = checkpoint_residual_block((lin, lambda t: bias.expand_as(t)), x, owns_output_grad=False)
+    grad_out = torch.randn(4, 8)
+    kept = grad_out.clone()
+    y.backward(grad_out)
+    assert torch.equal(grad_out, kept), "the caller's gradient was written to"
+    torch.testing.assert_close(x.grad, grad_out + grad_out @ lin.weight, rtol=1e-6, atol=1e-6)
