@@ -75,7 +75,11 @@ class LlamaConfig:
 
 
 class AttentionBackend(Protocol):
-    """Normed local hidden states and raw projection weights in, pre-`o_proj` output out."""
+    """Normed local hidden states and raw projection weights in, pre-`o_proj` output out.
+
+    A backend may take more of the layer (see `Attention.forward`): with `projects_output` it also
+    takes `wo=` and returns the projected output; with `fuses_input_norm` it takes the un-normed
+    input and `norm_weight=`, `norm_eps=` as well."""
 
     def __call__(self, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: tuple[int, ...]) -> torch.Tensor:
