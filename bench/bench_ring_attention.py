@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
