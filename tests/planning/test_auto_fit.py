@@ -204,3 +204,18 @@ def test_untied_stage_widths_follow_the_all_to_all_level_of_a_hierarchical_layou
                                         "2"])
     assert search_space(hierarchical).attention == (("ulysses", None), ("untied_ulysses", 4))
     assert search_space(parse_config(base + ["--cp-comm-type", "p2p"])).attention == ((None, None),)
+
+
+def test_auto_fit_keeps_a_ring_layout_in_the_command_it_prints():
+    """With ring attention (p2p cp 2) the printed command keeps the layout flags and validates as given."""
+    argv = [*TINY, "--cp-comm-type", "p2p", "--num-gpus", "2", "--reserve-gib", "0", "--gpu-memory-gib", "0.25",
+            "--auto-fit", "--json"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert estimate_memory.main(argv) == 0
+    fit = json.loads(out.getvalue())["auto_fit"]
+    command = fit["command"]
+    assert command[command.index("--cp-comm-type") + 1] == "p2p" and "--cp-impl" not in fit["flags"]
+    cfg = parse_config([*command[3:], "--mock-data"])
+    cfg.validate(2)
+    assert cfg.context_layout().ring_size == 2 and fit["gpu_peak_gib"] <= 0.25
