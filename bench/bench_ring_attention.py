@@ -25,29 +25,18 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bench.common import CPU, bench_model_config, run_ranks  # noqa: E402
+from bench.common import CPU, bench_model_config, run_ranks, time_alternately  # noqa: E402
 
-LAYOUTS = {  # name -> (cp_ring, cp_impl, overlap)
-    "ulysses (a2a)": (1, "ulysses", True),
-    "ring (p2p)": (None, "ulysses", True),
-    "ring (p2p), not overlapped": (None, "ulysses", False),
-    "ulysses 2 x ring (a2a+p2p)": (None, "ulysses", True),
+LAYOUTS = {  # name -> (all-to-all degree, None: every rank; overlap); the ring is the rest of cp
+    "ulysses (a2a)": (None, True),
+    "ring (p2p)": (1, True),
+    "ring (p2p), not overlapped": (1, False),
+    "ulysses 2 x ring (a2a+p2p)": (2, True),
 }
-
-
-def _ring_degree(name: str, world: int) -> int:
-    ring, _, _ = LAYOUTS[name]
-    if ring is not None:
-        return ring
-    return world // 2 if "a2a+p2p" in name else world
 
 
 def _build(name, config, world, seq_length, reference_state):
@@ -57,10 +46,10 @@ def _build(name, config, world, seq_length, reference_state):
     from megatron_lc.models.llama.parallelize import ParallelizeOptions, materialize, parallelize_llama
     from megatron_lc.parallel_state import ParallelDims, ParallelState
 
-    _, cp_impl, overlap = LAYOUTS[name]
-    pstate = ParallelState(ParallelDims(world_size=world, cp=world, cp_ring=_ring_degree(name, world)))
+    a2a, overlap = LAYOUTS[name]
+    pstate = ParallelState(ParallelDims(world_size=world, cp=world, cp_ring=world // (a2a or world)))
     model = build_model(config, device="meta")
-    parallelize_llama(model, pstate, ParallelizeOptions(cp_impl=cp_impl, seq_length=seq_length), CPU)
+    parallelize_llama(model, pstate, ParallelizeOptions(seq_length=seq_length), CPU)
     materialize(model, CPU)
     set_model_state_dict(model, reference_state, options=StateDictOptions(full_state_dict=True))
     if not overlap:
@@ -71,7 +60,6 @@ def _build(name, config, world, seq_length, reference_state):
 
 def _speed_worker(rank, world, args):
     from megatron_lc.models.llama import build_model
-    from megatron_lc.training.step import forward_backward
     from tests.helpers import make_batch, shard_batch
 
     config = bench_model_config(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads)
@@ -82,23 +70,7 @@ def _speed_worker(rank, world, args):
         model, pstate = _build(name, config, world, args.seq_length, reference_state)
         runs[name] = (model, pstate, shard_batch(batch, per_sample, 0, 1, pstate.cp_rank, world,
                                                  pstate.context_layout))
-    times = {name: [] for name in runs}
-    cpu_times = {name: [] for name in runs}
-    losses = {}
-    for step in range(args.warmup + args.steps):
-        for name, (model, pstate, local) in runs.items():  # alternate: load changes hit every layout alike
-            dist.barrier()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            result = forward_backward(model, [local], pstate, CPU.accelerator)
-            cpu_seconds = torch.tensor(time.process_time() - cpu_start)
-            dist.barrier()
-            if step >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-                dist.all_reduce(cpu_seconds)
-                cpu_times[name].append(float(cpu_seconds))
-            losses[name] = float(result.loss)
-            model.zero_grad(set_to_none=True)
-    return {"times": times, "cpu_times": cpu_times, "losses": losses}
+    return time_alternately(runs, args.warmup, args.steps)
 
 
 def run_speed(args) -> dict:

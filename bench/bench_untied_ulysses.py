@@ -31,7 +31,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,7 +38,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from megatron_lc.attention.kernels import Kernel, select_kernel
+from bench.common import time_alternately  # noqa: E402
+from megatron_lc.attention.kernels import Kernel, select_kernel  # noqa: E402
 from megatron_lc.attention.ulysses import UlyssesAttention
 from megatron_lc.attention.untied_ulysses import (
     UntiedUlyssesAttention,
@@ -162,7 +162,6 @@ def _speed_worker(rank, world, args, results):
         parallelize_llama,
     )
     from megatron_lc.parallel_state import ParallelDims, ParallelState
-    from megatron_lc.training.step import forward_backward
     from tests.helpers import make_batch, shard_batch
 
     cpu = Devices(torch.device("cpu"), torch.device("cpu"))
@@ -181,22 +180,10 @@ def _speed_worker(rank, world, args, results):
         models[name] = model
     batch, per_sample = make_batch(1, args.seq_length, args.vocab, seed=0, num_docs=3)
     local = shard_batch(batch, per_sample, 0, 1, pstate.cp_rank, world)
-    times, cpu_times, losses = {name: [] for name in models}, {name: [] for name in models}, {}
-    for step in range(args.warmup + args.steps):
-        for name, model in models.items():  # alternate, so load changes hit every backend alike
-            dist.barrier()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            result = forward_backward(model, [local], pstate, cpu.accelerator)
-            cpu_seconds = torch.tensor(time.process_time() - cpu_start)
-            dist.barrier()
-            if step >= args.warmup:
-                times[name].append(time.perf_counter() - start)
-                dist.all_reduce(cpu_seconds)  # all ranks' CPU seconds: insensitive to other jobs' load
-                cpu_times[name].append(float(cpu_seconds))
-            losses[name] = float(result.loss)
-            model.zero_grad(set_to_none=True)
+    timed = time_alternately({name: (model, pstate, local) for name, model in models.items()}, args.warmup,
+                             args.steps)
     if rank == 0:
-        results.put({"times": times, "cpu_times": cpu_times, "losses": losses})
+        results.put(timed)
 
 
 def _speed_backends(args) -> list[tuple[str, int | None]]:

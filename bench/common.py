@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -56,3 +57,28 @@ def run_ranks(fn, world: int, *args):
     mp.start_processes(_entry, args=(fn, world, _free_port(), args, queue), nprocs=world, join=True,
                        start_method="spawn")
     return queue.get()
+
+
+def time_alternately(runs: dict, warmup: int, steps: int) -> dict:
+    """Time a training step (forward + backward) of each run, `runs` name -> (model, pstate, batch), the runs
+    alternated step by step so that load changes hit every one alike; called on every rank.
+
+    Returns per run the wall seconds and all ranks' CPU seconds of each timed step (CPU seconds are
+    insensitive to other jobs' load), and the last loss."""
+    from megatron_lc.training.step import forward_backward
+
+    times, cpu_times, losses = {name: [] for name in runs}, {name: [] for name in runs}, {}
+    for step in range(warmup + steps):
+        for name, (model, pstate, batch) in runs.items():
+            dist.barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            result = forward_backward(model, [batch], pstate, CPU.accelerator)
+            cpu_seconds = torch.tensor(time.process_time() - cpu_start)
+            dist.barrier()
+            if step >= warmup:
+                times[name].append(time.perf_counter() - start)
+                dist.all_reduce(cpu_seconds)
+                cpu_times[name].append(float(cpu_seconds))
+            losses[name] = float(result.loss)
+            model.zero_grad(set_to_none=True)
+    return {"times": times, "cpu_times": cpu_times, "losses": losses}

@@ -209,7 +209,8 @@ class RingAttention:
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
         schedule = self._schedule(q, cu_seqlens)
-        per_call = len(state) // (1 + sum(len(schedule.cross_pairs(j)) for j in range(self.ring.size)))
+        steps = [schedule.cross_pairs(self._kv_rank(step)) for step in range(self.ring.size)]
+        per_call = len(state) // (1 + sum(map(len, steps)))
         states = iter(zip(*[iter(state)] * per_call)) if per_call else iter(lambda: (), None)
         own = schedule.own_block()
         gq, gk, gv = self.kernel.backward(dout, q, k, v, out, lse, own.cu_q, scale, tuple(next(states)))
@@ -221,7 +222,7 @@ class RingAttention:
         for step in range(self.ring.size):
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
-            for pair in schedule.cross_pairs(self._kv_rank(step)):
+            for pair in steps[step]:
                 (a, b), (c, d) = pair.q_rows, pair.k_rows
                 gq, gk, gv = self.kernel.backward(dout[a:b], q[a:b], kv[0][c:d], kv[1][c:d], out[a:b],
                                                   lse[:, a:b].contiguous(), pair.cu_q, scale, tuple(next(states)),

@@ -69,14 +69,8 @@ class _CheckpointBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn, x, offload, layer_idx, _grad_anchor):
-        ctx.fn, ctx.offload, ctx.layer_idx = fn, offload, layer_idx
-        ctx.autocast = _autocast_states(x.device)
-        # Offload before the block runs, so the copy overlaps this block's compute.
-        ctx.offloaded = offload is not None and offload.should_offload(layer_idx)
-        if ctx.offloaded:
-            ctx.handle = offload.offload(layer_idx, x)
-        else:
-            ctx.save_for_backward(x)
+        ctx.fn = fn
+        _keep_input(ctx, x, offload, layer_idx)
         with torch.no_grad():
             y = fn(x)
         if not isinstance(y, torch.Tensor):
@@ -104,14 +98,8 @@ class _CheckpointResidualBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, branches, x, offload, layer_idx, owns_output_grad, _grad_anchor):
-        ctx.branches, ctx.offload, ctx.layer_idx = branches, offload, layer_idx
-        ctx.owns_output_grad = owns_output_grad
-        ctx.autocast = _autocast_states(x.device)
-        ctx.offloaded = offload is not None and offload.should_offload(layer_idx)
-        if ctx.offloaded:
-            ctx.handle = offload.offload(layer_idx, x)
-        else:
-            ctx.save_for_backward(x)
+        ctx.branches, ctx.owns_output_grad = branches, owns_output_grad
+        _keep_input(ctx, x, offload, layer_idx)
         with torch.no_grad():
             return _residual_chain(branches, x)
 
@@ -168,6 +156,19 @@ def _add_branch_grad(grad: torch.Tensor, branch_grad: torch.Tensor | None, grad_
 def _storage_id(t: torch.Tensor) -> int:
     """Identity of a tensor's storage (also for fake tensors, whose data pointers must not be read)."""
     return t.untyped_storage()._cdata
+
+
+def _keep_input(ctx, x: torch.Tensor, offload: OffloadScheduler | None, layer_idx: int) -> None:
+    """Keep the block input for backward (on the host when offloaded) and the autocast state to replay.
+
+    Offloading starts before the block runs, so the copy overlaps this block's compute."""
+    ctx.offload, ctx.layer_idx = offload, layer_idx
+    ctx.autocast = _autocast_states(x.device)
+    ctx.offloaded = offload is not None and offload.should_offload(layer_idx)
+    if ctx.offloaded:
+        ctx.handle = offload.offload(layer_idx, x)
+    else:
+        ctx.save_for_backward(x)
 
 
 def _restore_input(ctx) -> torch.Tensor:
