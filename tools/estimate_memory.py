@@ -4,7 +4,7 @@ Takes the training flags (python -m megatron_lc.train --help) plus the machine's
 
     python tools/estimate_memory.py --model llama3-8b --bf16 --seq-length 5242880 \\
         --context-parallel-size 8 --recompute-granularity full --offload-activations \\
-        --tiled-mlp --tiled-loss --num-gpus 8 --gpu-memory-gib 80 --host-memory-gib 1907
+        --tiled-mlp --tiled-loss --num-gpus 8 --machine dgx-h100
 
     ... --find-max-seq-length          the longest length that fits
     ... --ablate [--plot FILE.png]     the longest length with each memory layer added in turn
@@ -26,14 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_lc.config import build_parser, parse_config
-from megatron_lc.planning.estimate import (
-    DEFAULT_HOST_RESERVE_GIB,
-    DEFAULT_RESERVE_GIB,
-    DGX_H100_HOST_GIB,
-    Machine,
-    estimate,
-    planning_config,
-)
+from megatron_lc.planning.estimate import Machine, estimate, planning_config
+from megatron_lc.planning.machine import DEFAULT_NODE, NODES
 from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, CostModel
 from megatron_lc.planning.standins import NcclSettings
 
@@ -54,16 +48,29 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     """The machine and what to compute."""
     group = parser.add_argument_group("planner")
     group.add_argument("--num-gpus", type=int, default=8, help="GPUs of the run (the world size) (default: 8)")
-    group.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
-    group.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default: 80)")
-    group.add_argument("--host-memory-gib", type=float, default=DGX_H100_HOST_GIB,
-                       help=f"physical host memory per node (default: {DGX_H100_HOST_GIB:g}, a DGX H100's 2 TB)")
-    group.add_argument("--host-reserve-gib", type=float, default=DEFAULT_HOST_RESERVE_GIB,
-                       help="host memory per node kept for the OS, the training processes, NCCL and checkpoint "
-                            f"saves; offloaded activations get the rest (default: {DEFAULT_HOST_RESERVE_GIB:g})")
-    group.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
-                       help="per-GPU memory kept for the CUDA context, workspaces and allocator fragmentation "
-                            f"(default: {DEFAULT_RESERVE_GIB})")
+    group.add_argument("--machine", choices=sorted(NODES), default=DEFAULT_NODE,
+                       help="the kind of node: its GPUs' memory as the driver reports it, GPUs per node, host RAM "
+                            "(docs/memory_planner.md lists each figure's source) (default: %(default)s)")
+    group.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the machine's)")
+    group.add_argument("--gpu-memory-gib", type=float, default=None,
+                       help="memory of one GPU as cudaMemGetInfo reports it (default: the machine's, 79.11 for an "
+                            "80 GB H100)")
+    group.add_argument("--host-memory-gib", type=float, default=None,
+                       help="physical host memory per node (default: the machine's, 1907 for a DGX H100's 2 TB)")
+    group.add_argument("--host-reserve-gib", type=float, default=None,
+                       help="host memory per node kept from offloaded activations, as one number (default: "
+                            "itemized: struct page, page-locking bookkeeping, the training processes, checkpoint "
+                            "staging, the OS)")
+    group.add_argument("--reserve-gib", type=float, default=None,
+                       help="GiB below the card kept free for everything that is not a traced tensor or NCCL "
+                            "buffer, as one number (default: itemized: CUDA context, cuBLAS workspaces, allocator "
+                            "overhead, NCCL device structures and NVLS, page tables, a model-error margin)")
+    group.add_argument("--no-expandable-segments", action="store_true",
+                       help="the run's PYTORCH_CUDA_ALLOC_CONF turns expandable segments off: reserve 2.9 GiB more "
+                            "for fragmentation")
+    group.add_argument("--nccl-nvls", action="store_true",
+                       help="NCCL's NVLink SHARP is on (NCCL_NVLS_ENABLE unset on an NVSwitch node): reserve its "
+                            "buffers (the recipes export NCCL_NVLS_ENABLE=0)")
     group.add_argument("--nccl-buffsize", type=int, default=NCCL.buffsize,
                        help=f"NCCL_BUFFSIZE of the run, in bytes (default: NCCL's {NCCL.buffsize})")
     group.add_argument("--nccl-channels", type=int, default=NCCL.channels,
@@ -98,7 +105,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-PLANNER_FLAGS = ("num_gpus", "gpus_per_node", "gpu_memory_gib", "host_memory_gib", "host_reserve_gib",
+PLANNER_FLAGS = ("num_gpus", "machine", "no_expandable_segments", "nccl_nvls", "gpus_per_node", "gpu_memory_gib",
+                 "host_memory_gib", "host_reserve_gib",
                  "reserve_gib", "nccl_buffsize", "nccl_channels", "nccl_p2p_channels_per_peer",
                  "nccl_net_channels_per_peer", "with_flash_attn",
                  "find_max_seq_length", "ablate", "plot", "auto_fit", "auto_fit_max_traces", "auto_fit_tflops",
@@ -127,12 +135,13 @@ def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def machine_of(planner: argparse.Namespace, cfg) -> Machine:
     device = "cpu" if cfg.train.device == "cpu" else "cuda"
-    return Machine(num_gpus=planner.num_gpus, gpus_per_node=planner.gpus_per_node,
+    return Machine(num_gpus=planner.num_gpus, node=planner.machine, gpus_per_node=planner.gpus_per_node,
                    gpu_memory_gib=planner.gpu_memory_gib, host_memory_gib=planner.host_memory_gib,
                    host_reserve_gib=planner.host_reserve_gib, reserve_gib=planner.reserve_gib,
                    nccl=NcclSettings(buffsize=planner.nccl_buffsize, channels=planner.nccl_channels,
                                      p2p_channels_per_peer=planner.nccl_p2p_channels_per_peer,
                                      net_channels_per_peer=planner.nccl_net_channels_per_peer),
+                   expandable_segments=not planner.no_expandable_segments, nvls=planner.nccl_nvls,
                    device=device, flash_attn=planner.with_flash_attn)
 
 
@@ -187,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             print(report.ablation_table(rows))
         if planner.plot:
             title = f"{cfg.model.model} on {machine.num_gpus} GPUs ({machine.gpu_memory_gib:g} GiB)"
-            report.plot_memory(rows, planner.plot, title, machine.gpu_memory_gib - machine.reserve_gib,
-                               machine.gpu_memory_gib)
+            report.plot_memory(rows, planner.plot, title, machine.gpu_memory_gib)
     if planner.find_max_seq_length:
         result = search.find_max_seq_length(cfg, machine, on_estimate=progress)
         out.update(report.search_json(result))

@@ -21,41 +21,56 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_lc.config import TrainConfig
+from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.planning.standins import NcclSettings, nccl_bytes
 from megatron_lc.planning.trace import StepTrace, trace_step
+from megatron_lc.planning import machine as machine_terms
+from megatron_lc.planning.machine import DEFAULT_NODE, GIB, NODES, Term
 from megatron_lc.planning.tracker import CATEGORIES, PhasePeak
-
-GIB = 1 << 30
-DEFAULT_RESERVE_GIB = 3.0
-"""CUDA context (about 0.5 GiB), cuBLAS workspaces and allocator fragmentation (assumed, see docs)."""
-DGX_H100_HOST_GIB = 1907.0
-"""Physical host memory of a DGX H100 node: 2 TB (32 x 64 GB DIMMs) = 2,048e9 bytes = 1,907 GiB."""
-DEFAULT_HOST_RESERVE_GIB = 128.0
-"""Host memory per node kept from offloaded activations (an assumption): the OS and page cache, eight
-training processes (CUDA context, torch, the data loader: about 8 GiB each), NCCL's host buffers, and a
-checkpoint save's staging of Llama3-8B's fp32 weights and Adam state (8B x 12 bytes = 89 GiB per node)."""
 
 _LAYER_PHASE = re.compile(r"^(fw|bw):layer:(\d+)$")
 
 
 @dataclass(frozen=True)
 class Machine:
-    """The cluster a configuration is planned for."""
+    """The cluster a configuration is planned for: a named node (`machine.NODES`), its figures overridable."""
 
     num_gpus: int = 8
-    gpus_per_node: int = 8
-    gpu_memory_gib: float = 80.0
-    host_memory_gib: float = DGX_H100_HOST_GIB
-    """Physical host memory per node (default: a DGX H100's)."""
-    host_reserve_gib: float = DEFAULT_HOST_RESERVE_GIB
-    """Host memory per node that offloaded activations cannot use (see DEFAULT_HOST_RESERVE_GIB)."""
-    reserve_gib: float = DEFAULT_RESERVE_GIB
-    """Per-GPU memory the tracked tensors cannot use (context, workspaces, fragmentation)."""
+    node: str = DEFAULT_NODE
+    """The kind of node; its figures fill every field left None."""
+    gpus_per_node: int | None = None
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU as the driver hands it out (default: the node's, e.g. 79.11 for an "80 GB" H100)."""
+    host_memory_gib: float | None = None
+    """Physical host memory per node (default: the node's)."""
+    reserve_gib: float | None = None
+    """Per-GPU bytes kept free besides the traced tensors and NCCL buffers, as one number; None: the itemized
+    terms of `machine.gpu_terms`."""
+    host_reserve_gib: float | None = None
+    """Host memory per node that offloaded activations cannot use, as one number; None: the itemized terms of
+    `machine.host_terms`."""
+    expandable_segments: bool = True
+    """The CUDA caching allocator runs with expandable segments (the trainer sets it)."""
+    nvls: bool = False
+    """NCCL's NVLink SHARP buffers are on (the recipes export NCCL_NVLS_ENABLE=0)."""
     nccl: NcclSettings = NcclSettings()
     device: str = "cuda"
     """cuda: model the CUDA kernels and NCCL; cpu: trace the CPU kernels as they are (validation)."""
     flash_attn: bool = False
     """flash-attn is installed on the GPUs' machines: `auto` runs it for bf16 (torch's flash kernel otherwise)."""
+
+    def __post_init__(self) -> None:
+        if self.node not in NODES:
+            raise ValueError(f"--machine {self.node!r}: expected one of {', '.join(NODES)}")
+        spec = NODES[self.node]
+        for name, value in (("gpus_per_node", spec.gpus_per_node), ("gpu_memory_gib", spec.gpu_memory_gib),
+                            ("host_memory_gib", spec.host_memory_gib)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+
+    @property
+    def gpus_on_node(self) -> int:
+        return min(self.gpus_per_node, self.num_gpus)
 
 
 @dataclass
@@ -75,27 +90,55 @@ class Estimate:
     seconds: float = 0.0
     extra_layer_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes by category that the layers beyond the traced ones add at the peak (extrapolation)."""
+    state_bytes_per_gpu: int = 0
+    """fp32 weights and optimizer state of one rank's shards: what a checkpoint save stages on the host."""
 
     @property
     def gpu_peak_bytes(self) -> int:
         return sum(self.gpu_bytes_by_category.values())
 
     @property
+    def gpu_reserve_terms(self) -> list[Term]:
+        """What the card holds besides the traced step, term by term (one term when --reserve-gib is given)."""
+        m = self.machine
+        if m.reserve_gib is not None:
+            return [Term("reserve (--reserve-gib)", int(m.reserve_gib * GIB), "given on the command line")]
+        return machine_terms.gpu_terms(host_pinned_bytes_per_gpu=self.host_bytes_per_gpu if m.device == "cuda" else 0,
+                                       communicators=self.communicators, expandable_segments=m.expandable_segments,
+                                       nvls=m.nvls)
+
+    @property
+    def gpu_memory_bytes(self) -> int:
+        return int(self.machine.gpu_memory_gib * GIB)
+
+    @property
     def gpu_budget_bytes(self) -> int:
-        return int((self.machine.gpu_memory_gib - self.machine.reserve_gib) * GIB)
+        """Bytes the traced step may hold: the card less every reserve term."""
+        return self.gpu_memory_bytes - machine_terms.total(self.gpu_reserve_terms)
 
     @property
     def host_bytes_per_node(self) -> int:
-        return self.host_bytes_per_gpu * min(self.machine.gpus_per_node, self.machine.num_gpus)
+        return self.host_bytes_per_gpu * self.machine.gpus_on_node
 
     @property
     def fits_gpu(self) -> bool:
         return self.gpu_peak_bytes <= self.gpu_budget_bytes
 
     @property
+    def host_reserve_terms(self) -> list[Term]:
+        """What a node's RAM holds besides the offloaded activations (one term when --host-reserve-gib is given)."""
+        m = self.machine
+        if m.host_reserve_gib is not None:
+            return [Term("host reserve (--host-reserve-gib)", int(m.host_reserve_gib * GIB), "given on the command line")]
+        pinned = self.host_bytes_per_node if m.device == "cuda" else 0
+        return machine_terms.host_terms(host_memory_bytes=int(m.host_memory_gib * GIB), pinned_bytes_per_node=pinned,
+                                        processes_per_node=m.gpus_on_node,
+                                        state_bytes_per_node=self.state_bytes_per_gpu * m.gpus_on_node)
+
+    @property
     def host_budget_bytes(self) -> int:
-        """Page-locked host bytes a node can give offloaded activations."""
-        return int((self.machine.host_memory_gib - self.machine.host_reserve_gib) * GIB)
+        """Host bytes per node left for the offloaded activations."""
+        return int(self.machine.host_memory_gib * GIB) - machine_terms.total(self.host_reserve_terms)
 
     @property
     def fits_host(self) -> bool:
@@ -119,11 +162,13 @@ class Estimate:
             "gpu_peak_gib": round(self.gpu_peak_bytes / GIB, 3),
             "gpu_budget_gib": round(self.gpu_budget_bytes / GIB, 3),
             "gpu_by_category_gib": {k: round(v / GIB, 3) for k, v in self.gpu_bytes_by_category.items()},
-            "nccl_gib": round(self.nccl_bytes / GIB, 3), "reserve_gib": m.reserve_gib,
-            "gpu_memory_gib": m.gpu_memory_gib,
+            "nccl_gib": round(self.nccl_bytes / GIB, 3), "machine": m.node,
+            "reserve_gib": round(machine_terms.total(self.gpu_reserve_terms) / GIB, 3),
+            "reserve_terms": [t.to_json() for t in self.gpu_reserve_terms], "gpu_memory_gib": m.gpu_memory_gib,
             "host_peak_gib": round(self.host_bytes_per_node / GIB, 3),
             "host_per_gpu_gib": round(self.host_bytes_per_gpu / GIB, 3), "host_memory_gib": m.host_memory_gib,
-            "host_reserve_gib": m.host_reserve_gib, "host_budget_gib": round(self.host_budget_bytes / GIB, 3),
+            "host_reserve_gib": round(machine_terms.total(self.host_reserve_terms) / GIB, 3),
+            "host_terms": [t.to_json() for t in self.host_reserve_terms], "host_budget_gib": round(self.host_budget_bytes / GIB, 3),
             "num_gpus": m.num_gpus, "gpus_per_node": m.gpus_per_node, "peak_phase": self.peak_phase,
             "top_buffers": [{"name": n, "count": c, "gib": round(b / GIB, 3)} for n, c, b in self.top_buffers],
             "communicators": self.communicators, "traced_layers": list(self.traced_layers),
@@ -243,4 +288,12 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     by_category["communication buffers"] += nccl
     top = step.trace.analysis.top_buffers(step.peak.event_index, lambda d: d == "meta")
     return Estimate(cfg.data.seq_length, by_category, nccl, step.host_bytes, describe_phase(step.anchor, num_layers),
-                    top, communicators, counts, machine, time.perf_counter() - start, step.extra_layer_bytes)
+                    top, communicators, counts, machine, time.perf_counter() - start, step.extra_layer_bytes,
+                    state_bytes_per_gpu(cfg, machine.num_gpus))
+
+
+def state_bytes_per_gpu(cfg: TrainConfig, num_gpus: int) -> int:
+    """fp32 weights and Adam state of one rank's FSDP shards (sharded over all but the replicas)."""
+    shards = num_gpus // cfg.parallel.data_parallel_replicate
+    parameters = count_parameters(build_model(cfg.model_config(), device="meta"))
+    return -(-parameters // shards) * machine_terms.STATE_BYTES_PER_PARAMETER

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatron_lc.config import TrainConfig
 from megatron_lc.planning.estimate import GIB, Estimate
+from megatron_lc.planning.machine import NODES, Term
 from megatron_lc.planning.search import SearchResult, StackLayer
 from megatron_lc.planning.tracker import CATEGORIES
 
@@ -41,20 +42,38 @@ def estimate_table(cfg: TrainConfig, e: Estimate) -> str:
     lines.append(f"  {'total':<22}{_gib(e.gpu_peak_bytes)}   (communication includes {e.nccl_bytes / GIB:.2f} GiB "
                  f"of NCCL buffers for {e.communicators} communicator(s))")
     verdict = "fits" if e.fits_gpu else "does NOT fit"
-    lines.append(f"  GPU: {e.gpu_peak_bytes / GIB:.2f} + reserve {m.reserve_gib:.2f} GiB of {m.gpu_memory_gib:.2f} GiB: "
-                 f"{verdict}")
+    reserve = e.gpu_memory_bytes - e.gpu_budget_bytes
+    lines.append(f"  GPU: {e.gpu_peak_bytes / GIB:.2f} + reserve {reserve / GIB:.2f} GiB of {m.gpu_memory_gib:.2f} GiB "
+                 f"({describe_machine(m)}): {verdict}")
+    lines += _terms(e.gpu_reserve_terms)
     verdict = "fits" if e.fits_host else "does NOT fit"
+    host_reserve = int(m.host_memory_gib * GIB) - e.host_budget_bytes
     lines.append(f"host (offloaded activations, page-locked at their exact size): "
                  f"{e.host_bytes_per_gpu / GIB:.2f} GiB per GPU, "
                  f"{e.host_bytes_per_node / GIB:.2f} GiB per node of {e.host_budget_bytes / GIB:.0f} GiB "
-                 f"({m.host_memory_gib:.0f} GiB less {m.host_reserve_gib:.0f} GiB reserve): {verdict}")
+                 f"({m.host_memory_gib:.0f} GiB less {host_reserve / GIB:.0f} GiB reserve): {verdict}")
+    lines += _terms(e.host_reserve_terms)
     lines.append("largest buffers at the peak (traced layers; layers.N = any layer):")
     lines += [f"  {b / GIB:8.2f} GiB  {count:>3} x {name}" for name, count, b in e.top_buffers]
     if any(e.extra_layer_bytes.values()):
         extra = ", ".join(f"{k} {v / GIB:.2f}" for k, v in e.extra_layer_bytes.items() if v)
         lines.append(f"  plus, from the untraced layers (GiB): {extra}")
     lines.append(f"(traced {'/'.join(map(str, e.traced_layers))} layers in {e.seconds:.1f} s)")
+    if any(t.assumed for t in e.gpu_reserve_terms + e.host_reserve_terms):
+        lines.append("* an assumption until a GPU has measured it (docs/memory_planner.md, 'The machine')")
     return "\n".join(lines)
+
+
+def describe_machine(m) -> str:
+    """'8 x dgx-h100 (H100 SXM5 80GB)'-style words for the machine."""
+    nodes = -(-m.num_gpus // m.gpus_per_node)
+    return f"{nodes} x {m.node}, {NODES[m.node].gpu}" if m.gpu_memory_gib == NODES[m.node].gpu_memory_gib \
+        else f"{nodes} x {m.node}, {m.gpu_memory_gib:g} GiB GPUs"
+
+
+def _terms(terms: list[Term]) -> list[str]:
+    """One line per reserve term; '*' marks an assumption no GPU has measured yet."""
+    return [f"    {t.nbytes / GIB:7.2f} GiB {'*' if t.assumed else ' '} {t.name}: {t.basis}" for t in terms]
 
 
 def search_json(result: SearchResult) -> dict:
@@ -89,8 +108,7 @@ def ablation_json(rows: list[tuple[StackLayer, SearchResult]]) -> dict:
     return {**table[-1], "ablation": table}
 
 
-def plot_memory(rows: list[tuple[StackLayer, SearchResult]], path: str, title: str, budget_gib: float,
-                gpu_memory_gib: float) -> None:
+def plot_memory(rows: list[tuple[StackLayer, SearchResult]], path: str, title: str, gpu_memory_gib: float) -> None:
     """GPU peak against sequence length, one curve per stack layer (every point an estimate)."""
     import matplotlib
 
@@ -103,7 +121,9 @@ def plot_memory(rows: list[tuple[StackLayer, SearchResult]], path: str, title: s
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=layer.name)
     ax.axhline(gpu_memory_gib, color="black", linewidth=1, label=f"GPU memory ({gpu_memory_gib:g} GiB)")
-    ax.axhline(budget_gib, color="black", linestyle="--", linewidth=1, label="minus reserve")
+    shown = [e for _, result in rows for e in ([result.best] if result.best else result.evaluated[:1])]
+    if shown:  # the reserve grows a little with the page-locked bytes: the full stack's at its limit
+        ax.axhline(shown[-1].gpu_budget_bytes / GIB, color="black", linestyle="--", linewidth=1, label="minus reserve")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("sequence length (tokens)")

@@ -26,7 +26,7 @@ from megatron_lc.planning.standins import (
     planned_kernel_name,
 )
 from megatron_lc.planning.trace import trace_step
-from megatron_lc.planning.tracker import PlannerMemTracker
+from megatron_lc.planning.tracker import CATEGORIES, PlannerMemTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import estimate_memory
@@ -137,12 +137,73 @@ def test_planner_models_the_all_to_all_group_and_the_kernel_auto_runs():
         planned_kernel_name("sdpa_flash", "cuda", torch.float32)
 
 
-def test_host_budget_is_a_dgx_h100_less_the_stated_reserve():
+def _bare_estimate(machine: Machine, host_per_gpu: int, communicators: int = 1, state_per_gpu: int = 0) -> Estimate:
+    return Estimate(1, {"parameters": 0}, 0, host_per_gpu, "test", [], communicators, (1,), machine,
+                    state_bytes_per_gpu=state_per_gpu)
+
+
+def test_default_machine_is_a_dgx_h100_with_the_memory_the_driver_reports():
     m = Machine()
-    assert (m.host_memory_gib, m.host_reserve_gib) == (1907.0, 128.0)
-    e = Estimate(1, dict.fromkeys(("parameters",), 0), 0, int(1779 * GIB / 8), "test", [], 0, (1,), m)
-    assert e.host_budget_bytes == 1779 * GIB and e.fits_host
-    assert not Estimate(1, {"parameters": 0}, 0, int(1780 * GIB / 8), "test", [], 0, (1,), m).fits_host
+    assert (m.node, m.gpu_memory_gib, m.gpus_per_node, m.host_memory_gib) == ("dgx-h100", 79.11, 8, 1907.0)
+    assert Machine(node="dgx-h200").gpu_memory_gib == 139.72
+    assert Machine(node="dgx-h200", gpu_memory_gib=100).gpu_memory_gib == 100  # a flag overrides the node
+    with pytest.raises(ValueError, match="--machine 'h100'"):
+        Machine(node="h100")
+
+
+def test_gpu_reserve_is_itemized_and_each_term_moves_the_budget():
+    pinned = 200 * GIB
+    e = _bare_estimate(Machine(), pinned, communicators=3)
+    terms = {t.name: t.nbytes for t in e.gpu_reserve_terms}
+    assert terms["page tables of page-locked host memory"] == pinned // 4096 * 8
+    assert terms["NCCL device structures"] == 3 * 64 * 2**20
+    assert terms["NCCL NVLS buffers"] == 0 and terms["model-error margin"] == GIB
+    assert e.gpu_budget_bytes == int(79.11 * GIB) - sum(terms.values())
+    assert e.to_json()["reserve_gib"] == round(sum(terms.values()) / GIB, 3)
+    fragmented = _bare_estimate(Machine(expandable_segments=False), pinned, communicators=3)
+    assert e.gpu_budget_bytes - fragmented.gpu_budget_bytes == int(2.9 * GIB)
+    nvls = _bare_estimate(Machine(nvls=True), pinned, communicators=3)
+    assert e.gpu_budget_bytes - nvls.gpu_budget_bytes == int(0.25 * GIB)
+    given = _bare_estimate(Machine(reserve_gib=3.0), pinned)
+    assert [t.nbytes for t in given.gpu_reserve_terms] == [3 * GIB]
+    assert given.gpu_budget_bytes == int(79.11 * GIB) - 3 * GIB
+
+
+def test_host_budget_is_the_node_less_its_itemized_terms():
+    per_gpu, state = 200 * GIB, 12 * 10**9
+    e = _bare_estimate(Machine(), per_gpu, state_per_gpu=state)
+    terms = {t.name: t.nbytes for t in e.host_reserve_terms}
+    assert terms["struct page"] == int(1907 * GIB) // 4096 * 64  # 1.56% of RAM
+    assert terms["driver bookkeeping of page-locked pages"] == 8 * per_gpu // 4096 * 16
+    assert terms["checkpoint save staging"] == 8 * state
+    assert terms["training processes"] == 8 * 8 * GIB
+    assert e.host_budget_bytes == int(1907 * GIB) - sum(terms.values())
+    limit = e.host_budget_bytes
+    assert _bare_estimate(Machine(host_reserve_gib=128), int(1779 * GIB / 8)).fits_host
+    assert not _bare_estimate(Machine(host_reserve_gib=128), int(1780 * GIB / 8)).fits_host
+    assert limit < 1779 * GIB  # the itemized host leaves less than the old 128 GiB reserve did
+
+
+def test_report_prints_every_reserve_term_and_marks_assumptions():
+    from megatron_lc.planning.report import estimate_table
+
+    cfg = config_from_values(dict(model="debug", seq_length=256, mock_data=True))
+    e = _bare_estimate(Machine(), 10 * GIB)
+    e.gpu_bytes_by_category = dict.fromkeys(CATEGORIES, 0)
+    text = estimate_table(cfg, e)
+    for term in e.gpu_reserve_terms + e.host_reserve_terms:
+        assert term.name in text
+    assert "* CUDA context" in text and "  struct page" in text and "79.11 GiB (1 x dgx-h100" in text
+
+
+def test_state_bytes_per_gpu_are_twelve_bytes_per_parameter_over_the_shards():
+    from megatron_lc.models.llama import build_model, count_parameters
+    from megatron_lc.planning.estimate import state_bytes_per_gpu
+
+    cfg = config_from_values(dict(model="llama3-8b", seq_length=1024, mock_data=True))
+    params = count_parameters(build_model(cfg.model_config(), device="meta"))
+    assert state_bytes_per_gpu(cfg, 8) == -(-params // 8) * 12
+    assert 11.9e9 < state_bytes_per_gpu(cfg, 8) < 12.2e9  # about 12 GB per rank for 8B on 8 GPUs
 
 
 def test_sdpa_flash_standin_adds_torchs_contiguous_copies_of_strided_grad_out_and_out():
