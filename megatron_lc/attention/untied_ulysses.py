@@ -32,8 +32,9 @@ not once in all).
 Buffers: what a stage receives lands in buffers of a `StageWorkspace` owned by the
 backend object and reused across stages, layers and steps; it is the only state. Send
 buffers are transient (freed before the attention kernels run, so they never add to the
-peak). Blocks that travel at the same time share one all-to-all, so a stage costs one
-exchange each way. Exchanges are synchronous: overlapping one stage's exchange with the
+peak). Blocks that travel at the same time share one all-to-all, so a forward stage costs
+one exchange each way; a backward stage sends its output and output gradient in two
+exchanges of their own (the kernels want their rows contiguous, see `_stage_backward`). Exchanges are synchronous: overlapping one stage's exchange with the
 previous stage's attention would need a second set of stage buffers, which is the
 memory this backend exists to save.
 """
@@ -359,11 +360,14 @@ class UntiedUlyssesAttention:
     rank. One all-to-all per sample keeps both sides contiguous. Packing saves
     collectives: in forward, the output of stage j travels with the q of stage j+1;
     when a kv round has one stage, its k and v travel with the stage's q (in backward,
-    also with the output and its gradient, and dk, dv return with dq); otherwise k and
-    v travel once per round and their gradients return once, summed.
+    dk, dv return with dq); otherwise k and v travel once per round and their gradients
+    return once, summed. In backward the stage's output and its gradient travel in two
+    exchanges of their own.
 
     Workspace roles: `recv_stage` receives a stage's blocks (and, in backward, the
-    gradients on their way back); `recv_kv` a round's k and v when they travel apart;
+    gradients on their way back); in backward `recv_out` and `recv_dout` receive the
+    stage's output and its gradient, each whole, so the kernel gets them with contiguous
+    rows; `recv_kv` a round's k and v when they travel apart;
     `dk_sum`, `dv_sum` sum a round's kv gradients over its stages. Send buffers are
     transient, so none is held while the attention kernels run.
     """
@@ -461,11 +465,15 @@ class UntiedUlyssesAttention:
         k, v travel apart."""
         u = self.plan.stage_heads_per_rank * self.head_dim
         q_heads = self._q_heads(*wq_dwq, stage)
-        o_heads = _Heads(u, piece=self._output_piece(call.out, stage))
-        do_heads = _Heads(u, piece=self._output_grad_piece(call.dout, stage))
-        received = self._exchange(call, [*kv_heads, q_heads, o_heads, do_heads], "recv_stage")
+        received = self._exchange(call, [*kv_heads, q_heads], "recv_stage")
         k, v = kv if kv is not None else map(self._full_sequence, received[:2])
-        q, o, do = map(self._full_sequence, received[-3:])
+        q = self._full_sequence(received[-1])
+        # The output and its gradient each arrive in a buffer of their own: torch's flash backward copies
+        # an `out` or `grad_out` whose rows are not contiguous (a column slice of a packed exchange),
+        # which at the backward's peak would cost two more [S, U/cp, d] tensors.
+        o, do = (self._full_sequence(self._all_to_all(call, [_Heads(u, piece=piece)], role))
+                 for piece, role in ((self._output_piece(call.out, stage), "recv_out"),
+                                     (self._output_grad_piece(call.dout, stage), "recv_dout")))
         lse, *state = call.lses[stage]
         dq, dk, dv = self.kernel.backward(do, q, k, v, o, lse, call.cu_seqlens, state=tuple(state))
         if kv is None:
