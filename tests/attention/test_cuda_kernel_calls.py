@@ -551,3 +551,37 @@ def test_memory_efficient_calls_keep_segments_times_longest_within_twice_the_tok
 def _cross_qkv_of(T, H=4, Hkv=2, d=16):
     g = torch.Generator().manual_seed(5)
     return [torch.randn(T, h, d, generator=g) for h in (H, Hkv, Hkv)]
+
+
+def _lse_by_segment_loops(native, lse, cu):
+    """The segment-by-segment re-layouts the gather and scatter replace: [H, T] from native, native from lse."""
+    heads_tokens = native.new_empty(native.shape[1], cu[-1])
+    padded = native.new_full((len(cu) - 1, lse.shape[0], math.ceil(kernels.max_seqlen(cu) / 32) * 32), math.inf)
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        heads_tokens[:, a:b] = native[i, :, : b - a]
+        padded[i, :, : b - a] = lse[:, a:b]
+    return heads_tokens, padded
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_lse_relayouts_are_one_gather_and_one_scatter_matching_the_segment_loops():
+    cu = (0, 3, 3, 40, 41, 100)  # an empty segment and a single token among them
+    g = torch.Generator().manual_seed(6)
+    native, lse = torch.randn(len(cu) - 1, 4, 64, generator=g), torch.randn(4, 100, generator=g)
+    want_heads_tokens, want_native = _lse_by_segment_loops(native, lse, cu)
+    assert torch.equal(kernels._lse_to_heads_tokens(native, cu), want_heads_tokens)
+    assert torch.equal(kernels._lse_to_native(lse, cu), want_native), "+inf past each segment's end"
+    assert torch.equal(kernels._lse_to_heads_tokens(kernels._lse_to_native(lse, cu), cu), lse), "round trip"
+    many = tuple(range(0, 2001, 2))  # 1,000 segments: as few operators as for 5
+    with _CountOps() as counted:
+        kernels._lse_to_native(kernels._lse_to_heads_tokens(torch.randn(1000, 4, 32), many), many)
+    assert counted.count <= 20
