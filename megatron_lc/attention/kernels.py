@@ -279,11 +279,16 @@ MAX_SEGMENTS_PER_CALL = 65_535
 in gridDim.y, the memory-efficient kernels in gridDim.z, and CUDA caps both at 65,535 (flash-attn
 issue #1786); more fail to launch."""
 
+EFFICIENT_TILE_ROWS = 128
+"""Query rows of the memory-efficient backward's dq tiles (`kBlockSizeI`, the largest of torch's sm80
+kernels): its fp32 dq workspace holds, for every segment and head of a call, the call's longest segment
+rounded up to whole tiles (`workspace_elements_gq` in `kernel_backward.h`)."""
 EFFICIENT_ROWS_PER_TOKEN = 2
-"""Each memory-efficient call takes consecutive segments while segments x longest segment stays
-within this many times the micro-batch's tokens: its backward keeps an fp32 dq accumulator of
-(longest segment) rows for every segment and head, so one call over 200 documents of which one is
-16K tokens long would hold 200 x 16K rows, 50 times the 64K tokens themselves."""
+EFFICIENT_MIN_ROWS = 8192
+"""Each memory-efficient call takes consecutive segments while segments x (longest, in whole tiles) stays
+within twice the micro-batch's tokens, or 8,192 rows for small micro-batches. One call over 200 documents
+of which one is 16K tokens long would hold 200 x 16K rows for 64K tokens (54 GB in fp32 at 32 heads of
+128), and 64K one-token documents a 128-row tile each (68 GB)."""
 
 _DEVICE_CU_SEQLENS: dict[tuple[torch.device, tuple], torch.Tensor] = {}
 _KEPT_CU_SEQLENS = 64
@@ -331,19 +336,21 @@ class KernelCall(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def kernel_calls(cu_q: tuple[int, ...], cu_k: tuple[int, ...] | None, max_rows: int | None = None
-                 ) -> tuple[KernelCall, ...]:
+def kernel_calls(cu_q: tuple[int, ...], cu_k: tuple[int, ...] | None, max_rows: int | None = None,
+                 tile_rows: int = 1) -> tuple[KernelCall, ...]:
     """Split a micro-batch into calls of consecutive segments, exactly (segments are independent).
 
     Each call takes at most `MAX_SEGMENTS_PER_CALL` segments and, with `max_rows`, at most as
-    many segments as keep segments x its longest one within `max_rows` (one segment always fits).
-    Consecutive segments are rows next to each other, so a call reads and writes views of the
-    micro-batch's tensors and nothing is gathered. Calls without tokens are left out.
+    many as keep segments x its longest one (rounded up to `tile_rows`) within `max_rows` (one
+    segment always fits). Consecutive segments are rows next to each other, so a call reads and
+    writes views of the micro-batch's tensors and nothing is gathered. Calls without tokens are
+    left out.
     """
     calls, start, longest = [], 0, 0
     for i, (a, b) in enumerate(zip(cu_q[:-1], cu_q[1:])):
         count, widest = i - start + 1, max(longest, b - a)
-        too_many = count > MAX_SEGMENTS_PER_CALL or (max_rows is not None and count * widest > max_rows)
+        rows = count * -(-widest // tile_rows) * tile_rows
+        too_many = count > MAX_SEGMENTS_PER_CALL or (max_rows is not None and rows > max_rows)
         if too_many and i > start:
             calls.append(_kernel_call(cu_q, cu_k, start, i))
             start, widest = i, b - a
@@ -362,11 +369,12 @@ def _kernel_call(cu_q, cu_k, first: int, end: int) -> KernelCall:
     return KernelCall(slice(a, b), slice(c, d), rebased_q, tuple(x - c for x in cu_k[first:end + 1]))
 
 
-def _calls(cu_seqlens, cu_seqlens_k, causal: bool, max_rows: int | None = None) -> tuple[KernelCall, ...]:
+def _calls(cu_seqlens, cu_seqlens_k, causal: bool, max_rows: int | None = None, tile_rows: int = 1
+           ) -> tuple[KernelCall, ...]:
     """The checked segmentation (as every kernel checks it), split into kernel calls."""
     segment_pairs(cu_seqlens, cu_seqlens_k, causal)
     cu_k = None if cu_seqlens_k is None else tuple(cu_seqlens_k)
-    return kernel_calls(tuple(cu_seqlens), cu_k, max_rows)
+    return kernel_calls(tuple(cu_seqlens), cu_k, max_rows, tile_rows)
 
 
 def _varlen_args(call: KernelCall, device: torch.device):
@@ -497,7 +505,8 @@ def _efficient_mask(causal: bool) -> int:
 
 def _efficient_calls(cu_seqlens, cu_seqlens_k, causal: bool) -> tuple[KernelCall, ...]:
     """The memory-efficient kernels' calls: at most 65,535 segments, and a bounded backward workspace."""
-    return _calls(cu_seqlens, cu_seqlens_k, causal, max_rows=EFFICIENT_ROWS_PER_TOKEN * cu_seqlens[-1])
+    max_rows = max(EFFICIENT_ROWS_PER_TOKEN * cu_seqlens[-1], EFFICIENT_MIN_ROWS)
+    return _calls(cu_seqlens, cu_seqlens_k, causal, max_rows, EFFICIENT_TILE_ROWS)
 
 
 def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):

@@ -520,17 +520,20 @@ def test_more_segments_than_one_launch_takes_are_split_over_calls(contract_ops, 
     kernel = KERNELS[name]
     out, lse, state = kernel.forward(q, k, v, cu)
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, cu, state=state)
-    assert [(op.split("_")[-1], segments) for op, segments, _ in contract_ops.calls] == [
-        ("forward", MAX_SEGMENTS), ("forward", n - MAX_SEGMENTS), ("backward", MAX_SEGMENTS),
-        ("backward", n - MAX_SEGMENTS)]
+    for direction in ("forward", "backward"):
+        calls = [segments for op, segments, _ in contract_ops.calls if op.endswith(direction)]
+        assert len(calls) > 1 and max(calls) <= MAX_SEGMENTS and sum(calls) == n
+        if name != "sdpa_efficient":  # which also bounds its workspace: 128-row tiles for each segment
+            assert calls == [MAX_SEGMENTS, n - MAX_SEGMENTS]
     assert torch.equal(out, v.repeat_interleave(2, 1))
     torch.testing.assert_close(lse, (q.double() * k.double()).sum(-1).t().float() / math.sqrt(8))
     assert not dq.any() and not dk.any() and torch.equal(dv, dout.double().sum(1, keepdim=True).to(dv.dtype))
 
 
-def test_memory_efficient_calls_keep_segments_times_longest_within_twice_the_tokens(contract_ops):
-    """The memory-efficient backward's fp32 dq workspace is segments x heads x longest x d: one call over a long
-    document and 300 short ones would hold 301 x 512 rows for 1,112 tokens."""
+def test_memory_efficient_calls_keep_segments_times_longest_within_twice_the_tokens(contract_ops, monkeypatch):
+    """The memory-efficient backward's fp32 dq workspace is segments x heads x longest (in 128-row tiles) x d:
+    one call over a long document and 300 short ones would hold 301 x 512 rows for 1,112 tokens."""
+    monkeypatch.setattr(kernels, "EFFICIENT_MIN_ROWS", 0, raising=False)  # no floor for small micro-batches: a small test
     cu = (0, *range(2, 302, 2), 812, *range(814, 1114, 2))
     T = cu[-1]
     q, k, v = _cross_qkv_of(T)
@@ -538,9 +541,8 @@ def test_memory_efficient_calls_keep_segments_times_longest_within_twice_the_tok
     dout = torch.randn_like(out)
     dq, dk, dv = KERNELS["sdpa_efficient"].backward(dout, q, k, v, out, lse, cu, state=state)
     backward_calls = [(segments, longest) for op, segments, longest in contract_ops.calls if op.endswith("backward")]
-    assert 1 < len(backward_calls) <= 4
-    assert all(segments * longest <= 2 * T for segments, longest in backward_calls)
-    assert sum(segments for segments, _ in backward_calls) == len(cu) - 1
+    assert len(backward_calls) > 1 and sum(segments for segments, _ in backward_calls) == len(cu) - 1
+    assert all(segments * math.ceil(longest / 128) * 128 <= 2 * T for segments, longest in backward_calls)
     cu_t = torch.tensor(cu)
     want_out, want_lse = _segment_math(q, k, v, cu_t, cu_t, True, 1 / 4)
     want = _segment_grads(dout, q, k, v, cu_t, cu_t, True, 1 / 4)
