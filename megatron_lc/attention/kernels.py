@@ -24,11 +24,16 @@ state of the flash kernels), () for the others.
 
 Implementations, chosen by `select_kernel`:
 - `flash_attn`: flash-attn's varlen kernels (CUDA, flash-attn >= 2.7 importable; fp16/bf16).
-- `sdpa_flash`: torch's own flash kernels, variable-length, one call per micro-batch (CUDA;
-  fp16/bf16).
-- `sdpa_efficient`: torch's memory-efficient kernels, variable-length (CUDA; fp32 too).
+- `sdpa_flash`: torch's own flash kernels, variable-length (CUDA; fp16/bf16).
+- `sdpa_efficient`: torch's memory-efficient kernels, variable-length (CUDA; fp32 too), in
+  calls whose backward workspace stays within about twice the tokens (`kernel_calls`).
 - `cpu_flash`: torch's CPU flash kernel, one call per segment.
 - `reference`: blockwise online softmax in plain PyTorch, O(T) memory; tests the others.
+
+The CUDA kernels take one call per 65,535 segments (a launch takes no more), their outputs
+written into one out / lse / dq / dk / dv. Inputs may be strided views (Untied Ulysses'
+receive buffer, ring attention's buffers): each operator is handed them in the layout it
+really reads, copied only where they are not.
 
 The private aten operators used by the torch kernels are wrapped here and only here
 (`TORCH_OPS`), as is the private flash-attn interface.
