@@ -24,11 +24,16 @@ state of the flash kernels), () for the others.
 
 Implementations, chosen by `select_kernel`:
 - `flash_attn`: flash-attn's varlen kernels (CUDA, flash-attn >= 2.7 importable; fp16/bf16).
-- `sdpa_flash`: torch's own flash kernels, variable-length, one call per micro-batch (CUDA;
-  fp16/bf16).
-- `sdpa_efficient`: torch's memory-efficient kernels, variable-length (CUDA; fp32 too).
+- `sdpa_flash`: torch's own flash kernels, variable-length (CUDA; fp16/bf16).
+- `sdpa_efficient`: torch's memory-efficient kernels, variable-length (CUDA; fp32 too), in
+  calls whose backward workspace stays within about twice the tokens (`kernel_calls`).
 - `cpu_flash`: torch's CPU flash kernel, one call per segment.
 - `reference`: blockwise online softmax in plain PyTorch, O(T) memory; tests the others.
+
+The CUDA kernels take one call per 65,535 segments (a launch takes no more), their outputs
+written into one out / lse / dq / dk / dv. Inputs may be strided views (Untied Ulysses'
+receive buffer, ring attention's buffers): each operator is handed them in the layout it
+really reads, copied only where they are not.
 
 The private aten operators used by the torch kernels are wrapped here and only here
 (`TORCH_OPS`), as is the private flash-attn interface.
@@ -36,6 +41,7 @@ The private aten operators used by the torch kernels are wrapped here and only h
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import warnings
@@ -244,10 +250,20 @@ def reference_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()
 #       max_seqlen_k, logsumexp, dropout_p, philox_seed, philox_offset, custom_mask_type,
 #       bias_requires_grad, *, scale) -> (dq, dk, dv, dbias)
 # With cum_seq given, the flash operators run flash-attention 2's variable-length kernels on
-# [total, heads, d] (one call per packed micro-batch) and take fewer kv heads than q heads
-# (grouped-query attention: the backward sums dk/dv per kv head itself); logsumexp is
-# [heads, total] fp32. The memory-efficient operators take [1, total, heads, d] with equal
-# head counts and return logsumexp [segments, heads, round32(longest)].
+# [total, heads, d] and take fewer kv heads than q heads (grouped-query attention: the backward
+# sums dk/dv per kv head itself); logsumexp is [heads, total] fp32. The memory-efficient operators
+# take [1, total, heads, d] with equal head counts and return logsumexp [segments, heads,
+# round32(longest)].
+#
+# What the kernels read, beyond the schema (torch 2.11's flash_api.cpp, attention_backward.cu and
+# mem_eff_attention/kernel_backward.h):
+# - every q, k, v, out, dout has a contiguous last dimension (checked by the host code; the other
+#   strides are passed to the kernels);
+# - the flash backward reads logsumexp as a dense [heads, total] array, unchecked;
+# - the memory-efficient backward reads `out` with rows heads * d apart whatever its strides
+#   (`o_strideM()`), unchecked; its host code copies only a strided grad_out;
+# - CUDA grids hold at most 65,535 blocks in y and z, where the segments go (see `kernel_calls`).
+# The wrappers below hand every operator its inputs in that form, copying only what is not.
 
 TORCH_OPS = {
     "flash_forward": torch.ops.aten._flash_attention_forward.default,
@@ -262,6 +278,22 @@ TORCH_OPS = {
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 NO_MASK, CAUSAL_FROM_TOP_LEFT = 0, 1
 """`custom_mask_type` of the memory-efficient kernels: none; causal, each segment from its first token."""
+
+MAX_SEGMENTS_PER_CALL = 65_535
+"""Segments one variable-length call may take: flash-attention 2 launches one block row per segment
+in gridDim.y, the memory-efficient kernels in gridDim.z, and CUDA caps both at 65,535 (flash-attn
+issue #1786); more fail to launch."""
+
+EFFICIENT_TILE_ROWS = 128
+"""Query rows of the memory-efficient backward's dq tiles (`kBlockSizeI`, the largest of torch's sm80
+kernels): its fp32 dq workspace holds, for every segment and head of a call, the call's longest segment
+rounded up to whole tiles (`workspace_elements_gq` in `kernel_backward.h`)."""
+EFFICIENT_ROWS_PER_TOKEN = 2
+EFFICIENT_MIN_ROWS = 8192
+"""Each memory-efficient call takes consecutive segments while segments x (longest, in whole tiles) stays
+within twice the micro-batch's tokens, or 8,192 rows for small micro-batches. One call over 200 documents
+of which one is 16K tokens long would hold 200 x 16K rows for 64K tokens (54 GB in fp32 at 32 heads of
+128), and 64K one-token documents a 128-row tile each (68 GB)."""
 
 _DEVICE_CU_SEQLENS: dict[tuple[torch.device, tuple], torch.Tensor] = {}
 _KEPT_CU_SEQLENS = 64
@@ -293,19 +325,118 @@ def device_cu_seqlens(cu_seqlens: CuSeqlens, device: torch.device) -> torch.Tens
     return tensor
 
 
-def _varlen_args(cu_seqlens: CuSeqlens, cu_seqlens_k: CuSeqlens | None, causal: bool, device: torch.device):
-    """(cu_q, cu_k, max_q, max_k) device tensors and ints for the variable-length operators."""
-    segment_pairs(cu_seqlens, cu_seqlens_k, causal)  # the same checks as every kernel
-    cu_q = device_cu_seqlens(cu_seqlens, device)
-    if cu_seqlens_k is None:
-        m = max_seqlen(cu_seqlens)
-        return cu_q, cu_q, m, m
-    return cu_q, device_cu_seqlens(cu_seqlens_k, device), max_seqlen(cu_seqlens), max_seqlen(cu_seqlens_k)
-
-
 def max_seqlen(cu_seqlens: CuSeqlens) -> int:
     """The longest segment."""
     return max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+
+
+class KernelCall(NamedTuple):
+    """One variable-length call over consecutive segments: its rows of q and of k/v, and its
+    boundaries counted from its first row (`cu_k` None: the keys are the queries' tokens)."""
+
+    q: slice
+    k: slice
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...] | None
+
+
+@functools.lru_cache(maxsize=64)
+def kernel_calls(cu_q: tuple[int, ...], cu_k: tuple[int, ...] | None, max_rows: int | None = None,
+                 tile_rows: int = 1) -> tuple[KernelCall, ...]:
+    """Split a micro-batch into calls of consecutive segments, exactly (segments are independent).
+
+    Each call takes at most `MAX_SEGMENTS_PER_CALL` segments and, with `max_rows`, at most as
+    many as keep segments x its longest one (rounded up to `tile_rows`) within `max_rows` (one
+    segment always fits). Consecutive segments are rows next to each other, so a call reads and
+    writes views of the micro-batch's tensors and nothing is gathered. Calls without tokens are
+    left out.
+    """
+    calls, start, longest = [], 0, 0
+    for i, (a, b) in enumerate(zip(cu_q[:-1], cu_q[1:])):
+        count, widest = i - start + 1, max(longest, b - a)
+        rows = count * -(-widest // tile_rows) * tile_rows
+        too_many = count > MAX_SEGMENTS_PER_CALL or (max_rows is not None and rows > max_rows)
+        if too_many and i > start:
+            calls.append(_kernel_call(cu_q, cu_k, start, i))
+            start, widest = i, b - a
+        longest = widest
+    calls.append(_kernel_call(cu_q, cu_k, start, len(cu_q) - 1))
+    return tuple(c for c in calls if c.q.stop > c.q.start or c.k.stop > c.k.start)
+
+
+def _kernel_call(cu_q, cu_k, first: int, end: int) -> KernelCall:
+    """The call over segments [first, end)."""
+    a, b = cu_q[first], cu_q[end]
+    rebased_q = tuple(x - a for x in cu_q[first:end + 1])
+    if cu_k is None:
+        return KernelCall(slice(a, b), slice(a, b), rebased_q, None)
+    c, d = cu_k[first], cu_k[end]
+    return KernelCall(slice(a, b), slice(c, d), rebased_q, tuple(x - c for x in cu_k[first:end + 1]))
+
+
+def _calls(cu_seqlens, cu_seqlens_k, causal: bool, max_rows: int | None = None, tile_rows: int = 1
+           ) -> tuple[KernelCall, ...]:
+    """The checked segmentation (as every kernel checks it), split into kernel calls."""
+    segment_pairs(cu_seqlens, cu_seqlens_k, causal)
+    cu_k = None if cu_seqlens_k is None else tuple(cu_seqlens_k)
+    return kernel_calls(tuple(cu_seqlens), cu_k, max_rows, tile_rows)
+
+
+def _varlen_args(call: KernelCall, device: torch.device):
+    """(cu_q, cu_k, max_q, max_k) device tensors and ints of one call."""
+    cu_q = device_cu_seqlens(call.cu_q, device)
+    if call.cu_k is None:
+        m = max_seqlen(call.cu_q)
+        return cu_q, cu_q, m, m
+    return cu_q, device_cu_seqlens(call.cu_k, device), max_seqlen(call.cu_q), max_seqlen(call.cu_k)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a contiguous copy when its last dimension is strided (every kernel loads a head's d values
+    as one vector; other strides it takes as they are, so views of a receive buffer are not copied)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _state_per_call(state: tuple, calls: Sequence[KernelCall], per_call: int) -> list[tuple]:
+    """The forward's state tensors, `per_call` for each call, in call order."""
+    if len(state) != per_call * len(calls):
+        raise ValueError(f"state has {len(state)} tensors; the forward of these {len(calls)} kernel calls "
+                         f"returns {per_call} per call")
+    return [tuple(state[i * per_call:(i + 1) * per_call]) for i in range(len(calls))]
+
+
+def _covers_all(calls: Sequence[KernelCall], num_tokens: int) -> bool:
+    """One call over every token: its outputs are the micro-batch's, with nothing to copy."""
+    return len(calls) == 1 and calls[0].q == slice(0, num_tokens)
+
+
+def _forward_calls(q: torch.Tensor, calls: Sequence[KernelCall], run_call: Callable):
+    """(out [T, H, d], lse [H, T], state) from `run_call(call) -> (out, lse, state)` of each call: the
+    outputs of several calls are written into one out and lse as each call returns."""
+    T = q.shape[0]
+    if _covers_all(calls, T):
+        return run_call(calls[0])
+    out = lse = None
+    state = ()
+    for call in calls:
+        o, l, s = run_call(call)
+        if out is None:
+            out = o.new_empty((T, *o.shape[1:]))
+            lse = l.new_empty((l.shape[0], T))
+        out[call.q], lse[:, call.q] = o, l
+        state += s
+    return out, lse, state
+
+
+def _backward_calls(q, k, v, calls: Sequence[KernelCall], states: list[tuple], run_call: Callable):
+    """(dq, dk, dv) from `run_call(call, state) -> (dq, dk, dv)` of each call, written into one dq, dk, dv."""
+    if _covers_all(calls, q.shape[0]):
+        return run_call(calls[0], states[0])
+    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]  # the calls cover every row
+    for call, state in zip(calls, states):
+        gq, gk, gv = run_call(call, state)
+        grads[0][call.q], grads[1][call.k], grads[2][call.k] = gq, gk, gv
+    return tuple(grads)
 
 
 def _check_flash_dtype(q: torch.Tensor, kernel: str) -> None:
@@ -316,39 +447,60 @@ def _check_flash_dtype(q: torch.Tensor, kernel: str) -> None:
 
 
 def sdpa_flash_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
-    """torch's flash kernel, variable-length: one call for every segment, kv heads as they are."""
+    """torch's flash kernel, variable-length: one call per 65,535 segments, kv heads as they are."""
     _check_flash_dtype(q, "sdpa_flash")
-    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
-    out, lse, rng_state, unused, _ = TORCH_OPS["flash_forward"](
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=_softmax_scale(q.shape[-1], scale))
-    return out, lse, (rng_state, unused)
+    calls = _calls(cu_seqlens, cu_seqlens_k, causal)
+    scale = _softmax_scale(q.shape[-1], scale)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+
+    def run_call(call):
+        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        out, lse, rng_state, unused, _ = TORCH_OPS["flash_forward"](
+            q[call.q], k[call.k], v[call.k], cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+        return out, lse, (rng_state, unused)
+
+    return _forward_calls(q, calls, run_call)
 
 
 def sdpa_flash_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None,
                         causal=True):
     """Backward of `sdpa_flash_forward`, given the rng tensors its forward returned (`state`)."""
     _check_flash_dtype(q, "sdpa_flash")
-    rng_state, unused = state
-    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
-    return TORCH_OPS["flash_backward"](dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state,
-                                       unused, scale=_softmax_scale(q.shape[-1], scale))
+    calls = _calls(cu_seqlens, cu_seqlens_k, causal)
+    scale = _softmax_scale(q.shape[-1], scale)
+    dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
+
+    def run_call(call, rng):
+        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        return TORCH_OPS["flash_backward"](
+            dout[call.q], q[call.q], k[call.k], v[call.k], out[call.q], lse[:, call.q].contiguous(), cu_q, cu_k,
+            max_q, max_k, 0.0, causal, *rng, scale=scale)
+
+    return _backward_calls(q, k, v, calls, _state_per_call(state, calls, 2), run_call)
+
+
+def _lse_index(cu_seqlens: CuSeqlens, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(segment, position in it) of every token, built on `device` from the boundaries alone: where
+    each token's lse lives in the memory-efficient layout."""
+    cu = device_cu_seqlens(cu_seqlens, device)
+    tokens = torch.arange(cu_seqlens[-1], dtype=torch.int32, device=device)
+    segment = torch.searchsorted(cu[1:], tokens, right=True)  # empty segments own no token
+    return segment, (tokens - cu[segment]).long()
 
 
 def _lse_to_heads_tokens(native: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.Tensor:
-    """Memory-efficient lse [segments, H, padded] -> [H, T] (the module's layout)."""
-    lse = native.new_empty(native.shape[1], cu_seqlens[-1])
-    for i, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
-        lse[:, a:b] = native[i, :, : b - a]
-    return lse
+    """Memory-efficient lse [segments, H, padded] -> [H, T] (the module's layout), one gather."""
+    segment, position = _lse_index(cu_seqlens, native.device)
+    return native.transpose(0, 1)[:, segment, position]
 
 
 def _lse_to_native(lse: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.Tensor:
-    """[H, T] -> the memory-efficient layout [segments, H, round32(longest)], padded with +inf as its forward
-    pads (rows past a segment's end then weigh nothing)."""
+    """[H, T] -> the memory-efficient layout [segments, H, round32(longest)], one scatter; padded with +inf
+    as its forward pads (rows past a segment's end then weigh nothing)."""
     padded = -(-max_seqlen(cu_seqlens) // 32) * 32
     native = lse.new_full((len(cu_seqlens) - 1, lse.shape[0], padded), math.inf)
-    for i, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
-        native[i, :, : b - a] = lse[:, a:b]
+    segment, position = _lse_index(cu_seqlens, lse.device)
+    native.transpose(0, 1)[:, segment, position] = lse
     return native
 
 
@@ -356,28 +508,49 @@ def _efficient_mask(causal: bool) -> int:
     return CAUSAL_FROM_TOP_LEFT if causal else NO_MASK
 
 
+def _efficient_calls(cu_seqlens, cu_seqlens_k, causal: bool) -> tuple[KernelCall, ...]:
+    """The memory-efficient kernels' calls: at most 65,535 segments, and a bounded backward workspace."""
+    max_rows = max(EFFICIENT_ROWS_PER_TOKEN * cu_seqlens[-1], EFFICIENT_MIN_ROWS)
+    return _calls(cu_seqlens, cu_seqlens_k, causal, max_rows, EFFICIENT_TILE_ROWS)
+
+
 def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
     """torch's memory-efficient kernel (fp32 too), variable-length; kv heads expanded (it has no GQA)."""
     H = q.shape[1]
-    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
-    out, native_lse, seed, offset, _, _ = TORCH_OPS["efficient_forward"](
-        q.unsqueeze(0), _expand_kv(k, H).unsqueeze(0), _expand_kv(v, H).unsqueeze(0), None, cu_q, cu_k, max_q,
-        max_k, 0.0, _efficient_mask(causal), True, scale=_softmax_scale(q.shape[-1], scale))
-    return out.squeeze(0), _lse_to_heads_tokens(native_lse, cu_seqlens), (seed, offset)
+    calls = _efficient_calls(cu_seqlens, cu_seqlens_k, causal)
+    scale = _softmax_scale(q.shape[-1], scale)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+
+    def run_call(call):
+        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        out, native_lse, seed, offset, _, _ = TORCH_OPS["efficient_forward"](
+            q[call.q].unsqueeze(0), _expand_kv(k[call.k], H).unsqueeze(0), _expand_kv(v[call.k], H).unsqueeze(0),
+            None, cu_q, cu_k, max_q, max_k, 0.0, _efficient_mask(causal), True, scale=scale)
+        return out.squeeze(0), _lse_to_heads_tokens(native_lse, call.cu_q), (seed, offset)
+
+    return _forward_calls(q, calls, run_call)
 
 
 def sdpa_efficient_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None,
                             causal=True):
     """Backward of `sdpa_efficient_forward`: its lse layout rebuilt from `lse` (which may be merged over key
     blocks), the philox tensors its forward returned."""
-    seed, offset = state
     H, Hkv = q.shape[1], k.shape[1]
-    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
-    dq, dk, dv, _ = TORCH_OPS["efficient_backward"](
-        dout.unsqueeze(0), q.unsqueeze(0), _expand_kv(k, H).unsqueeze(0), _expand_kv(v, H).unsqueeze(0), None,
-        out.unsqueeze(0), cu_q, cu_k, max_q, max_k, _lse_to_native(lse, cu_seqlens), 0.0, seed, offset,
-        _efficient_mask(causal), False, scale=_softmax_scale(q.shape[-1], scale))
-    return dq.squeeze(0), _reduce_kv_grad(dk.squeeze(0), Hkv), _reduce_kv_grad(dv.squeeze(0), Hkv)
+    calls = _efficient_calls(cu_seqlens, cu_seqlens_k, causal)
+    scale = _softmax_scale(q.shape[-1], scale)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+
+    def run_call(call, philox):
+        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        # The kernel reads out (and grad_out) rows H * d apart: a strided view would be misread.
+        rows_out, rows_dout = out[call.q].contiguous(), dout[call.q].contiguous()
+        dq, dk, dv, _ = TORCH_OPS["efficient_backward"](
+            rows_dout.unsqueeze(0), q[call.q].unsqueeze(0), _expand_kv(k[call.k], H).unsqueeze(0),
+            _expand_kv(v[call.k], H).unsqueeze(0), None, rows_out.unsqueeze(0), cu_q, cu_k, max_q, max_k,
+            _lse_to_native(lse[:, call.q], call.cu_q), 0.0, *philox, _efficient_mask(causal), False, scale=scale)
+        return dq.squeeze(0), _reduce_kv_grad(dk.squeeze(0), Hkv), _reduce_kv_grad(dv.squeeze(0), Hkv)
+
+    return _backward_calls(q, k, v, calls, _state_per_call(state, calls, 2), run_call)
 
 
 # --- torch's CPU flash kernel, one call per segment -----------------------------------------
@@ -424,28 +597,41 @@ def cpu_flash_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()
 # --- flash-attn varlen --------------------------------------------------------------------
 
 
-def flash_attn_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):  # pragma: no cover
-    """flash-attn's variable-length forward (GQA native); keeps its rng state for the backward."""
+def flash_attn_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
+    """flash-attn's variable-length forward (GQA native), one call per 65,535 segments; keeps each call's
+    rng state for the backward."""
     _check_flash_dtype(q, "flash_attn")
-    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
-    out, lse, _, rng_state = _flash_attn_interface._flash_attn_varlen_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=_softmax_scale(q.shape[-1], scale),
-        causal=causal)
-    return out, lse, (rng_state,)
+    calls = _calls(cu_seqlens, cu_seqlens_k, causal)
+    scale = _softmax_scale(q.shape[-1], scale)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+
+    def run_call(call):
+        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        out, lse, _, rng_state = _flash_attn_interface._flash_attn_varlen_forward(
+            q[call.q], k[call.k], v[call.k], cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+            causal=causal)
+        return out, lse, (rng_state,)
+
+    return _forward_calls(q, calls, run_call)
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *,  # pragma: no cover
+def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *,
                         cu_seqlens_k=None, causal=True):
+    """Backward of `flash_attn_forward`: each call writes its rows of dq, dk, dv in place."""
     _check_flash_dtype(q, "flash_attn")
-    (rng_state,) = state or (None,)
-    cu_q, cu_k, max_q, max_k = _varlen_args(cu_seqlens, cu_seqlens_k, causal, q.device)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _flash_attn_interface._flash_attn_varlen_backward(
-        dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
-        dropout_p=0.0, softmax_scale=_softmax_scale(q.shape[-1], scale), causal=causal,
-        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
-        rng_state=rng_state,
-    )
+    calls = _calls(cu_seqlens, cu_seqlens_k, causal)
+    scale = _softmax_scale(q.shape[-1], scale)
+    dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
+    states = _state_per_call(state or (None,) * len(calls), calls, 1)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))  # the calls cover every row
+    for call, (rng_state,) in zip(calls, states):
+        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        _flash_attn_interface._flash_attn_varlen_backward(
+            dout[call.q], q[call.q], k[call.k], v[call.k], out[call.q], lse[:, call.q].contiguous(),
+            dq[call.q], dk[call.k], dv[call.k], cu_q, cu_k, max_q, max_k,
+            dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+            softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=rng_state,
+        )
     return dq, dk, dv
 
 

@@ -8,7 +8,8 @@ every request up to a power of two (``CachingHostAllocator.h``: ``roundSize``), 
 GiB block input (Llama3-8B, 5,242,880 tokens on 8 GPUs) would pin 8 GiB. Instead the
 scheduler keeps one *arena* per (shape, dtype): a single ordinary host allocation of
 exactly ``slots x bytes`` (slots = the layers that offload), page-locked once with
-``cudaHostRegister`` and carved into one view per slot. Arenas are made the first time a
+``cudaHostRegister`` (in pieces of at most 256 GiB: larger single registrations fail on
+R580+ drivers) and carved into one view per slot. Arenas are made the first time a
 shape is offloaded, or before the first step by ``reserve`` (page-locking a terabyte
 takes minutes; each arena is logged with its byte count). In steady state every step
 reuses the same slots and nothing is allocated. All copies in both directions run on the
@@ -22,9 +23,11 @@ copies into the arenas' slots, so the byte accounting is exercised too.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import mmap
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,19 +37,52 @@ _CUDA_HOST_REGISTER_PORTABLE = 1
 """cudaHostRegisterPortable: the memory counts as page-locked for every CUDA context (as torch's own use)."""
 
 
+PAGE_LOCK_PIECE = 256 << 30
+"""Bytes page-locked by one cudaHostRegister at most: on R580 and later drivers a single registration of
+about 512 GiB or more fails, so larger arenas are registered in pieces."""
+
+
+def _pieces(buffer: torch.Tensor) -> list[tuple[int, int]]:
+    """(address, bytes) of each registration `page_lock` makes for `buffer`."""
+    start, nbytes = buffer.data_ptr(), _nbytes(buffer)
+    return [(start + offset, min(PAGE_LOCK_PIECE, nbytes - offset)) for offset in range(0, nbytes, PAGE_LOCK_PIECE)]
+
+
 def page_lock(buffer: torch.Tensor) -> None:
-    """Page-lock an ordinary host tensor's memory in place (cudaHostRegister), for asynchronous copies."""
-    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), _nbytes(buffer), _CUDA_HOST_REGISTER_PORTABLE))
-    if error != 0:
-        raise RuntimeError(f"cudaHostRegister of {_nbytes(buffer):,} bytes failed with cudaError {error} "
-                           "(is the host out of memory, or the memlock limit too low? see `ulimit -l`)")
+    """Page-lock an ordinary host tensor's memory in place (cudaHostRegister, in pieces of at most
+    `PAGE_LOCK_PIECE` bytes), for asynchronous copies. On failure nothing stays registered."""
+    cudart = torch.cuda.cudart()
+    done = []
+    for address, nbytes in _pieces(buffer):
+        error = int(cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+        if error != 0:
+            for registered, _ in done:
+                cudart.cudaHostUnregister(registered)
+            raise RuntimeError(
+                f"cudaHostRegister of {nbytes:,} bytes (of an arena of {_nbytes(buffer):,}) failed with cudaError "
+                f"{error}: host RAM exhausted or registration too large (the memlock limit does not apply; "
+                f"a single registration of about 512 GiB or more fails on R580+ drivers: register in smaller "
+                f"pieces, megatron_lc uses {PAGE_LOCK_PIECE >> 30} GiB)")
+        done.append((address, nbytes))
 
 
 def page_unlock(buffer: torch.Tensor) -> None:
-    """Undo `page_lock` (cudaHostUnregister)."""
-    error = int(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()))
-    if error != 0:
-        raise RuntimeError(f"cudaHostUnregister failed with cudaError {error}")
+    """Undo `page_lock` (cudaHostUnregister of each piece)."""
+    cudart = torch.cuda.cudart()
+    for address, _ in _pieces(buffer):
+        error = int(cudart.cudaHostUnregister(address))
+        if error != 0:
+            raise RuntimeError(f"cudaHostUnregister failed with cudaError {error}")
+
+
+_EXITING = False
+"""Set when the interpreter starts to exit: from then on arenas are not unlocked (see `HostArena.__del__`)."""
+
+
+@atexit.register
+def _note_exit() -> None:  # registered after torch's own exit handlers, so it runs before them
+    global _EXITING
+    _EXITING = True
 
 
 def _page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -72,9 +108,10 @@ class HostArena:
         self.nbytes = slots * numel * dtype.itemsize
         self._storage = torch.empty(slots * numel, dtype=dtype, device=device) if lock is None \
             else _page_aligned(self.nbytes, device).view(dtype)
-        self._unlock = unlock
+        self._unlock = None  # set once the lock holds: a failed registration has nothing to undo
         if lock is not None:
             lock(self._storage)
+            self._unlock = unlock
         self.free = [self._storage[i * numel:(i + 1) * numel].view(shape) for i in range(slots)]
         self.slots = slots
 
@@ -90,9 +127,15 @@ class HostArena:
         self._storage, self.free = None, []
 
     def __del__(self) -> None:
-        # Freed memory left registered would make a later registration of the same pages fail.
-        if getattr(self, "_storage", None) is not None:
+        # Freed memory left registered would make a later registration of the same pages fail. At
+        # interpreter exit the registrations go with the process, and CUDA (or torch.cuda) may already be
+        # torn down: nothing is unlocked then. A destructor must not raise either way.
+        if getattr(self, "_storage", None) is None or _EXITING or sys.is_finalizing():
+            return
+        try:
             self.close()
+        except Exception as error:  # noqa: BLE001 - reported, never raised from a destructor
+            LOG.warning("offload: unlocking a host arena of %s bytes failed: %s", f"{self.nbytes:,}", error)
 
 
 @dataclass(eq=False)

@@ -14,11 +14,16 @@ the registry as it selects the real ones):
   row sums `[H, T + 128 b]` (b: number of segments), and with grouped-query attention
   dk/dv expanded to all q heads `[T, H, d]` (q dtype) before they are summed per kv
   head. All are freed when the kernel returns.
-- `sdpa_flash` (torch's flash kernels, one call per segment): our per-segment wrapper
-  runs as written (kv heads expanded, outputs copied into place); the CUDA forward and
-  backward ops run on their fake implementations, and the backward adds torch's flash
-  workspaces: the fp32 dq accumulator `[1, round128(L), H, round32(d)]` and the fp32
-  softmax row sums `[1, H, round128(L)]` of each segment, freed when the op returns.
+- `sdpa_flash` (torch's flash kernels, varlen): as `flash_attn`, plus torch's contiguous
+  copies of a strided `grad_out` and `out` in the backward. Both model one call; the
+  wrappers split more than 65,535 segments over several, each with its share of the
+  workspace (the model's single workspace is then an upper bound).
+- `sdpa_efficient` (torch's memory-efficient kernels): our wrapper runs as written (kv
+  heads expanded, lse re-laid out, one call per bucket of consecutive segments), with the
+  two operators replaced by their allocations: the forward's out and lse `[segments, H,
+  round32(longest)]`; each backward call's dq, dk, dv, delta, for fp32 inputs the fp32
+  product `grad_out * out`, and the fp32 dq workspace of
+  `efficient_backward_workspace_bytes` (segments x heads x longest x head_dim, in tiles).
 
 Fused CUDA ops: on CUDA, `F.rms_norm` runs torch's fused kernel (`_fused_rms_norm`),
 whose autograd saves the input and an fp32 `rstd` per row and whose backward returns
@@ -112,6 +117,22 @@ def _sdpa_flash_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
     return _flash_varlen_kernel("sdpa_flash", name_buffer, copies_strided=True)
 
 
+EFFICIENT_BWD_TILE = (kernels.EFFICIENT_TILE_ROWS, 64)
+"""Rows and columns of the memory-efficient backward's dq tile (`kBlockSizeI`, `kBlockSizeJ`): 128 x 64 (or
+128 x 128 over a head_dim of 128, the same bytes), the largest of torch's sm80 kernels (`cutlassB.h`; an
+assumption: the kernel torch picks may use 64 x 64 tiles, needing less)."""
+
+
+def efficient_backward_workspace_bytes(segments: int, heads: int, longest: int, head_dim: int) -> int:
+    """Bytes of the fp32 workspace `_efficient_attention_backward` allocates for one call
+    (`workspace_size()` in `kernel_backward.h`): per segment and head, a dq accumulator tile of
+    (rows x columns) floats plus a 16-byte lock header for every tile of the longest segment x head_dim.
+    The dk/dv staging of 16-bit kernels that keep no output in registers is not modelled."""
+    rows, cols = EFFICIENT_BWD_TILE
+    tiles = math.ceil(longest / rows) * math.ceil(head_dim / cols)
+    return segments * heads * tiles * (rows * cols * 4 + 16)
+
+
 def _efficient_forward_model(query, key, value, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type, lse,
                              *, scale=None):
     """What torch's `_efficient_attention_forward` allocates: out, lse [segments, H, round32(longest)], philox."""
@@ -121,22 +142,39 @@ def _efficient_forward_model(query, key, value, bias, cu_q, cu_k, max_q, max_k, 
     return torch.empty_like(query), native, seed, offset, max_q, max_k
 
 
-def _efficient_backward_model(grad_out, query, key, value, *args, scale=None):
-    """What `_efficient_attention_backward` returns: dq, dk, dv (no internal workspace modelled: fp32 inputs
-    accumulate in their own output) and an empty bias gradient."""
-    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
-            torch.empty(0, dtype=query.dtype, device=query.device))
+def _efficient_backward_model(name_buffer: NameBuffer) -> Callable:
+    """What one `_efficient_attention_backward` call allocates, in its order (`attention_backward.cu`): dq, dk,
+    dv; delta [1, H, T] fp32 (for fp32 inputs computed on the host from a full fp32 product grad_out * out);
+    the workspace of `efficient_backward_workspace_bytes`. All but dq, dk, dv are freed when it returns."""
+
+    def backward(grad_out, query, key, value, bias, out, cu_q, cu_k, max_q, max_k, *args, scale=None):
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))
+        _, tokens, heads, d = query.shape
+        if query.dtype == torch.float32:  # the kernel computes delta itself for 16-bit inputs only
+            product = torch.empty(1, tokens, heads, value.shape[-1], dtype=torch.float32, device=query.device)
+            name_buffer(product, "memory-efficient bwd grad_out * out (fp32)")
+            del product
+        delta = torch.empty(1, heads, tokens, dtype=torch.float32, device=query.device)
+        workspace = torch.empty(efficient_backward_workspace_bytes(cu_q.shape[0] - 1, heads, max_q, d),
+                                dtype=torch.uint8, device=query.device)
+        name_buffer(workspace, "memory-efficient bwd dq accumulator (fp32)")
+        del workspace, delta
+        return (*grads, torch.empty(0, dtype=query.dtype, device=query.device))
+
+    return backward
 
 
 def _sdpa_efficient_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
-    """torch's memory-efficient kernels: our wrapper as written (kv heads expanded, lse re-laid out), the
-    operators replaced by their allocations while the trace runs (torch's own fake implementation of the
-    backward does not take the operator's keyword arguments)."""
+    """torch's memory-efficient kernels: our wrapper as written (kv heads expanded, lse re-laid out, one call
+    per bucket of segments), the operators replaced by their allocations while the trace runs (torch's own
+    fake implementation of the backward does not take the operator's keyword arguments)."""
     real = kernels.KERNELS["sdpa_efficient"]
     return kernels.Kernel(PLANNED_PREFIX + "sdpa_efficient", real.forward, real.backward)
 
 
-EFFICIENT_OP_MODELS = {"efficient_forward": _efficient_forward_model, "efficient_backward": _efficient_backward_model}
+def _efficient_op_models(name_buffer: NameBuffer) -> dict[str, Callable]:
+    """Allocation models of the memory-efficient operators, by their role in `kernels.TORCH_OPS`."""
+    return {"efficient_forward": _efficient_forward_model, "efficient_backward": _efficient_backward_model(name_buffer)}
 
 
 CUDA_KERNEL_MODELS = {"flash_attn": _flash_attn_kernel, "sdpa_flash": _sdpa_flash_kernel,
@@ -165,8 +203,9 @@ def registered_kernel_models(name_buffer: NameBuffer) -> Iterator[None]:
     models) while the context is open."""
     added = {PLANNED_PREFIX + name: build(name_buffer) for name, build in CUDA_KERNEL_MODELS.items()}
     kernels.KERNELS.update(added)
-    replaced = {role: kernels.TORCH_OPS[role] for role in EFFICIENT_OP_MODELS}
-    kernels.TORCH_OPS.update(EFFICIENT_OP_MODELS)
+    models = _efficient_op_models(name_buffer)
+    replaced = {role: kernels.TORCH_OPS[role] for role in models}
+    kernels.TORCH_OPS.update(models)
     try:
         yield
     finally:

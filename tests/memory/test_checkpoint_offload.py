@@ -335,3 +335,106 @@ def test_a_locked_arena_starts_on_a_page_boundary(monkeypatch):
     assert torch.equal(offload.fetch(offload.offload(0, t)), t)
     start, nbytes = recorder.locked[0]
     assert start % mmap.PAGESIZE == 0 and nbytes == 2 * 60
+
+
+# --- host arenas at exit, after a failed registration, and page-locking in pieces -------------------
+
+
+def _unraisable(monkeypatch) -> list:
+    """Exceptions raised in destructors (Python only prints them): recorded instead."""
+    import sys
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: seen.append(info.exc_value))
+    return seen
+
+
+def _arena_with(lock, unlock):
+    from megatron_lc.memory.offload import HostArena
+
+    return HostArena((4, 8), torch.float32, 2, CPU, lock, unlock)
+
+
+def test_arena_is_not_unlocked_at_interpreter_exit_and_its_destructor_never_raises(monkeypatch):
+    """At exit CUDA may be torn down before the arena goes: unlocking then fails, and would raise in __del__."""
+    import gc
+    import sys
+
+    seen = _unraisable(monkeypatch)
+    unlocked = []
+
+    def unlock(t):
+        unlocked.append(t.data_ptr())
+        raise RuntimeError("cudaHostUnregister failed with cudaError 4")  # cudaErrorCudartUnloading
+
+    arena = _arena_with(lambda t: None, unlock)
+    monkeypatch.setattr(sys, "is_finalizing", lambda: True)
+    del arena
+    gc.collect()
+    assert unlocked == [] and seen == []
+
+
+def test_arena_whose_unlock_fails_reports_it_instead_of_raising_from_its_destructor(monkeypatch, caplog):
+    import gc
+
+    seen = _unraisable(monkeypatch)
+    arena = _arena_with(lambda t: None, lambda t: (_ for _ in ()).throw(RuntimeError("cudaError 1")))
+    with caplog.at_level("WARNING"):
+        del arena
+        gc.collect()
+    assert seen == [] and "unlocking a host arena" in caplog.text
+
+
+def test_arena_whose_registration_failed_never_unlocks(monkeypatch):
+    """A failed cudaHostRegister leaves nothing registered: unregistering it later would fail in __del__."""
+    import gc
+
+    seen = _unraisable(monkeypatch)
+    unlocked = []
+
+    def lock(t):
+        raise RuntimeError("cudaHostRegister failed")
+
+    with pytest.raises(RuntimeError, match="cudaHostRegister failed"):
+        _arena_with(lock, lambda t: unlocked.append(t.data_ptr()))
+    gc.collect()
+    assert unlocked == [] and seen == []
+
+
+class _FakeCudart:
+    """cudaHostRegister/Unregister that record their calls; registration fails from call `fail_at` on."""
+
+    def __init__(self, fail_at=None):
+        self.registered, self.unregistered, self.fail_at = [], [], fail_at
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        if self.fail_at is not None and len(self.registered) >= self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered.append((address, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, address):
+        self.unregistered.append(address)
+        return 0
+
+
+def test_page_lock_registers_large_arenas_in_pieces_and_undoes_a_failed_one(monkeypatch):
+    """R580+ drivers refuse single registrations of about 512 GiB or more: pieces of at most PAGE_LOCK_PIECE."""
+    from megatron_lc.memory import offload as offload_module
+
+    monkeypatch.setattr(offload_module, "PAGE_LOCK_PIECE", 4096)
+    buffer = torch.empty(10_000, dtype=torch.uint8)
+    start = buffer.data_ptr()
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    offload_module.page_lock(buffer)
+    assert cudart.registered == [(start, 4096), (start + 4096, 4096), (start + 8192, 10_000 - 8192)]
+    offload_module.page_unlock(buffer)
+    assert cudart.unregistered == [start, start + 4096, start + 8192]
+
+    cudart = _FakeCudart(fail_at=2)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with pytest.raises(RuntimeError, match="host RAM exhausted or registration too large") as error:
+        offload_module.page_lock(buffer)
+    assert "ulimit" not in str(error.value) and "smaller pieces" in str(error.value)
+    assert cudart.unregistered == [start, start + 4096], "the pieces registered before the failure are undone"

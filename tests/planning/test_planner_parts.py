@@ -247,3 +247,28 @@ def test_ring_attention_groups_are_modelled_as_two_neighbour_connections():
     assert nccl_bytes(a.communicator_sizes, a.all_to_all_groups, s, 8, a.point_to_point_groups, False) == \
         nccl_bytes({g: n for g, n in a.communicator_sizes.items() if g != ring}, a.all_to_all_groups, s) + \
         ring_communicator_bytes(2, s, on_node=False)
+
+
+def test_sdpa_efficient_standin_allocates_each_calls_backward_workspace(monkeypatch):
+    """torch's memory-efficient backward allocates an fp32 dq workspace of segments x heads x longest (whole
+    128 x 64 tiles) per call; the wrapper's calls over a long document among short ones each stay bounded."""
+    from megatron_lc.attention import kernels
+    from megatron_lc.planning.standins import efficient_backward_workspace_bytes, registered_kernel_models
+
+    monkeypatch.setattr(kernels, "EFFICIENT_MIN_ROWS", 0, raising=False)
+    cu = (0, *range(2, 302, 2), 812, *range(814, 1114, 2))
+    T, H, d = cu[-1], 4, 128
+    named = []
+    with registered_kernel_models(lambda t, name: named.append((name, t.numel() * t.element_size()))), \
+            FakeTensorMode(allow_non_fake_inputs=True):
+        kernel = kernels.KERNELS[planned_kernel_name("sdpa_efficient", "cuda", torch.float32)]
+        q, k, v = (torch.empty(T, H, d) for _ in range(3))
+        out, lse, state = kernel.forward(q, k, v, cu)
+        kernel.backward(out, q, k, v, out, lse, cu, state=state)
+    workspaces = [nbytes for name, nbytes in named if name.startswith("memory-efficient bwd dq")]
+    calls = kernels.kernel_calls(cu, None, 2 * T, 128)
+    assert len(calls) > 1
+    assert workspaces == [efficient_backward_workspace_bytes(len(c.cu_q) - 1, H, kernels.max_seqlen(c.cu_q), d)
+                          for c in calls]
+    assert max(workspaces) <= 2 * T * H * d * 4 * (1 + 16 / (128 * 64 * 4))  # within twice the tokens' rows
+    assert efficient_backward_workspace_bytes(200, 32, 16384, 128) > 53e9  # one call: 200 documents, 16K longest
