@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import resource
 import signal
 import time
@@ -22,7 +21,7 @@ from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import build_datasets
 from megatron_lc.data.tokenizers import build_tokenizer
-from megatron_lc.devices import Devices, resolve_devices
+from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
 from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import LaunchInfo, ParallelDims, ParallelState, detect_launch, init_distributed
@@ -37,8 +36,11 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e1
 
 
 def set_allocator_defaults() -> None:
-    """expandable_segments avoids the fragmentation that kills million-token steps (kept if the user set it)."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    """Expandable segments in the CUDA allocator's settings, merged into the user's (see devices.py).
+
+    Called before anything touches CUDA: torch reads the variable when CUDA initialises.
+    """
+    set_cuda_allocator_settings()
 
 
 def global_batch_size(cfg: TrainConfig, dp_size: int) -> int:
