@@ -28,7 +28,7 @@ from megatron_lc.entry import run_entry_point
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.conversion import config_from_meta
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
-from megatron_lc.parallel_state import ParallelDims, ParallelState, detect_launch, init_distributed
+from megatron_lc.parallel_state import ParallelDims, ParallelState, detect_launch, init_distributed, warm_up_collectives
 from megatron_lc.training import checkpointing
 from megatron_lc.training.step import IGNORE_INDEX
 
@@ -77,6 +77,7 @@ def evaluate(args) -> dict:
     layout = cfg.context_layout()
     pstate = ParallelState(ParallelDims(launch.world_size, cp=args.context_parallel_size, cp_ring=layout.ring_size),
                            devices.accelerator.type)
+    warm_up_collectives(pstate, devices.accelerator)  # NCCL's connections before the model takes the card
     model = build_model(config, device="meta")
     parallelize_llama(model, pstate, cfg.parallelize_options(), devices)
     materialize(model, devices)

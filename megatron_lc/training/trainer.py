@@ -24,7 +24,14 @@ from megatron_lc.data.tokenizers import build_tokenizer
 from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
 from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
-from megatron_lc.parallel_state import LaunchInfo, ParallelDims, ParallelState, detect_launch, init_distributed
+from megatron_lc.parallel_state import (
+    LaunchInfo,
+    ParallelDims,
+    ParallelState,
+    detect_launch,
+    init_distributed,
+    warm_up_collectives,
+)
 from megatron_lc.training import checkpointing
 from megatron_lc.training.logging import MetricsLogger, default_log_dir
 from megatron_lc.training.optim import build_optimizer
@@ -115,6 +122,7 @@ def build_run(cfg: TrainConfig) -> Run:
     pstate = ParallelState(ParallelDims(launch.world_size, cp=p.context_parallel_size,
                                         dp_replicate=p.data_parallel_replicate,
                                         cp_ring=cfg.context_layout().ring_size), devices.accelerator.type)
+    warm_up_collectives(pstate, devices.accelerator)  # NCCL's connections before PyTorch's cache fills the card
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model) if cfg.data.tokenizer_type else None
     eod = tokenizer.eod if tokenizer else None
     model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)
