@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import resource
 import signal
 import time
@@ -48,6 +49,30 @@ def set_allocator_defaults() -> None:
     Called before anything touches CUDA: torch reads the variable when CUDA initialises.
     """
     set_cuda_allocator_settings()
+
+
+def nccl_version() -> str:
+    version = torch.cuda.nccl.version()  # (major, minor, patch[, suffix]); an int in old torch
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def nccl_settings_line(warm_up_bytes: int) -> str:
+    """What NCCL ran with: its version, NVLS (NVLink SHARP buffers, which the memory plan leaves out and
+    NCCL turns on by default on NVSwitch systems), and the device memory the warm-up collectives took."""
+    nvls = os.environ.get("NCCL_NVLS_ENABLE")
+    nvls_text = (f"NCCL_NVLS_ENABLE={nvls}" if nvls is not None
+                 else "NCCL_NVLS_ENABLE unset (NCCL's default: on where NVSwitch has it)")
+    return (f"NCCL {nccl_version()} | {nvls_text} | warm-up collectives took {warm_up_bytes / 2**30:.2f} GiB "
+            "of device memory")
+
+
+def warmed_up_collectives(pstate: ParallelState, devices: Devices, rank: int) -> None:
+    """Warm up the step's collectives (NCCL's connections before PyTorch's cache fills the card); on CUDA
+    rank 0 prints NCCL's settings and the device memory the warm-up took (the driver's free bytes)."""
+    free_before = torch.cuda.mem_get_info(devices.accelerator)[0] if devices.is_cuda else 0
+    warm_up_collectives(pstate, devices.accelerator)
+    if devices.is_cuda and rank == 0:
+        print(nccl_settings_line(free_before - torch.cuda.mem_get_info(devices.accelerator)[0]), flush=True)
 
 
 def global_batch_size(cfg: TrainConfig, dp_size: int) -> int:
@@ -122,7 +147,7 @@ def build_run(cfg: TrainConfig) -> Run:
     pstate = ParallelState(ParallelDims(launch.world_size, cp=p.context_parallel_size,
                                         dp_replicate=p.data_parallel_replicate,
                                         cp_ring=cfg.context_layout().ring_size), devices.accelerator.type)
-    warm_up_collectives(pstate, devices.accelerator)  # NCCL's connections before PyTorch's cache fills the card
+    warmed_up_collectives(pstate, devices, launch.rank)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model) if cfg.data.tokenizer_type else None
     eod = tokenizer.eod if tokenizer else None
     model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)
