@@ -191,7 +191,9 @@ def _plan_groups(pstate: ParallelState) -> dict:
     return groups
 
 
-def _run_collective(kind: str, group, device: torch.device, elements: int = 1) -> None:
+def run_collective(kind: str, group, device: torch.device, elements: int = 1) -> None:
+    """One `kind` of `collective_plan` on `group` (None: the default group), `elements` per rank."""
+    group = group or dist.group.WORLD  # a real group: get_global_rank takes no None
     n = dist.get_world_size(group)
     x = torch.ones(n * elements, device=device)
     if kind == "all_reduce":
@@ -222,7 +224,7 @@ def warm_up_collectives(pstate: ParallelState, device: torch.device) -> None:
     groups = _plan_groups(pstate) if pstate.distributed else {}
     for kind, name in collective_plan(pstate.dims):
         large = kind == "all_reduce" and name == "fsdp_replicate"
-        _run_collective(kind, groups[name], device, GRADIENT_ALL_REDUCE_ELEMENTS if large else 1)
+        run_collective(kind, groups[name], device, GRADIENT_ALL_REDUCE_ELEMENTS if large else 1)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
