@@ -8,18 +8,24 @@ it measured so far) and DIR/gpu_checks.log. Each section catches its own failure
 records it as {"ok": false, "error": ...}. Installs nothing; uses flash-attn when present.
 See docs/gpu_checks.md for what each figure means.
 
-Sections (JSON keys):
+Sections (JSON keys), besides `environment` and `memory_timeline` (device memory as the driver
+reports it, after CUDA init, NCCL's first use of each collective, and around each page-locking):
+- nccl: a one-rank communicator's device memory after init and after the first use of each
+  collective kind the step runs (NCCL's per-communicator base; peers' buffers need several GPUs).
 - kernels: every CUDA attention kernel available, forward and backward, packed documents,
   grouped-query attention, against the reference kernel (bf16; fp32 for sdpa_efficient).
+- kernel_cases: 16-bit sdpa_efficient on strided views; > 65,535 documents in one varlen call per
+  kernel; the efficient backward's peak on packed fp32 documents against the planner's model.
 - single_gpu: a Llama3-8B-shaped model with 4 layers, bf16, full memory stack, at three
-  lengths: measured max_memory_allocated / max_memory_reserved / page-locked host bytes
-  against the planner's prediction; step time, tokens/s, MFU.
+  lengths: measured max_memory_allocated / max_memory_reserved / allocator retries / page-locked
+  host bytes against the planner's prediction; step time, tokens/s, MFU.
 - cp_rank: rank 0 of an 8-way context-parallel world over torch's fake process group
-  (collectives move nothing, so values are meaningless but every allocation is the real
-  kernel's): Llama3-8B shape, 4 layers, 1M tokens, Untied Ulysses and Ulysses, full stack,
-  against the planner.
+  (collectives move nothing, so values are meaningless and times are compute only, but every
+  allocation is the real kernel's): Llama3-8B shape, 4 layers, 1M tokens, Untied Ulysses and
+  Ulysses, full stack, against the planner.
 - ratios: step-time ratios in one run: no stack, + checkpointing, + offload (prefetch and on
-  demand), + tiled MLP and loss; Untied vs Ulysses in the cp_rank setting.
+  demand), + tiled MLP and loss; Untied vs Ulysses in the cp_rank setting (compute only).
+Every case is sized to the card it finds, or skipped with the reason recorded.
 """
 
 from __future__ import annotations
