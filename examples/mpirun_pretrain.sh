@@ -6,8 +6,10 @@
 set -euo pipefail
 HOSTFILE=${1:?hostfile}; DATA_PATH=${2:?data prefix}; TOKENIZER_MODEL=${3:?tokenizer}; CHECKPOINT_DIR=${4:?dir}
 NP=${NP:-8}
+# NVLS (NVLink SHARP) off: the memory plan does not model its buffers; these steps are all-to-all/p2p bound.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 mpirun -np "$NP" --hostfile "$HOSTFILE" --bind-to none -x PATH -x LD_LIBRARY_PATH \
-    -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    -x PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -x NCCL_NVLS_ENABLE \
     python -m megatron_lc.train \
     --model llama3-8b --bf16 \
     --data-path "$DATA_PATH" --tokenizer-type TikTokenizer --tokenizer-model "$TOKENIZER_MODEL" \

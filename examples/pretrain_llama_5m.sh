@@ -63,6 +63,8 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 # 32 on 8xH100 keep the all-to-all peer buffers at ~2 GiB per GPU. NCCL_BUFFSIZE is NCCL's default.
 export NCCL_MAX_NCHANNELS=${NCCL_MAX_NCHANNELS:-16}
 export NCCL_BUFFSIZE=${NCCL_BUFFSIZE:-4194304}
+# NVLS (NVLink SHARP) off: the memory plan does not model its buffers; these steps are all-to-all/p2p bound.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 torchrun --nproc-per-node "$GPUS_PER_NODE" -m megatron_lc.train \
     "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MEMORY_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"

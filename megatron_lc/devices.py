@@ -7,6 +7,8 @@ fake devices so its tracker can tell accelerator bytes from host bytes.
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,3 +39,67 @@ def resolve_devices(name: str = "auto", local_rank: int = 0) -> Devices:
     if name == "cpu":
         return Devices(torch.device("cpu"), torch.device("cpu"))
     raise ValueError(f"--device {name!r}: expected one of auto, cuda, cpu")
+
+
+# --- the CUDA caching allocator ---------------------------------------------------------------
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+"""The variable every torch version reads for the CUDA allocator. torch >= 2.9 reads PYTORCH_ALLOC_CONF
+first (c10/core/AllocatorConfig.h): when a user set that one, it is merged the same way."""
+_ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", ALLOC_CONF)  # the order torch >= 2.9 reads them in
+_warned_expandable_off: set[str] = set()
+
+
+def _split_settings(value: str) -> list[str]:
+    """`key:value` items of an allocator setting; commas inside [...] (roundup_power2_divisions) stay."""
+    items, depth, current = [], 0, ""
+    for ch in value:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    return [i.strip() for i in [*items, current] if i.strip()]
+
+
+def with_expandable_segments(value: str | None) -> tuple[str, bool]:
+    """(`value` with expandable_segments:True added, False); (`value`, True) when it turns them off.
+
+    Expandable segments let one segment grow instead of leaving holes between fixed ones: the
+    memory planner's figures assume them.
+    """
+    items = _split_settings(value or "")
+    settings = dict(item.replace(" ", "").split(":", 1) for item in items if ":" in item)
+    if "expandable_segments" in settings:
+        return ",".join(items), settings["expandable_segments"] != "True"
+    return ",".join([*items, "expandable_segments:True"]), False
+
+
+def set_cuda_allocator_settings(env=os.environ) -> None:
+    """Turn expandable segments on in the allocator settings, keeping the user's other keys; a user's
+    explicit expandable_segments:False is kept, with one warning per process.
+
+    torch reads the variable when CUDA initialises; if that already happened (a library touched
+    CUDA first) the merged setting is also applied to the running allocator (its new segments).
+    """
+    names = [n for n in _ALLOC_CONF_VARIABLES if n in env] or [ALLOC_CONF]
+    for name in names:
+        env[name], turned_off = with_expandable_segments(env.get(name))
+        if turned_off and name not in _warned_expandable_off:
+            _warned_expandable_off.add(name)
+            warnings.warn(f"{name}={env[name]} keeps expandable_segments off: the memory plan assumes them on; "
+                          "without them allocator fragmentation can take several GiB per GPU at million-token "
+                          "lengths", stacklevel=2)
+    in_effect = names[0]
+    if not with_expandable_segments(env[in_effect])[1] and torch.cuda.is_available() and torch.cuda.is_initialized():
+        _apply_allocator_settings(env[in_effect])
+
+
+def _apply_allocator_settings(setting: str) -> None:
+    """The one use of torch's private runtime setter: torch._C._accelerator_setAllocatorSettings (torch >= 2.9,
+    which torch.cuda.memory._set_allocator_settings wraps there with a deprecation warning), else the wrapper."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(setting)

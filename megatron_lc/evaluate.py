@@ -23,12 +23,12 @@ from megatron_lc.context_layout import CP_COMM_TYPES
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import LongSequenceSamples
-from megatron_lc.devices import resolve_devices
+from megatron_lc.devices import resolve_devices, set_cuda_allocator_settings
 from megatron_lc.entry import run_entry_point
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.conversion import config_from_meta
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
-from megatron_lc.parallel_state import ParallelDims, ParallelState, detect_launch, init_distributed
+from megatron_lc.parallel_state import ParallelDims, ParallelState, detect_launch, init_distributed, warm_up_collectives
 from megatron_lc.training import checkpointing
 from megatron_lc.training.step import IGNORE_INDEX
 
@@ -69,6 +69,7 @@ def evaluate(args) -> dict:
     if total < per_step:
         raise ConfigError(f"--data-path {args.data_path} holds {len(source)} whole samples of --seq-length "
                           f"{args.seq_length}; evaluating needs at least {per_step} (shorten --seq-length)")
+    set_cuda_allocator_settings()  # before CUDA initialises, as in training
     devices = resolve_devices(args.device, launch.local_rank)
     if devices.is_cuda:
         torch.cuda.set_device(devices.accelerator)
@@ -76,6 +77,7 @@ def evaluate(args) -> dict:
     layout = cfg.context_layout()
     pstate = ParallelState(ParallelDims(launch.world_size, cp=args.context_parallel_size, cp_ring=layout.ring_size),
                            devices.accelerator.type)
+    warm_up_collectives(pstate, devices.accelerator)  # NCCL's connections before the model takes the card
     model = build_model(config, device="meta")
     parallelize_llama(model, pstate, cfg.parallelize_options(), devices)
     materialize(model, devices)

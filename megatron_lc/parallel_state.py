@@ -151,6 +151,84 @@ class ParallelState:
                 f"cp={d.cp}, cp_ring={d.cp_ring})")
 
 
+# --- warm-up --------------------------------------------------------------------------------
+
+GRADIENT_ALL_REDUCE_ELEMENTS = 1 << 20
+"""Elements of the warm-up all-reduce on HSDP's replicate group. NCCL picks its algorithm by message
+size and (NCCL >= 2.22) connects each algorithm on first use, so the one group that all-reduces
+large messages (gradients) is warmed with a large one too (4 MiB in fp32); the others all-reduce
+scalars in the step and are warmed with scalars."""
+
+
+def collective_plan(dims: ParallelDims) -> list[tuple[str, str]]:
+    """(collective, group name) pairs one training step runs, for `warm_up_collectives`.
+
+    world: stop requests and checkpoint saving; loss: token counts and loss sums; fsdp:
+    FSDP2's all-gather and reduce-scatter and the gradient norm's all-reduce; fsdp_replicate:
+    HSDP's gradient all-reduce; a2a: Ulysses' all-to-all; ring: ring attention's send/recv.
+    The dp and cp groups carry no collective (only their ranks and sizes are used).
+    """
+    if dims.world_size == 1:
+        return []
+    plan = [("all_reduce", "world"), ("all_reduce", "loss"),
+            ("all_gather", "fsdp"), ("reduce_scatter", "fsdp"), ("all_reduce", "fsdp")]
+    if dims.dp_replicate > 1:
+        plan.append(("all_reduce", "fsdp_replicate"))
+    layout = dims.context_layout
+    if dims.cp > 1 and layout.a2a_size > 1:
+        plan.append(("all_to_all", "a2a"))
+    if layout.ring_size > 1:
+        plan.append(("send_recv", "ring"))
+    return plan
+
+
+def _plan_groups(pstate: ParallelState) -> dict:
+    """The process group behind each name of `collective_plan` (None: the default group)."""
+    groups = {"world": None, "loss": pstate.loss_group, "fsdp": pstate.fsdp_mesh.get_group("dp_shard_cp"),
+              "a2a": pstate.a2a_group, "ring": pstate.ring_group}
+    if pstate.dims.dp_replicate > 1:
+        groups["fsdp_replicate"] = pstate.fsdp_mesh.get_group("dp_replicate")
+    return groups
+
+
+def run_collective(kind: str, group, device: torch.device, elements: int = 1) -> None:
+    """One `kind` of `collective_plan` on `group` (None: the default group), `elements` per rank."""
+    group = group or dist.group.WORLD  # a real group: get_global_rank takes no None
+    n = dist.get_world_size(group)
+    x = torch.ones(n * elements, device=device)
+    if kind == "all_reduce":
+        dist.all_reduce(x, group=group)
+    elif kind == "all_gather":
+        dist.all_gather_into_tensor(torch.empty(n * x.numel(), device=device), x, group=group)
+    elif kind == "reduce_scatter":
+        dist.reduce_scatter_tensor(torch.empty(elements, device=device), x, group=group)
+    elif kind == "all_to_all":
+        dist.all_to_all_single(torch.empty_like(x), x, group=group)
+    elif kind == "send_recv":  # as ring attention: send to the next rank, receive from the previous
+        rank = dist.get_rank(group)
+        ops = [dist.P2POp(dist.isend, x, dist.get_global_rank(group, (rank + 1) % n), group),
+               dist.P2POp(dist.irecv, torch.empty_like(x), dist.get_global_rank(group, (rank - 1) % n), group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    else:
+        raise ValueError(f"unknown collective {kind!r}")
+
+
+def warm_up_collectives(pstate: ParallelState, device: torch.device) -> None:
+    """Run each collective of the step once on each group it uses, with tiny tensors.
+
+    NCCL >= 2.22 makes its connections (and their buffers, outside PyTorch's allocator) on a
+    communicator's first use of each kind. Done before step 1, they take memory from an empty card;
+    done inside step 1, after PyTorch's cache has grown, they can fail for want of it.
+    """
+    groups = _plan_groups(pstate) if pstate.distributed else {}
+    for kind, name in collective_plan(pstate.dims):
+        large = kind == "all_reduce" and name == "fsdp_replicate"
+        run_collective(kind, groups[name], device, GRADIENT_ALL_REDUCE_ELEMENTS if large else 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # --- launch -------------------------------------------------------------------------------
 
 

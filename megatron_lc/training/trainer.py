@@ -22,10 +22,17 @@ from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import build_datasets
 from megatron_lc.data.tokenizers import build_tokenizer
-from megatron_lc.devices import Devices, resolve_devices
+from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
 from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
-from megatron_lc.parallel_state import LaunchInfo, ParallelDims, ParallelState, detect_launch, init_distributed
+from megatron_lc.parallel_state import (
+    LaunchInfo,
+    ParallelDims,
+    ParallelState,
+    detect_launch,
+    init_distributed,
+    warm_up_collectives,
+)
 from megatron_lc.training import checkpointing
 from megatron_lc.training.logging import MetricsLogger, default_log_dir
 from megatron_lc.training.optim import build_optimizer
@@ -37,8 +44,35 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e1
 
 
 def set_allocator_defaults() -> None:
-    """expandable_segments avoids the fragmentation that kills million-token steps (kept if the user set it)."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    """Expandable segments in the CUDA allocator's settings, merged into the user's (see devices.py).
+
+    Called before anything touches CUDA: torch reads the variable when CUDA initialises.
+    """
+    set_cuda_allocator_settings()
+
+
+def nccl_version() -> str:
+    version = torch.cuda.nccl.version()  # (major, minor, patch[, suffix]); an int in old torch
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def nccl_settings_line(warm_up_bytes: int) -> str:
+    """What NCCL ran with: its version, NVLS (NVLink SHARP buffers, which the memory plan leaves out and
+    NCCL turns on by default on NVSwitch systems), and the device memory the warm-up collectives took."""
+    nvls = os.environ.get("NCCL_NVLS_ENABLE")
+    nvls_text = (f"NCCL_NVLS_ENABLE={nvls}" if nvls is not None
+                 else "NCCL_NVLS_ENABLE unset (NCCL's default: on where NVSwitch has it)")
+    return (f"NCCL {nccl_version()} | {nvls_text} | warm-up collectives took {warm_up_bytes / 2**30:.2f} GiB "
+            "of device memory")
+
+
+def warmed_up_collectives(pstate: ParallelState, devices: Devices, rank: int) -> None:
+    """Warm up the step's collectives (NCCL's connections before PyTorch's cache fills the card); on CUDA
+    rank 0 prints NCCL's settings and the device memory the warm-up took (the driver's free bytes)."""
+    free_before = torch.cuda.mem_get_info(devices.accelerator)[0] if devices.is_cuda else 0
+    warm_up_collectives(pstate, devices.accelerator)
+    if devices.is_cuda and rank == 0:
+        print(nccl_settings_line(free_before - torch.cuda.mem_get_info(devices.accelerator)[0]), flush=True)
 
 
 def global_batch_size(cfg: TrainConfig, dp_size: int) -> int:
@@ -113,6 +147,7 @@ def build_run(cfg: TrainConfig) -> Run:
     pstate = ParallelState(ParallelDims(launch.world_size, cp=p.context_parallel_size,
                                         dp_replicate=p.data_parallel_replicate,
                                         cp_ring=cfg.context_layout().ring_size), devices.accelerator.type)
+    warmed_up_collectives(pstate, devices, launch.rank)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model) if cfg.data.tokenizer_type else None
     eod = tokenizer.eod if tokenizer else None
     model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)

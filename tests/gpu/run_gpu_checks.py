@@ -8,24 +8,32 @@ it measured so far) and DIR/gpu_checks.log. Each section catches its own failure
 records it as {"ok": false, "error": ...}. Installs nothing; uses flash-attn when present.
 See docs/gpu_checks.md for what each figure means.
 
-Sections (JSON keys):
+Sections (JSON keys), besides `environment` and `memory_timeline` (device memory as the driver
+reports it, after CUDA init, NCCL's first use of each collective, and around each page-locking):
+- nccl: a one-rank communicator's device memory after init and after the first use of each
+  collective kind the step runs (NCCL's per-communicator base; peers' buffers need several GPUs).
 - kernels: every CUDA attention kernel available, forward and backward, packed documents,
   grouped-query attention, against the reference kernel (bf16; fp32 for sdpa_efficient).
+- kernel_cases: 16-bit sdpa_efficient on strided views; > 65,535 documents in one varlen call per
+  kernel; the efficient backward's peak on packed fp32 documents against the planner's model.
 - single_gpu: a Llama3-8B-shaped model with 4 layers, bf16, full memory stack, at three
-  lengths: measured max_memory_allocated / max_memory_reserved / page-locked host bytes
-  against the planner's prediction; step time, tokens/s, MFU.
+  lengths: measured max_memory_allocated / max_memory_reserved / allocator retries / page-locked
+  host bytes against the planner's prediction; step time, tokens/s, MFU.
 - cp_rank: rank 0 of an 8-way context-parallel world over torch's fake process group
-  (collectives move nothing, so values are meaningless but every allocation is the real
-  kernel's): Llama3-8B shape, 4 layers, 1M tokens, Untied Ulysses and Ulysses, full stack,
-  against the planner.
+  (collectives move nothing, so values are meaningless and times are compute only, but every
+  allocation is the real kernel's): Llama3-8B shape, 4 layers, 1M tokens, Untied Ulysses and
+  Ulysses, full stack, against the planner.
 - ratios: step-time ratios in one run: no stack, + checkpointing, + offload (prefetch and on
-  demand), + tiled MLP and loss; Untied vs Ulysses in the cp_rank setting.
+  demand), + tiled MLP and loss; Untied vs Ulysses in the cp_rank setting (compute only).
+Every case is sized to the card it finds, or skipped with the reason recorded.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -34,21 +42,28 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+
+from megatron_lc.devices import set_cuda_allocator_settings
+
+set_cuda_allocator_settings()  # as the trainer: expandable segments merged in before CUDA initialises
+
+import torch.distributed as dist
 
 from megatron_lc.attention import kernels
 from megatron_lc.config import config_from_values
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import Devices
+from megatron_lc.memory import offload as offload_module
 from megatron_lc.memory.tiling import addmm_fp32_, fp32_out_gemm_available
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
-from megatron_lc.parallel_state import ParallelState
+from megatron_lc.parallel_state import ParallelState, run_collective
 from megatron_lc.planning.estimate import GIB, Machine, estimate, planning_config
 from megatron_lc.planning.fakes import fake_process_group
+from megatron_lc.planning.standins import EFFICIENT_OP_MODELS
 from megatron_lc.planning.trace import (
     initialize_optimizer_state,
     make_optimizer,
@@ -86,15 +101,74 @@ class Sizes:
     kernel_shape: tuple[int, int, int, int]  # tokens, q heads, kv heads, head dim
     kernels: tuple[str, ...]
     steps: int
+    many_segments: int = 70_000
+    """Documents in one varlen call: more than 65,535, the CUDA grid's y/z limit."""
+    workspace_docs: tuple[int, int, int, int] = (200, 16384, 4, 128)
+    """Packed fp32 documents for the efficient backward's workspace: count, longest, heads, head dim."""
 
 
 def sizes(dry_run: bool) -> Sizes:
     if dry_run:
         return Sizes("cpu", torch.bfloat16, dict(model="debug", num_layers=4), (256, 512, 1024), 1024, 512,
-                     (256, 8, 2, 16), ("cpu_flash",), 1)
+                     (256, 8, 2, 16), ("cpu_flash",), 1, many_segments=300, workspace_docs=(20, 256, 2, 16))
     cuda_kernels = tuple(n for n in kernels.CUDA_KERNELS if n != "flash_attn" or kernels.flash_attn_available())
     return Sizes("cuda", torch.bfloat16, dict(model="llama3-8b", num_layers=4), (32768, 65536, 131072),
                  1 << 20, 32768, (4096, 32, 8, 128), cuda_kernels, 2)
+
+
+# --- device memory as the driver sees it ------------------------------------------------------
+
+
+class MemoryTimeline:
+    """Free and total device memory (torch.cuda.mem_get_info: the driver's figures, so NCCL's buffers and
+    page-locking count too) and the allocator's allocated/reserved bytes, at named moments; None on CPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.events: list[dict] = []
+
+    def record(self, event: str, **extra) -> dict:
+        row = {"event": event, "free_bytes": None, "total_bytes": None, "allocated_bytes": None,
+               "reserved_bytes": None, **extra}
+        if self.device == "cuda":
+            row["free_bytes"], row["total_bytes"] = torch.cuda.mem_get_info()
+            row.update(allocated_bytes=torch.cuda.memory_allocated(), reserved_bytes=torch.cuda.memory_reserved())
+        self.events.append(row)
+        return row
+
+
+TIMELINE = MemoryTimeline("cpu")
+"""The run's timeline (main() replaces it with one for the run's device)."""
+
+
+def recording_page_lock(lock, timeline: MemoryTimeline):
+    """`lock` (offload.page_lock) with the device memory recorded before and after each registration."""
+
+    def page_lock(buffer: torch.Tensor) -> None:
+        nbytes = buffer.numel() * buffer.element_size()
+        timeline.record("before page-locking", host_bytes=nbytes)
+        lock(buffer)
+        timeline.record("after page-locking", host_bytes=nbytes)
+
+    return page_lock
+
+
+def device_total_bytes(s: Sizes) -> int | None:
+    return torch.cuda.get_device_properties(0).total_memory if s.device == "cuda" else None
+
+
+def host_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def skip_reason(needed_gpu: int, needed_host: int, gpu_total: int | None, host_total: int) -> str | None:
+    """Why a case cannot run here (None: it fits). GPU: 95% of the card (the context and workspaces take the
+    rest); host: 80% of RAM. gpu_total None: not a GPU run, nothing to size."""
+    if gpu_total is not None and needed_gpu > 0.95 * gpu_total:
+        return f"needs {needed_gpu / GIB:.1f} GiB of device memory, the card has {gpu_total / GIB:.1f} GiB"
+    if needed_host > 0.8 * host_total:
+        return f"needs {needed_host / GIB:.1f} GiB of host memory, the machine has {host_total / GIB:.1f} GiB"
+    return None
 
 
 # --- kernels --------------------------------------------------------------------------------
@@ -167,6 +241,196 @@ def section_kernels(s: Sizes) -> dict:
     return result
 
 
+# --- kernel cases that would catch known kernel defects ------------------------------------------
+
+
+def _errors(got, want) -> dict:
+    return {key: float((a.float() - b).abs().max() / b.abs().max()) for key, a, b in
+            zip(("out", "dq", "dk", "dv"), got, want)}
+
+
+def case_strided_efficient(s: Sizes) -> dict:
+    """16-bit sdpa_efficient on column-slice views, as a fused projection hands them over: q, k, v the
+    columns of one [T, 3 x H x d] tensor, out and dout the columns of wider ones (row stride != H x d);
+    equal heads so the views reach the kernel unexpanded. Against the fp32 reference on contiguous copies."""
+    name = "sdpa_efficient" if s.device == "cuda" else s.kernels[0]  # the dry run: the same code, cpu_flash
+    kernel = kernels.KERNELS[name]
+    T, H, _, d = s.kernel_shape
+    cu, width = _packed_cu(T), H * d
+    result = {}
+    for dtype in (torch.bfloat16, torch.float16) if s.device == "cuda" else (torch.bfloat16,):
+        g = torch.Generator(device=s.device).manual_seed(2)
+        fused = torch.randn(T, 3 * width, device=s.device, generator=g, dtype=dtype)
+        q, k, v = (fused[:, i * width:(i + 1) * width].view(T, H, d) for i in range(3))
+        dout = torch.randn(T, 2 * width, device=s.device, generator=g, dtype=dtype)[:, width:].view(T, H, d)
+        out_contiguous, lse, state = kernel.forward(q, k, v, cu)
+        out = torch.zeros(T, 2 * width, device=s.device, dtype=dtype)[:, :width].view(T, H, d)
+        out.copy_(out_contiguous)
+        got = (out, *kernel.backward(dout, q, k, v, out, lse, cu, state=state))
+        want = _fwd_bwd(kernels.KERNELS["reference"], *(t.float().contiguous() for t in (q, k, v, dout)), cu)
+        errors = _errors(got, want)
+        result[str(dtype).removeprefix("torch.")] = {
+            "kernel": name, "strides": {"q": list(q.stride()), "out": list(out.stride())},
+            "relative_error": errors, "within_tolerance": max(errors.values()) < 3e-2}
+    return result
+
+
+def _segment_lengths(count: int) -> list[int]:
+    return [(1, 2, 5, 8)[i % 4] for i in range(count)]  # single-token documents included
+
+
+def grouped_reference(q, k, v, dout, lengths: list[int]):
+    """fp32 causal attention per document for many short documents, batched by length (O(T) memory, fast
+    where the blockwise reference would loop over every document): out, dq, dk, dv."""
+    q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    H, d = q.shape[1], q.shape[2]
+    starts = torch.tensor([0, *lengths[:-1]], device=q.device).cumsum(0)
+    lengths_t = torch.tensor(lengths, device=q.device)
+    out = torch.zeros_like(q)
+    for length in sorted(set(lengths)):
+        index = (starts[lengths_t == length][:, None] + torch.arange(length, device=q.device)).flatten()
+        qs, ks, vs = (t[index].unflatten(0, (-1, length)) for t in (q, k, v))  # [docs, L, heads, d]
+        ks, vs = (kernels._expand_kv(t.flatten(0, 1), H).unflatten(0, qs.shape[:2]) for t in (ks, vs))
+        scores = torch.einsum("nlhd,nmhd->nhlm", qs, ks) / d ** 0.5
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out = out.index_put((index,), torch.einsum("nhlm,nmhd->nlhd", probs, vs).flatten(0, 1))
+    out.backward(dout.float())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def case_many_segments(s: Sizes) -> dict:
+    """More than 65,535 documents in one varlen call (the CUDA grid's y/z limit), each kernel, fwd and bwd."""
+    lengths = _segment_lengths(s.many_segments)
+    T, (H, Hkv, d) = sum(lengths), ((4, 2, 64) if s.device == "cuda" else (4, 2, 16))
+    cu = tuple(itertools.accumulate(lengths, initial=0))
+    reason = skip_reason(40 * T * H * d * 4, 0, device_total_bytes(s), host_ram_bytes())  # generous: fp32 copies
+    if reason:
+        return {"segments": len(lengths), "skipped": reason}
+    result = {"segments": len(lengths), "tokens": T, "heads": [H, Hkv, d]}
+    for name in s.kernels:
+        dtype = torch.float32 if name == "sdpa_efficient" else s.dtype
+        g = torch.Generator(device=s.device).manual_seed(3)
+        q, k, v, dout = (torch.randn(T, h, d, device=s.device, generator=g, dtype=dtype) for h in (H, Hkv, Hkv, H))
+        try:
+            errors = _errors(_fwd_bwd(kernels.KERNELS[name], q, k, v, dout, cu), grouped_reference(q, k, v, dout, lengths))
+        except Exception as e:  # noqa: BLE001 - a launch failure is the defect this case looks for
+            result[name] = {"dtype": str(dtype), "error": f"{type(e).__name__}: {e}", "within_tolerance": False}
+            continue
+        tolerance = 3e-2 if dtype in kernels.FLASH_DTYPES else 1e-3
+        result[name] = {"dtype": str(dtype), "relative_error": errors, "within_tolerance": max(errors.values()) < tolerance}
+        _release()
+    return result
+
+
+def peak_bytes_of(fn, device: str):
+    """(fn's result, the peak bytes it allocated above what was allocated before it)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        value = fn()
+        torch.cuda.synchronize()
+        return value, torch.cuda.max_memory_allocated() - before
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:  # counts the tensors made inside
+        value = fn()
+    return value, sum(peak["Total"] for peak in tracker.get_tracker_snapshot("peak").values())
+
+
+@contextlib.contextmanager
+def efficient_op_models():
+    """The planner's allocation models in place of the memory-efficient operators (planning/standins.py)."""
+    saved = {role: kernels.TORCH_OPS[role] for role in EFFICIENT_OP_MODELS}
+    kernels.TORCH_OPS.update(EFFICIENT_OP_MODELS)
+    try:
+        yield
+    finally:
+        kernels.TORCH_OPS.update(saved)
+
+
+def case_efficient_workspace(s: Sizes) -> dict:
+    """The memory-efficient backward on packed fp32 documents: its peak bytes against the planner's model of
+    the same call (dq, dk, dv and our wrapper's copies; no workspace modelled for fp32)."""
+    count, longest, H, d = s.workspace_docs
+    lengths = [max(1, longest * (i + 1) // count) for i in range(count)]
+    T = sum(lengths)
+    tensor_bytes = T * H * d * 4
+    shape = {"documents": count, "longest": longest, "tokens": T, "heads": H, "head_dim": d}
+    reason = skip_reason(12 * tensor_bytes, 0, device_total_bytes(s), host_ram_bytes())  # inputs, grads, slack
+    if reason:
+        return {**shape, "skipped": reason}
+    name = "sdpa_efficient" if s.device == "cuda" else s.kernels[0]
+    kernel, cu = kernels.KERNELS[name], tuple(itertools.accumulate(lengths, initial=0))
+    g = torch.Generator(device=s.device).manual_seed(4)
+    q, k, v, dout = (torch.randn(T, H, d, device=s.device, generator=g) for _ in range(4))
+    out, lse, state = kernel.forward(q, k, v, cu)
+    _, measured = peak_bytes_of(lambda: kernel.backward(dout, q, k, v, out, lse, cu, state=state), s.device)
+    model_state = state if name == "sdpa_efficient" else (None, None)
+    with efficient_op_models():
+        _, modelled = peak_bytes_of(lambda: kernels.KERNELS["sdpa_efficient"].backward(
+            dout, q, k, v, out, lse, cu, state=model_state), s.device)
+    return {**shape, "kernel": name, "measured_backward_peak_bytes": measured,
+            "modelled_backward_peak_bytes": modelled, "modelled_over_measured": modelled / max(measured, 1),
+            "measured_over_input_bytes": measured / tensor_bytes}
+
+
+def section_kernel_cases(s: Sizes) -> dict:
+    """Cases that catch known kernel defects; each records its own failure or skip, and the section fails
+    (keeping every figure) when a kernel is beyond tolerance."""
+    result = {}
+    for name, case in (("strided_efficient", case_strided_efficient), ("many_segments", case_many_segments),
+                       ("efficient_workspace", case_efficient_workspace)):
+        try:
+            result[name] = case(s)
+        except Exception as e:  # noqa: BLE001 - one case's failure leaves the others
+            result[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        _release()
+    result["failures"] = [f"{case}/{label}" for case, runs in result.items() if isinstance(runs, dict)
+                          for label, run in runs.items() if isinstance(run, dict) and run.get("within_tolerance") is False]
+    result["failures"] += [case for case, runs in result.items() if isinstance(runs, dict) and "error" in runs]
+    return result
+
+
+# --- NCCL's first use of each collective -----------------------------------------------------------
+
+
+def nccl_version() -> str | None:
+    """torch.cuda.nccl.version() as text; None where torch has no NCCL (a CPU build)."""
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def section_nccl(s: Sizes) -> dict:
+    """Device memory after init_process_group and after the first use of each collective kind the training
+    step runs, on a one-rank communicator (NCCL on CUDA, gloo in the dry run). One rank has no peers, so no
+    connection buffers: this measures NCCL's per-communicator base; peers' buffers need a multi-GPU run."""
+    cuda = s.device == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    TIMELINE.record("before init_process_group")
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": device} if cuda else {}))
+    try:
+        first_use = {"init_process_group": TIMELINE.record("after init_process_group")}
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
+            try:
+                run_collective(kind, None, device)
+                if cuda:
+                    torch.cuda.synchronize()
+                first_use[kind] = TIMELINE.record(f"after first {kind}")
+            except Exception as e:  # noqa: BLE001 - e.g. gloo has no send to itself
+                first_use[kind] = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        dist.destroy_process_group()
+    return {"backend": "nccl" if cuda else "gloo", "world_size": 1, "nccl_version": nccl_version(),
+            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"), "first_use": first_use}
+
+
 # --- one step, measured ---------------------------------------------------------------------
 
 
@@ -204,7 +468,7 @@ def measure_step(cfg, world_size: int, s: Sizes) -> dict:
     start = time.perf_counter()
     analysis = run_tracked_step(tracker, model, optimizer, [batch], pstate, devices, cfg.optim.clip_grad,
                                 cfg.train.bf16)
-    return {"allocated_peak_bytes": analysis.peak.total, "reserved_peak_bytes": None,
+    return {"allocated_peak_bytes": analysis.peak.total, "reserved_peak_bytes": None, "num_alloc_retries": None,
             **_host_bytes(offload), "step_seconds": time.perf_counter() - start}
 
 
@@ -215,12 +479,30 @@ def _measure_cuda(model, optimizer, batch, pstate, devices, cfg, offload) -> dic
     with step_autocast(cfg.train.bf16, pstate, "cuda"):
         train_step(model, optimizer, [batch], pstate, devices.accelerator, cfg.optim.clip_grad)
     torch.cuda.synchronize()
-    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    return {"allocated_peak_bytes": torch.cuda.max_memory_allocated(),
-            "reserved_peak_bytes": torch.cuda.max_memory_reserved(),
-            **_host_bytes(offload),
-            "caching_host_allocator_bytes": host.get("reserved_bytes.current", host.get("segment.current")),
+    return {**allocator_counters(), **_host_bytes(offload), **caching_host_allocator_bytes(),
             "step_seconds": time.perf_counter() - start}
+
+
+def allocator_counters() -> dict:
+    """Peaks since the last reset, and the allocator's retries: a cudaMalloc that failed, freed the cache and
+    tried again (memory_stats' num_alloc_retries; fragmentation shows there before it shows as an OOM)."""
+    stats = torch.cuda.memory_stats()
+    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    return {"allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved,
+            "reserved_minus_allocated_at_peak_bytes": reserved - allocated,
+            "num_alloc_retries": stats.get("num_alloc_retries"), "num_ooms": stats.get("num_ooms")}
+
+
+HOST_STATS_KEYS = ("allocated_bytes.current", "allocated_bytes.peak", "active_bytes.current", "allocations.current")
+"""torch.cuda.host_memory_stats() keys of torch 2.11 (torch/cuda/memory.py, host_memory_stats' docstring):
+the pinned blocks the caching host allocator owns, active + cached, at their power-of-two rounded size."""
+
+
+def caching_host_allocator_bytes() -> dict:
+    """torch's own pinned pool, for comparison with the arenas (which do not use it)."""
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return {"caching_host_allocator_bytes": host.get("allocated_bytes.current"),
+            "caching_host_allocator": {key: host.get(key) for key in HOST_STATS_KEYS}}
 
 
 def _host_bytes(offload) -> dict:
@@ -252,18 +534,25 @@ def predicted(cfg, world_size: int, s: Sizes) -> dict:
 
 
 def compare(cfg, world_size: int, s: Sizes) -> dict:
-    """Planner against a real step of the same configuration."""
+    """Planner against a real step of the same configuration (skipped, with the reason, if it cannot fit)."""
     plan = predicted(cfg, world_size, s)  # the planner brings its own fake world
+    modelled = plan["gpu_peak_bytes"] - plan["nccl_bytes"]  # NCCL allocates outside torch's allocator
+    reason = skip_reason(modelled, plan["host_bytes_per_gpu"], device_total_bytes(s), host_ram_bytes())
+    if reason:
+        return {"seq_length": cfg.data.seq_length, "predicted": plan, "skipped": reason}
     with fake_process_group(world_size):  # rank 0 of the world; nothing for one rank
         real = measure_step(cfg, world_size, s)
-    modelled = plan["gpu_peak_bytes"] - plan["nccl_bytes"]  # NCCL allocates outside torch's allocator
     tokens = cfg.data.seq_length * cfg.data.micro_batch_size / world_size
-    flops = model_flops_per_step(cfg) / world_size
+    seconds = real["step_seconds"]
+    timing = {"tokens_per_s": tokens / seconds,
+              "mfu": model_flops_per_step(cfg) / world_size / seconds / PEAK_BF16_FLOPS if s.device == "cuda" else None}
+    if world_size > 1:  # the fake group moves no data: the time is compute and allocation only
+        real["compute_only_step_seconds"] = real.pop("step_seconds")
+        timing = {"compute_only_tokens_per_s": tokens / seconds}
     return {"seq_length": cfg.data.seq_length, "predicted": plan, "measured": real,
             "predicted_over_measured": modelled / real["allocated_peak_bytes"],
             "host_predicted_over_measured": plan["host_bytes_per_gpu"] / max(real["offload_host_bytes"], 1),
-            "tokens_per_s": tokens / real["step_seconds"],
-            "mfu": flops / real["step_seconds"] / PEAK_BF16_FLOPS if s.device == "cuda" else None}
+            **timing}
 
 
 def _release() -> None:
@@ -289,28 +578,41 @@ def section_cp_rank(s: Sizes) -> dict:
 
 
 def section_ratios(s: Sizes, results: dict) -> dict:
-    seconds = {}
+    seconds, skipped = {}, {}
     for name, stack in STACKS.items():
-        seconds[name] = measure_step(config(s, s.ratio_length, stack), 1, s)["step_seconds"]
+        cfg = config(s, s.ratio_length, stack)
+        plan = predicted(cfg, 1, s)
+        reason = skip_reason(plan["gpu_peak_bytes"], plan["host_bytes_per_gpu"], device_total_bytes(s),
+                             host_ram_bytes())
+        if reason:
+            skipped[name] = reason
+            continue
+        seconds[name] = measure_step(cfg, 1, s)["step_seconds"]
         _release()
-    base = seconds["none"]
-    ratios = {name: t / base for name, t in seconds.items()}
+    base = seconds.get("none")
+    ratios = {name: t / base for name, t in seconds.items()} if base else {}
     cp = results.get("cp_rank", {})
-    if cp.get("ok"):
-        untied, ulysses = (cp["result"][i]["measured"]["step_seconds"] for i in ("untied_ulysses", "ulysses"))
-        ratios["untied_over_ulysses_cp_rank"] = untied / ulysses
-    return {"seq_length": s.ratio_length, "step_seconds": seconds, "ratio_to_no_stack": ratios}
+    measured = [cp["result"][i].get("measured") for i in ("untied_ulysses", "ulysses")] if cp.get("ok") else []
+    if measured and all(measured):  # the fake group moves nothing: a ratio of compute and allocation
+        untied, ulysses = (m["compute_only_step_seconds"] for m in measured)
+        ratios["untied_over_ulysses_cp_rank_compute_only"] = untied / ulysses
+    return {"seq_length": s.ratio_length, "step_seconds": seconds, "ratio_to_no_stack": ratios, "skipped": skipped}
 
 
 # --- driver ---------------------------------------------------------------------------------
 
 
 def run_section(name: str, fn, results: dict, out: Path) -> None:
-    """Run one section, recording its result or its failure, and rewrite the JSON."""
+    """Run one section, recording its result or its failure, and rewrite the JSON. A section whose result
+    lists `failures` is recorded as failed with its figures kept."""
     LOG.info("section %s: start", name)
     start = time.perf_counter()
     try:
-        results[name] = {"ok": True, "result": fn()}
+        result = fn()
+        failures = result.get("failures") if isinstance(result, dict) else None
+        results[name] = {"ok": not failures, "result": result}
+        if failures:
+            results[name]["error"] = f"failures: {', '.join(failures)}"
     except Exception as e:  # noqa: BLE001 - each section records its own failure
         results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         LOG.error("section %s failed: %s", name, results[name]["traceback"])
@@ -319,22 +621,39 @@ def run_section(name: str, fn, results: dict, out: Path) -> None:
     (out / "gpu_checks.json").write_text(json.dumps(results, indent=1, default=str))
 
 
+def host_memory_stats_keys(s: Sizes) -> list[str] | None:
+    """The keys torch.cuda.host_memory_stats() has on this torch (after one pinned allocation)."""
+    if s.device != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    torch.empty(1, pin_memory=True)
+    return sorted(torch.cuda.host_memory_stats())
+
+
 def environment(s: Sizes, dry_run: bool) -> dict:
     device = torch.device(s.device)
     probe = torch.zeros(2, 2, device=device)
+    TIMELINE.record("after CUDA init")
     addmm_fp32_(probe, *(torch.ones(2, 2, device=device, dtype=torch.bfloat16) for _ in range(2)))
     return {"dry_run": dry_run, "torch": torch.__version__, "device": s.device,
             "gpu": torch.cuda.get_device_name(0) if s.device == "cuda" else None,
+            "gpu_count": torch.cuda.device_count() if s.device == "cuda" else 0,
+            "gpu_total_bytes": device_total_bytes(s), "host_ram_bytes": host_ram_bytes(),
+            "nccl_version": nccl_version(), "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "host_memory_stats_keys": host_memory_stats_keys(s),
             "flash_attn": kernels.flash_attn_available(), "flash_attn_problem": kernels.FLASH_ATTN_PROBLEM or None,
             "fp32_output_gemm": fp32_out_gemm_available(device)}
 
 
+SECTIONS = ("nccl", "kernels", "kernel_cases", "single_gpu", "cp_rank", "ratios")
+
+
 def main(argv: list[str] | None = None) -> dict:
+    global TIMELINE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="every section on CPU at tiny sizes")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="output directory (default: $OUT)")
-    parser.add_argument("--sections", default="kernels,single_gpu,cp_rank,ratios",
-                        help="comma-separated subset to run")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset to run")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -344,11 +663,18 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("no CUDA device: run with --dry-run for the CPU rehearsal")
     s = sizes(args.dry_run)
     torch.manual_seed(0)
-    results: dict = {"environment": environment(s, args.dry_run)}
-    sections = {"kernels": lambda: section_kernels(s), "single_gpu": lambda: section_single_gpu(s),
+    TIMELINE = MemoryTimeline(s.device)
+    results: dict = {"environment": environment(s, args.dry_run), "memory_timeline": TIMELINE.events}
+    sections = {"nccl": lambda: section_nccl(s), "kernels": lambda: section_kernels(s),
+                "kernel_cases": lambda: section_kernel_cases(s), "single_gpu": lambda: section_single_gpu(s),
                 "cp_rank": lambda: section_cp_rank(s), "ratios": lambda: section_ratios(s, results)}
-    for name in args.sections.split(","):
-        run_section(name, sections[name], results, out)
+    real_page_lock = offload_module.page_lock
+    offload_module.page_lock = recording_page_lock(real_page_lock, TIMELINE)  # every arena registration
+    try:
+        for name in args.sections.split(","):
+            run_section(name, sections[name], results, out)
+    finally:
+        offload_module.page_lock = real_page_lock
     return results
 
 
