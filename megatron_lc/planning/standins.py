@@ -172,7 +172,7 @@ def _sdpa_efficient_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
     return kernels.Kernel(PLANNED_PREFIX + "sdpa_efficient", real.forward, real.backward)
 
 
-def _efficient_op_models(name_buffer: NameBuffer) -> dict[str, Callable]:
+def efficient_op_models(name_buffer: NameBuffer) -> dict[str, Callable]:
     """Allocation models of the memory-efficient operators, by their role in `kernels.TORCH_OPS`."""
     return {"efficient_forward": _efficient_forward_model, "efficient_backward": _efficient_backward_model(name_buffer)}
 
@@ -203,7 +203,7 @@ def registered_kernel_models(name_buffer: NameBuffer) -> Iterator[None]:
     models) while the context is open."""
     added = {PLANNED_PREFIX + name: build(name_buffer) for name, build in CUDA_KERNEL_MODELS.items()}
     kernels.KERNELS.update(added)
-    models = _efficient_op_models(name_buffer)
+    models = efficient_op_models(name_buffer)
     replaced = {role: kernels.TORCH_OPS[role] for role in models}
     kernels.TORCH_OPS.update(models)
     try:

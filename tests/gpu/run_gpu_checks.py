@@ -63,7 +63,7 @@ from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelState, run_collective
 from megatron_lc.planning.estimate import GIB, Machine, estimate, planning_config
 from megatron_lc.planning.fakes import fake_process_group
-from megatron_lc.planning.standins import EFFICIENT_OP_MODELS
+from megatron_lc.planning import standins
 from megatron_lc.planning.trace import (
     initialize_optimizer_state,
     make_optimizer,
@@ -343,8 +343,9 @@ def peak_bytes_of(fn, device: str):
 @contextlib.contextmanager
 def efficient_op_models():
     """The planner's allocation models in place of the memory-efficient operators (planning/standins.py)."""
-    saved = {role: kernels.TORCH_OPS[role] for role in EFFICIENT_OP_MODELS}
-    kernels.TORCH_OPS.update(EFFICIENT_OP_MODELS)
+    models = standins.efficient_op_models(lambda tensor, label: None)
+    saved = {role: kernels.TORCH_OPS[role] for role in models}
+    kernels.TORCH_OPS.update(models)
     try:
         yield
     finally:
@@ -353,7 +354,7 @@ def efficient_op_models():
 
 def case_efficient_workspace(s: Sizes) -> dict:
     """The memory-efficient backward on packed fp32 documents: its peak bytes against the planner's model of
-    the same call (dq, dk, dv and our wrapper's copies; no workspace modelled for fp32)."""
+    the same calls (dq, dk, dv, our wrapper's copies, delta and the fp32 dq workspace of each call)."""
     count, longest, H, d = s.workspace_docs
     lengths = [max(1, longest * (i + 1) // count) for i in range(count)]
     T = sum(lengths)
