@@ -8,7 +8,7 @@ Takes the training flags (python -m megatron_lc.train --help) plus the machine's
 
     ... --find-max-seq-length          the longest length that fits
     ... --ablate [--plot FILE.png]     the longest length with each memory layer added in turn
-    ... --auto-fit                     the cheapest memory stack that fits at --seq-length, as flags
+    ... --auto-fit                     the fastest memory stack that fits at --seq-length, as flags
                                        for python -m megatron_lc.train (see megatron_lc/planning/autofit.py)
     ... --json                         one JSON object instead of tables
 
@@ -28,20 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_lc.config import build_parser, parse_config
 from megatron_lc.planning.estimate import Machine, estimate, planning_config
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
-from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, CostModel
+from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES
 from megatron_lc.planning.standins import NcclSettings
 
 NCCL = NcclSettings()
-COST = CostModel()
 AUTO_FIT_HELP = (
-    "choose the cheapest memory stack that fits at --seq-length and print its flags for python -m "
-    "megatron_lc.train (the given recompute, offload, tiling and --cp-impl flags are replaced). Cheapest = least "
-    "extra time by a cost model, not measured: recompute FLOPs (full: one more forward of every block, about 1/3 "
-    "of their step FLOPs; selective: one more MLP forward), tiled MLP's recomputed gate/up projections, Untied "
-    "Ulysses' recomputed and re-exchanged q/k/v, offload copies over PCIe (overlapped ones: "
-    f"{100 * COST.overlap_residual:g}%% of their time; fetched on demand: all of it), "
-    f"{COST.tile_overhead_s * 1e6:g} us per tile and pass, {COST.stage_overhead_s * 1e6:g} us per Untied stage, "
-    "layer and pass")
+    "choose the fastest memory stack that fits at --seq-length and print its flags for python -m "
+    "megatron_lc.train (the given recompute, offload, tiling and --cp-impl flags are replaced); fastest by the "
+    "predicted step time at the machine's rates (planning/timing.py)")
 
 
 def add_planner_flags(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +44,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-gpus", type=int, default=8, help="GPUs of the run (the world size) (default: 8)")
     group.add_argument("--machine", choices=sorted(NODES), default=DEFAULT_NODE,
                        help="the kind of node: its GPUs' memory as the driver reports it, GPUs per node, host RAM "
-                            "(docs/memory_planner.md lists each figure's source) (default: %(default)s)")
+                            "(docs/memory_planner.md lists each figure's source); local: this machine's CPU, its rates "
+                            "measured once, for validation (default: %(default)s)")
     group.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the machine's)")
     group.add_argument("--gpu-memory-gib", type=float, default=None,
                        help="memory of one GPU as cudaMemGetInfo reports it (default: the machine's, 79.11 for an "
@@ -93,15 +88,6 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto-fit", action="store_true", help=AUTO_FIT_HELP)
     group.add_argument("--auto-fit-max-traces", type=int, default=DEFAULT_MAX_TRACES,
                        help=f"auto-fit: at most this many estimates (default: {DEFAULT_MAX_TRACES})")
-    group.add_argument("--auto-fit-tflops", type=float, default=COST.gpu_flops_per_s / 1e12,
-                       help="auto-fit cost model: sustained TFLOP/s of one GPU (default: "
-                            f"{COST.gpu_flops_per_s / 1e12:g}, an assumption)")
-    group.add_argument("--auto-fit-pcie-gbps", type=float, default=COST.pcie_bytes_per_s / 1e9,
-                       help="auto-fit cost model: host<->GPU copy bandwidth per GPU, GB/s (default: "
-                            f"{COST.pcie_bytes_per_s / 1e9:g}, an assumption)")
-    group.add_argument("--auto-fit-a2a-gbps", type=float, default=COST.a2a_bytes_per_s / 1e9,
-                       help="auto-fit cost model: all-to-all bandwidth per GPU, GB/s (default: "
-                            f"{COST.a2a_bytes_per_s / 1e9:g}, an assumption)")
     group.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -109,8 +95,7 @@ PLANNER_FLAGS = ("num_gpus", "machine", "no_expandable_segments", "nccl_nvls", "
                  "host_memory_gib", "host_reserve_gib",
                  "reserve_gib", "nccl_buffsize", "nccl_channels", "nccl_p2p_channels_per_peer",
                  "nccl_net_channels_per_peer", "with_flash_attn",
-                 "find_max_seq_length", "ablate", "plot", "auto_fit", "auto_fit_max_traces", "auto_fit_tflops",
-                 "auto_fit_pcie_gbps", "auto_fit_a2a_gbps", "json")
+                 "find_max_seq_length", "ablate", "plot", "auto_fit", "auto_fit_max_traces", "json")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
@@ -160,12 +145,10 @@ def auto_fit_progress(candidate, e) -> None:
 
 
 def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str], out: dict) -> None:
-    """--auto-fit: the cheapest stack that fits, printed (or added to `out` under `auto_fit`)."""
+    """--auto-fit: the fastest stack that fits, printed (or added to `out` under `auto_fit`)."""
     from megatron_lc.planning import autofit
 
-    cost = CostModel(gpu_flops_per_s=planner.auto_fit_tflops * 1e12, pcie_bytes_per_s=planner.auto_fit_pcie_gbps * 1e9,
-                     a2a_bytes_per_s=planner.auto_fit_a2a_gbps * 1e9)
-    result = autofit.auto_fit(cfg, machine, cost, planner.auto_fit_max_traces, on_estimate=auto_fit_progress)
+    result = autofit.auto_fit(cfg, machine, None, planner.auto_fit_max_traces, on_estimate=auto_fit_progress)
     command = ["python", "-m", "megatron_lc.train", *autofit.strip_memory_flags(split_argv(argv)[1])]
     if result.estimate is not None:
         out.update(result.estimate.to_json())

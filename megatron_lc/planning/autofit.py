@@ -1,34 +1,13 @@
-"""Auto-fit: the cheapest memory stack that fits a machine at a given sequence length.
+"""Auto-fit: the fastest memory stack that fits a machine at a given sequence length.
 
 The model, the length, the cp degree, the precision and the machine are given; auto-fit
 chooses the memory stack (recompute granularity, CPU offload and its prefetch, tiled MLP
 and loss with their tile counts, Untied Ulysses and its heads per stage) and answers with
 the flags for `python -m megatron_lc.train`.
 
-**Cost model** (modelled, not measured; every constant is a `CostModel` field, and the
-three speeds are flags of `tools/estimate_memory.py`). Each candidate is charged the time it adds to a step,
-per GPU, over all micro-batches of the step, against the same step with no memory
-technique:
-
-- FLOPs at a sustained `gpu_flops_per_s` (default 400 TFLOP/s, about 40% of an H100's
-  dense bf16 peak). A block's forward is its matmuls (2 x tokens x weights) plus causal
-  attention (2 x S^2 x head_dim per head: QK^T and PV over half the score matrix, one
-  document per sample); a step is 3 forwards (backward = 2 forwards).
-- full recompute: one more forward of every block (about 1/3 of the blocks' step FLOPs).
-- selective recompute: one more forward of every block's MLP (norm and three matmuls).
-- tiled MLP: its backward recomputes each tile's gate and up projections (two of the
-  MLP's three matmuls), in every block; plus `tile_overhead_s` per tile and pass.
-- tiled loss: computes its gradients in the forward (no recompute): `tile_overhead_s`
-  per tile only.
-- CPU offload: each offloaded block input goes to the host in the forward and back in
-  the backward at `pcie_bytes_per_s` (default 25 GB/s per GPU, an assumption for PCIe
-  Gen5 x16 with eight GPUs sharing the host). Copies that overlap compute (every copy to
-  the host; the copy back when prefetched) cost `overlap_residual` (10%) of their
-  transfer time; the copy back fetched on demand (`--no-offload-prefetch`) is not
-  overlapped and costs all of it.
-- Untied Ulysses: its backward recomputes the q/k/v projections and exchanges them again
-  (at `a2a_bytes_per_s`, default 100 GB/s per GPU), plus `stage_overhead_s` per stage,
-  layer and pass (collective launch and latency). Plain Ulysses costs nothing extra.
+**Cost**: each candidate's predicted step time on the machine (`planning/timing.py`: the
+step's work over the machine's rates, overlapped by stream, the one time model of the
+planner). Auto-fit answers with the fastest predicted stack that fits.
 
 **Candidates**: recompute none < selective < full < full + offload (prefetch) < full +
 offload (on demand); MLP tiles off < 2 < ... < the default count (about hidden-size
@@ -42,7 +21,7 @@ It assumes that, within one attention family (Ulysses; Untied Ulysses at any sta
 GPU memory does not grow when any one choice moves up its list; Untied Ulysses' own
 buffers can make it hold more than Ulysses on small models, so the two families are
 searched apart. Host memory depends only on whether block inputs are offloaded, which is
-the same for every offloading candidate. Per family, cheapest family first: (1) the
+the same for every offloading candidate. Per family, fastest family first: (1) the
 strongest stack is traced (without offload if the host cannot hold it): if it does not
 fit, nothing in the family does; (2) for each choice, a binary search with every other
 choice at its strongest finds the weakest level that can fit (weaker levels are out);
@@ -51,11 +30,11 @@ fits is the family's answer. A candidate weaker in every choice than one that di
 is skipped untraced, one stronger than one that fit is known to fit (and is traced once
 to report it); before an unknown candidate, the same candidate with its tile counts at
 their strongest is traced, so one failure rules out a whole column of tile counts. A
-family whose cheapest candidate costs no less than the answer so far is skipped, and the
-cheapest candidate of all (no technique) is traced first. Every
-candidate cheaper than the answer was traced or ruled out this way, so the answer is the
-cheapest that fits. At most `max_traces` estimates are made; when the cap stops the
-search, the answer is the cheapest candidate known to fit and is marked `capped`.
+family whose fastest candidate costs no less than the answer so far is skipped, and the
+fastest candidate of all (no technique) is traced first. Every
+candidate faster than the answer was traced or ruled out this way, so the answer is the
+fastest that fits. At most `max_traces` estimates are made; when the cap stops the
+search, the answer is the fastest candidate known to fit and is marked `capped`.
 """
 
 from __future__ import annotations
@@ -67,33 +46,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_lc.attention.registry import CP_IMPLS
-from megatron_lc.attention.ulysses import kv_replication
 from megatron_lc.attention.untied_ulysses import valid_heads_per_stage
 from megatron_lc.config import TrainConfig
 from megatron_lc.memory.chunks import plan_chunks
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
+from megatron_lc.planning.timing import StepTime, TimeModel
 
 MODES = (("none", "off"), ("selective", "off"), ("full", "off"), ("full", "prefetch"), ("full", "on_demand"))
 """(recompute granularity, offload) from the least memory saving to the most."""
 DEFAULT_MAX_TRACES = 40
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """The assumed speeds that turn a candidate's extra work into seconds (none are measured)."""
-
-    gpu_flops_per_s: float = 400e12
-    """Sustained matmul/attention throughput of one GPU (about 40% of an H100's dense bf16 peak)."""
-    pcie_bytes_per_s: float = 25e9
-    """Host <-> GPU copy bandwidth per GPU, effective (PCIe Gen5 x16 shared by the node's GPUs)."""
-    a2a_bytes_per_s: float = 100e9
-    """All-to-all bandwidth per GPU for Untied Ulysses' re-exchanged q/k/v (NVLink, effective)."""
-    overlap_residual: float = 0.1
-    """Fraction of an overlapped copy's transfer time that still shows in the step."""
-    tile_overhead_s: float = 20e-6
-    """Fixed cost of one tile in one pass (kernel launches, smaller GEMMs)."""
-    stage_overhead_s: float = 50e-6
-    """Fixed cost of one Untied Ulysses stage in one pass of one layer (collective launch, latency)."""
 
 
 @dataclass(frozen=True)
@@ -157,126 +118,6 @@ def strip_memory_flags(argv: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
-
-
-@dataclass(frozen=True)
-class ExtraTime:
-    """Modelled seconds a candidate adds to one step (per GPU, all micro-batches), by cause."""
-
-    recompute_s: float
-    """Full or selective recomputation of the blocks' forward."""
-    tiled_mlp_s: float
-    """Tiled MLP's recomputed gate and up projections in backward."""
-    offload_s: float
-    """Block-input copies to the host and back, what of them is not overlapped."""
-    untied_s: float
-    """Untied Ulysses' recomputed and re-exchanged q/k/v, and its per-stage overhead."""
-    tiles_s: float
-    """Per-tile overhead of the tiled MLP and loss."""
-    step_s: float
-    """The modelled step without any of these (3 forwards of the blocks and the head)."""
-
-    @property
-    def total_s(self) -> float:
-        return self.recompute_s + self.tiled_mlp_s + self.offload_s + self.untied_s + self.tiles_s
-
-    def to_json(self) -> dict:
-        parts = {f.name: round(getattr(self, f.name), 6) for f in dataclasses.fields(self)}
-        return {**parts, "total_s": round(self.total_s, 6), "fraction_of_step": round(self.total_s / self.step_s, 6)}
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """What the cost model needs of a configuration, per GPU and micro-batch."""
-
-    layers: int
-    """Transformer blocks."""
-    tokens: int
-    """Local tokens of a micro-batch (micro-batch x S / cp)."""
-    seq_length: int
-    """S, the tokens of one sample."""
-    micro_batch: int
-    """Samples per micro-batch."""
-    micro_batches: int
-    """Micro-batches per step (gradient accumulation)."""
-    hidden: int
-    """Width of the residual stream."""
-    ffn: int
-    """Width of the MLP."""
-    heads: int
-    """Query heads."""
-    kv_heads: int
-    """Key/value heads."""
-    head_dim: int
-    """Channels per head."""
-    vocab: int
-    """Vocabulary size."""
-    cp: int
-    """Context-parallel degree."""
-    dtype_bytes: int
-    """Bytes of an activation element (2 with --bf16)."""
-    offloaded_layers: int
-    """Blocks whose input goes to the host when offloading (all but --offload-keep-last)."""
-
-
-def shapes_of(cfg: TrainConfig, num_gpus: int) -> Shapes:
-    """The shapes of `cfg` on `num_gpus` GPUs."""
-    c, cp = cfg.model_config(), cfg.parallel.context_parallel_size
-    mbs = cfg.data.micro_batch_size
-    dp = max(1, num_gpus // cp)
-    micro = (cfg.data.global_batch_size or mbs * dp) // (mbs * dp)
-    offloaded = max(0, c.num_layers - cfg.memory.offload_keep_last)
-    return Shapes(c.num_layers, mbs * cfg.data.seq_length // cp, cfg.data.seq_length, mbs, max(1, micro),
-                  c.hidden_size, c.ffn_hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels,
-                  c.vocab_size, cp, 2 if cfg.train.bf16 else 4, offloaded)
-
-
-def _qkv_flops(s: Shapes) -> float:
-    return 2 * s.tokens * s.hidden * s.head_dim * (s.heads + 2 * s.kv_heads)
-
-
-def _mlp_flops(s: Shapes) -> float:
-    return 2 * s.tokens * 3 * s.hidden * s.ffn
-
-
-def _block_forward_flops(s: Shapes) -> float:
-    attention = 2 * s.micro_batch * s.seq_length ** 2 * s.head_dim * s.heads / s.cp
-    out_proj = 2 * s.tokens * s.heads * s.head_dim * s.hidden
-    return _qkv_flops(s) + out_proj + _mlp_flops(s) + attention
-
-
-def _untied_seconds(c: Candidate, s: Shapes, m: CostModel) -> float:
-    if c.cp_impl != "untied_ulysses":
-        return 0.0
-    heads_sent = s.heads + 2 * s.kv_heads * kv_replication(s.kv_heads, s.cp)
-    exchange = s.tokens * s.head_dim * heads_sent * s.dtype_bytes * (s.cp - 1) / s.cp
-    passes = 3 if c.recompute == "full" else 2
-    stages = s.heads // c.heads_per_stage
-    per_layer = _qkv_flops(s) / m.gpu_flops_per_s + exchange / m.a2a_bytes_per_s + stages * passes * m.stage_overhead_s
-    return s.layers * per_layer
-
-
-def _offload_seconds(c: Candidate, s: Shapes, m: CostModel) -> float:
-    if c.offload == "off":
-        return 0.0
-    copy = s.offloaded_layers * s.tokens * s.hidden * s.dtype_bytes / m.pcie_bytes_per_s
-    back = copy if c.offload == "on_demand" else m.overlap_residual * copy
-    return m.overlap_residual * copy + back
-
-
-def extra_time(c: Candidate, cfg: TrainConfig, num_gpus: int, m: CostModel = CostModel()) -> ExtraTime:
-    """The cost model (module docstring) applied to candidate `c` of configuration `cfg`."""
-    s = shapes_of(cfg, num_gpus)
-    flops = m.gpu_flops_per_s
-    recompute = {"none": 0.0, "full": _block_forward_flops(s), "selective": _mlp_flops(s)}[c.recompute]
-    tiled_mlp = 2 * s.tokens * 2 * s.hidden * s.ffn if c.mlp_tiles else 0.0
-    mlp_passes = 3 if c.recompute != "none" else 2
-    tiles = (c.mlp_tiles or 0) * mlp_passes * s.layers + (c.loss_tiles or 0)
-    step = 3 * (s.layers * _block_forward_flops(s) + 2 * s.tokens * s.hidden * s.vocab) / flops
-    n = s.micro_batches
-    return ExtraTime(n * s.layers * recompute / flops, n * s.layers * tiled_mlp / flops,
-                     n * _offload_seconds(c, s, m), n * _untied_seconds(c, s, m), n * tiles * m.tile_overhead_s,
-                     n * step)
 
 
 # --- the candidates -------------------------------------------------------------------------
@@ -344,28 +185,34 @@ class Traced:
     """The stack traced."""
     estimate: Estimate
     """Its memory on the machine."""
-    cost: ExtraTime
-    """Its modelled extra time."""
+    cost: StepTime
+    """Its predicted step time."""
 
 
 @dataclass
 class AutoFitResult:
-    """The cheapest stack that fits (None when none does) and how it was found."""
+    """The fastest stack that fits (None when none does) and how it was found."""
 
     choice: Candidate | None
     """The answer."""
     estimate: Estimate | None
     """The answer's memory."""
-    cost: ExtraTime | None
-    """The answer's modelled extra time."""
+    cost: StepTime | None
+    """The answer's predicted step time."""
     traced: list[Traced] = field(default_factory=list)
     """Every estimate made, in order."""
     candidates: int = 0
     """Size of the search space."""
     capped: bool = False
-    """The trace cap stopped the search: the answer is the cheapest known to fit, maybe not the cheapest."""
-    cost_model: CostModel = CostModel()
-    """The assumed speeds."""
+    """The trace cap stopped the search: the answer is the fastest known to fit, maybe not the fastest."""
+    time_model: TimeModel = field(default_factory=TimeModel)
+    """The rates the step times were predicted at."""
+
+    @property
+    def runner_up(self) -> Traced | None:
+        """The fastest traced stack that fits besides the answer."""
+        others = [t for t in self.traced if t.estimate.fits and t.candidate != self.choice]
+        return min(others, key=lambda t: t.cost.step_s, default=None)
 
 
 class _Knowledge:
@@ -401,17 +248,19 @@ class _Knowledge:
         return None
 
 
-def auto_fit(cfg: TrainConfig, machine: Machine, cost_model: CostModel = CostModel(),
+def auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None = None,
              max_traces: int = DEFAULT_MAX_TRACES,
              evaluate: Callable[[TrainConfig, Machine, int], Estimate] = estimate,
              on_estimate: Callable[[Candidate, Estimate], None] | None = None,
              space: SearchSpace | None = None) -> AutoFitResult:
-    """The cheapest candidate of `space` (default `search_space(cfg)`) that fits `machine`, by `cost_model`."""
-    search = _Search(cfg, machine, cost_model, max_traces, evaluate, on_estimate, space or search_space(cfg))
-    cheapest = min(search.space.points(), key=lambda p: (search.cost(p).total_s, p))
-    best = cheapest if search.fits(cheapest) else None  # one trace when no technique is needed
+    """The fastest candidate of `space` (default `search_space(cfg)`) that fits `machine`, by `time_model`
+    (default: the machine's published rates)."""
+    time_model = time_model or TimeModel.for_machine(machine, cfg)
+    search = _Search(cfg, machine, time_model, max_traces, evaluate, on_estimate, space or search_space(cfg))
+    fastest = min(search.space.points(), key=lambda p: (search.cost(p).step_s, p))
+    best = fastest if search.fits(fastest) else None  # one trace when no technique is needed
     for levels in sorted(_families(search.space), key=search.floor):
-        if best is None or search.floor(levels) < search.cost(best).total_s:
+        if best is None or search.floor(levels) < search.cost(best).step_s:
             best = search.family(levels, best)
     result = search.result
     if best is not None:
@@ -423,24 +272,24 @@ def auto_fit(cfg: TrainConfig, machine: Machine, cost_model: CostModel = CostMod
 class _Search:
     """The state of one auto-fit search: knowledge, traces, costs."""
 
-    def __init__(self, cfg: TrainConfig, machine: Machine, cost_model: CostModel, max_traces: int,
+    def __init__(self, cfg: TrainConfig, machine: Machine, time_model: TimeModel, max_traces: int,
                  evaluate: Callable[[TrainConfig, Machine, int], Estimate],
                  on_estimate: Callable[[Candidate, Estimate], None] | None, space: SearchSpace):
-        self.cfg, self.machine, self.cost_model, self.max_traces = cfg, machine, cost_model, max_traces
+        self.cfg, self.machine, self.time_model, self.max_traces = cfg, machine, time_model, max_traces
         self.evaluate, self.on_estimate, self.space = evaluate, on_estimate, space
         self.known = _Knowledge(space, {i for i, (_, off) in enumerate(space.modes) if off != "off"})
-        self.result = AutoFitResult(None, None, None, candidates=len(space.points()), cost_model=cost_model)
-        self.costs: dict[tuple[int, ...], ExtraTime] = {}
+        self.result = AutoFitResult(None, None, None, candidates=len(space.points()), time_model=time_model)
+        self.costs: dict[tuple[int, ...], StepTime] = {}
 
-    def cost(self, point: tuple[int, ...]) -> ExtraTime:
+    def cost(self, point: tuple[int, ...]) -> StepTime:
         if point not in self.costs:
-            self.costs[point] = extra_time(self.space.candidate(point), self.cfg, self.machine.num_gpus,
-                                           self.cost_model)
+            cfg = self.space.candidate(point).apply(self.cfg)
+            self.costs[point] = self.time_model.predict(cfg, self.machine.num_gpus)
         return self.costs[point]
 
     def floor(self, levels: list[int]) -> float:
-        """The cheapest candidate's cost in one attention family."""
-        return min(self.cost(p).total_s for p in _family_points(self.space, levels))
+        """The fastest candidate's cost in one attention family."""
+        return min(self.cost(p).step_s for p in _family_points(self.space, levels))
 
     def fits(self, point: tuple[int, ...], force: bool = False) -> bool | None:
         """Whether `point` fits, traced when unknown (always with `force`); None when the cap stops it."""
@@ -459,14 +308,14 @@ class _Search:
         return status
 
     def family(self, levels: list[int], best: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        """The cheapest point of one family that fits and is cheaper than `best` (else `best`)."""
+        """The fastest point of one family that fits and is faster than `best` (else `best`)."""
         top = _strongest(self.space, self.known, self.fits, levels)
         if top is None:
             return best
         lower = _lower_bounds(top, levels, self.fits)
         box = [p for p in _family_points(self.space, levels) if self.known.le(lower, p) and p[0] <= top[0]]
-        for point in sorted(box, key=lambda p: (self.cost(p).total_s, p)):
-            if best is not None and (self.cost(point).total_s, point) >= (self.cost(best).total_s, best):
+        for point in sorted(box, key=lambda p: (self.cost(p).step_s, p)):
+            if best is not None and (self.cost(point).step_s, point) >= (self.cost(best).step_s, best):
                 return best
             for probe in _probes(point, top):
                 if self.known.status(point) is not None:
@@ -536,45 +385,51 @@ def _estimate_json(e: Estimate) -> dict:
 
 
 def auto_fit_json(result: AutoFitResult, command: list[str] | None = None) -> dict:
-    """The answer (flags, memory, modelled extra time), the cost model and every trace."""
+    """The answer (flags, memory, predicted step time), the runner-up, the rates and every trace."""
     out: dict = {"flags": None, "fits": False, "candidates": result.candidates, "capped": result.capped,
-                 "cost_model": dataclasses.asdict(result.cost_model)}
+                 "rates": result.time_model.rates.name, "attention_rates": result.time_model.family}
     if result.choice is not None:
-        out.update(flags=result.choice.flags(), **_estimate_json(result.estimate),
-                   extra_time_model=result.cost.to_json())
+        out.update(flags=result.choice.flags(), **_estimate_json(result.estimate), time=result.cost.to_json())
         if command is not None:
             out["command"] = command + result.choice.flags()
-    out["traced"] = [{"flags": t.candidate.flags(), **_estimate_json(t.estimate), "extra_s": round(t.cost.total_s, 6)}
+    runner_up = result.runner_up
+    if runner_up is not None:
+        out["runner_up"] = {"flags": runner_up.candidate.flags(), **_estimate_json(runner_up.estimate),
+                            "time": runner_up.cost.to_json()}
+    out["traced"] = [{"flags": t.candidate.flags(), **_estimate_json(t.estimate), "step_s": round(t.cost.step_s, 6)}
                      for t in result.traced]
     return out
 
 
+def _choice_lines(title: str, flags: list[str], e: Estimate, c: StepTime) -> list[str]:
+    causes = ", ".join(f"{k} {v:.2f}" for k, v in c.seconds.items() if v >= 0.005)
+    return [f"{title}: {' '.join(flags) or '(none: no memory technique needed)'}",
+            f"  GPU {e.gpu_peak_bytes / GIB:.2f} GiB of {e.gpu_budget_bytes / GIB:.2f}; "
+            f"host {e.host_bytes_per_node / GIB:.0f} GiB per node of {e.host_budget_bytes / GIB:.0f}",
+            f"  predicted step {c.step_s:.2f} s, {c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}% "
+            f"(s: {causes})"]
+
+
 def auto_fit_text(result: AutoFitResult, command: list[str] | None = None) -> str:
-    """For people: the flags to paste, the memory, the modelled cost, and the traces."""
+    """For people: the flags to paste, the memory, the predicted step time, the runner-up, and the traces."""
     lines = [f"auto-fit: {len(result.traced)} of {result.candidates} candidate stacks traced"
-             + (" (trace cap reached: the cheapest known to fit, maybe not the cheapest)" if result.capped else "")]
+             + (" (trace cap reached: the fastest known to fit, maybe not the fastest)" if result.capped else "")]
     if result.choice is None:
         lines.append("no candidate fits: not even the strongest stack")
     else:
-        e, c = result.estimate, result.cost
-        flags = " ".join(result.choice.flags()) or "(none: no memory technique needed)"
-        lines += [f"cheapest stack that fits: {flags}",
-                  f"  GPU {e.gpu_peak_bytes / GIB:.2f} GiB of {e.gpu_budget_bytes / GIB:.2f}; "
-                  f"host {e.host_bytes_per_node / GIB:.0f} GiB per node of {e.host_budget_bytes / GIB:.0f}",
-                  f"  modelled extra time per step: {c.total_s:.2f} s ({100 * c.total_s / c.step_s:.1f}% of a "
-                  f"modelled {c.step_s:.1f} s step): recompute {c.recompute_s:.2f}, tiled MLP {c.tiled_mlp_s:.2f}, "
-                  f"offload copies {c.offload_s:.2f}, Untied Ulysses {c.untied_s:.2f}, tiles {c.tiles_s:.3f}"]
+        lines += _choice_lines("fastest stack that fits", result.choice.flags(), result.estimate, result.cost)
         if command is not None:
             lines.append("paste: " + " ".join(command + result.choice.flags()))
-    m = result.cost_model
-    lines.append(f"cost model (assumed): {m.gpu_flops_per_s / 1e12:g} TFLOP/s per GPU, "
-                 f"PCIe {m.pcie_bytes_per_s / 1e9:g} GB/s per GPU (overlapped copies cost {100 * m.overlap_residual:g}%), all-to-all "
-                 f"{m.a2a_bytes_per_s / 1e9:g} GB/s, {m.tile_overhead_s * 1e6:g} us per tile and pass, "
-                 f"{m.stage_overhead_s * 1e6:g} us per Untied stage, layer and pass")
+        if result.runner_up is not None:
+            r = result.runner_up
+            lines += _choice_lines("runner-up (traced)", r.candidate.flags(), r.estimate, r.cost)
+    m = result.time_model
+    lines.append(f"step times predicted at the {m.rates.name} rates, attention as {m.family} (planning/timing.py; "
+                 "predictions, not measurements)")
     lines.append("traced (in order):")
     for t in result.traced:
         verdict = "fits" if t.estimate.fits else ("no (host)" if t.estimate.fits_gpu else "no")
         lines.append(f"  {verdict:<9} GPU {t.estimate.gpu_peak_bytes / GIB:8.2f} GiB  host/node "
-                     f"{t.estimate.host_bytes_per_node / GIB:7.0f} GiB  extra {t.cost.total_s:9.3f} s  "
+                     f"{t.estimate.host_bytes_per_node / GIB:7.0f} GiB  step {t.cost.step_s:9.3f} s  "
                      f"{' '.join(t.candidate.flags()) or '(no memory flags)'}")
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from megatron_lc.config import TrainConfig
 from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.planning.standins import NcclSettings, nccl_bytes
+from megatron_lc.planning.timing import StepTime, TimeModel
 from megatron_lc.planning.trace import StepTrace, trace_step
 from megatron_lc.planning import machine as machine_terms
 from megatron_lc.planning.machine import DEFAULT_NODE, GIB, NODES, Term
@@ -63,6 +64,9 @@ class Machine:
         if self.node not in NODES:
             raise ValueError(f"--machine {self.node!r}: expected one of {', '.join(NODES)}")
         spec = NODES[self.node]
+        if self.node == "local":  # every process on this machine, running the CPU kernels
+            object.__setattr__(self, "device", "cpu")
+            spec = dataclasses.replace(spec, gpus_per_node=self.num_gpus)
         for name, value in (("gpus_per_node", spec.gpus_per_node), ("gpu_memory_gib", spec.gpu_memory_gib),
                             ("host_memory_gib", spec.host_memory_gib)):
             if getattr(self, name) is None:
@@ -92,6 +96,8 @@ class Estimate:
     """Bytes by category that the layers beyond the traced ones add at the peak (extrapolation)."""
     state_bytes_per_gpu: int = 0
     """fp32 weights and optimizer state of one rank's shards: what a checkpoint save stages on the host."""
+    time: StepTime | None = None
+    """The step's predicted time on the machine (planning/timing.py)."""
 
     @property
     def gpu_peak_bytes(self) -> int:
@@ -173,6 +179,7 @@ class Estimate:
             "top_buffers": [{"name": n, "count": c, "gib": round(b / GIB, 3)} for n, c, b in self.top_buffers],
             "communicators": self.communicators, "traced_layers": list(self.traced_layers),
             "seconds": round(self.seconds, 2),
+            **({"time": self.time.to_json()} if self.time is not None else {}),
         }
 
 
@@ -289,7 +296,8 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     top = step.trace.analysis.top_buffers(step.peak.event_index, lambda d: d == "meta")
     return Estimate(cfg.data.seq_length, by_category, nccl, step.host_bytes, describe_phase(step.anchor, num_layers),
                     top, communicators, counts, machine, time.perf_counter() - start, step.extra_layer_bytes,
-                    state_bytes_per_gpu(cfg, machine.num_gpus))
+                    state_bytes_per_gpu(cfg, machine.num_gpus), TimeModel.for_machine(machine, cfg).predict(
+                        cfg, machine.num_gpus))
 
 
 def state_bytes_per_gpu(cfg: TrainConfig, num_gpus: int) -> int:

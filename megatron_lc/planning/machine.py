@@ -15,6 +15,7 @@ the OS and page cache. What is left holds the offloaded activations.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 GIB = 1 << 30
@@ -48,6 +49,17 @@ NODES: dict[str, Node] = {
                           "reports", 8, 1907.0, f"DGX A100 640GB: {_TWO_TB}"),
 }
 DEFAULT_NODE = "dgx-h100"
+
+
+def _local_node() -> Node:
+    """This machine, planned as CPU processes (`--machine local`: the planner's validation on CPU)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return Node("local", "this machine's CPU", round(ram, 2), "sysconf: physical pages x page size", 0, round(ram, 2),
+                "sysconf: physical pages x page size")
+
+
+NODES["local"] = _local_node()
+"""GPUs per node 0: every process of the run is on this machine."""
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_lc.config import TrainConfig
 from megatron_lc.planning.estimate import GIB, Estimate
 from megatron_lc.planning.machine import NODES, Term
+from megatron_lc.planning.timing import TimeModel, layer_costs
 from megatron_lc.planning.search import SearchResult, StackLayer
 from megatron_lc.planning.tracker import CATEGORIES
 
@@ -58,10 +61,35 @@ def estimate_table(cfg: TrainConfig, e: Estimate) -> str:
     if any(e.extra_layer_bytes.values()):
         extra = ", ".join(f"{k} {v / GIB:.2f}" for k, v in e.extra_layer_bytes.items() if v)
         lines.append(f"  plus, from the untraced layers (GiB): {extra}")
+    lines += time_lines(cfg, e)
     lines.append(f"(traced {'/'.join(map(str, e.traced_layers))} layers in {e.seconds:.1f} s)")
     if any(t.assumed for t in e.gpu_reserve_terms + e.host_reserve_terms):
         lines.append("* an assumption until a GPU has measured it (docs/memory_planner.md, 'The machine')")
     return "\n".join(lines)
+
+
+def time_lines(cfg: TrainConfig, e: Estimate) -> list[str]:
+    """Predicted step time by cause (with FA3's rates beside FA2's where the machine has them), and what each
+    memory layer costs against the same step without it."""
+    if e.time is None:
+        return []
+    m = e.machine
+    model = TimeModel.for_machine(m, cfg)
+    columns = [("", e.time)]
+    if model.family == "fa2" and "fa3" in model.rates.attention_fwd_flops:
+        columns = [("FA2", e.time), ("FA3", dataclasses.replace(model, family="fa3").predict(cfg, m.num_gpus))]
+    head = "".join(f"{name:>12}" for name, _ in columns)
+    lines = [f"predicted step time ({model.rates.name} rates, planning/timing.py; a prediction):{head}"]
+    for cause in e.time.seconds:
+        lines.append(f"  {cause:<34}" + "".join(f"{t.seconds[cause]:>10.2f} s" for _, t in columns))
+    lines.append(f"  {'step':<34}" + "".join(f"{t.step_s:>10.2f} s" for _, t in columns))
+    lines.append(f"  {'tokens/s':<34}" + "".join(f"{t.tokens_per_s:>12,.0f}" for _, t in columns))
+    lines.append(f"  {'MFU':<34}" + "".join(f"{100 * t.mfu:>11.1f}%" for _, t in columns))
+    costs = layer_costs(cfg, m.num_gpus, model.rates, model.gpus_per_node, model.family)
+    if costs:
+        lines.append("  what each memory layer costs (this step against it without that layer):")
+        lines += [f"    {name:<40}{seconds:>+10.2f} s ({100 * seconds / e.time.step_s:+.1f}%)" for name, seconds in costs]
+    return lines
 
 
 def describe_machine(m) -> str:

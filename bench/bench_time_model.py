@@ -1,0 +1,99 @@
+"""The time model against measured steps of `python -m megatron_lc.train` on this machine's CPU.
+
+For each configuration: the planner's predicted step (`--machine local`: this machine's rates,
+measured once and cached, shared by the run's processes) beside the median measured step of
+a short CPU run on the same flags (torchrun, gloo, one thread per process, steps after the
+first). Prints a markdown table and writes it as JSON with --json-out.
+
+    python bench/bench_time_model.py [--steps 4] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODEL = ("--model debug --num-layers 2 --hidden-size 512 --num-attention-heads 8 --num-query-groups 2 "
+         "--kv-channels 64 --ffn-hidden-size 2048 --vocab-size 8000 --seq-length 4096").split()
+STACK = "--recompute-granularity full --offload-activations --tiled-mlp --tiled-loss".split()
+CONFIGS = {
+    "cp1": (1, []),
+    "cp1 full recompute": (1, ["--recompute-granularity", "full"]),
+    "cp1 full stack": (1, STACK),
+    "cp2 Ulysses": (2, ["--context-parallel-size", "2"]),
+    "cp2 Ulysses full stack": (2, ["--context-parallel-size", "2", *STACK]),
+    "cp2 Untied Ulysses full stack": (2, ["--context-parallel-size", "2", "--cp-impl", "untied_ulysses",
+                                          "--untied-heads-per-stage", "2", *STACK]),
+    "cp2 ring": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+    "cp4 Ulysses full recompute": (4, ["--context-parallel-size", "4", "--recompute-granularity", "full"]),
+}
+
+
+def measured_step_s(world: int, flags: list[str], steps: int) -> float:
+    """Median step time of a CPU run of `steps` steps (the first, with its warm-up, left out)."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                   "--master-port", str(_free_port()), "-m", "megatron_lc.train", *MODEL, *flags, "--mock-data",
+                   "--device", "cpu", "--train-iters", str(steps), "--log-dir", log_dir]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        subprocess.run(command, check=True, env=env, capture_output=True, text=True)
+        lines = (Path(log_dir) / "metrics.jsonl").read_text().splitlines()
+        times = [json.loads(line)["step_time_s"] for line in lines if "step_time_s" in line]
+    return statistics.median(times[1:])
+
+
+def predicted_step_s(world: int, flags: list[str]) -> dict:
+    sys.path.insert(0, str(ROOT / "tools"))
+    import estimate_memory
+
+    planner, cfg = estimate_memory.parse([*MODEL, *flags, "--num-gpus", str(world), "--machine", "local"])
+    machine = estimate_memory.machine_of(planner, cfg)
+    from megatron_lc.planning.timing import TimeModel
+
+    return TimeModel.for_machine(machine, cfg).predict(cfg, world).to_json()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--only", nargs="*", default=None, help="configuration names to run")
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    from megatron_lc.planning.timing import calibrate_local
+
+    print(f"calibrated now: {calibrate_local(refresh=True)}", flush=True)  # the rates of the machine as it is now
+    rows = []
+    print("| configuration | processes | predicted step | measured step | predicted / measured |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, (world, flags) in CONFIGS.items():
+        if args.only and name not in args.only:
+            continue
+        predicted = predicted_step_s(world, flags)
+        measured = measured_step_s(world, flags, args.steps)
+        ratio = predicted["step_s"] / measured
+        rows.append({"name": name, "processes": world, "flags": flags, "predicted": predicted, "measured_s": measured,
+                     "ratio": ratio})
+        print(f"| {name} | {world} | {predicted['step_s']:.2f} s | {measured:.2f} s | {ratio:.2f} |", flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,456 @@
+"""Step time: where every second of a training step goes, predicted from the configuration and a machine's rates.
+
+The work of a step is counted from the same shapes the memory planner traces (one document
+per sample, as it traces them): per rank and micro-batch, the FLOPs of every GEMM and of
+causal attention, forward, recomputed and backward; the bytes of every all-to-all, ring
+exchange and FSDP collective, and over which link; the bytes each offloaded block input
+moves to the host and back. Each item's time is work over the machine's rate for it
+(`Rates`: published figures with their sources, or this machine's, measured once by
+`calibrate_local`). Streams overlap as the code runs them:
+
+- compute (GEMMs, attention, the optimizer) is serial on one stream;
+- all-to-all exchanges (Ulysses, Untied Ulysses) are synchronous: exposed in full;
+- ring attention's K/V and dK/dV exchange overlaps the attention on the block in hand:
+  what exceeds that attention is exposed;
+- FSDP's all-gathers and reduce-scatters run on their own streams, prefetched one layer
+  ahead: what exceeds the layer's compute is exposed;
+- an offloaded block input goes to the host on a side stream during the next block's
+  forward (what exceeds it is exposed) and comes back exposed: the prefetch is queued
+  behind the compute already issued and waited for at once by the layer that needs it.
+
+Every seconds figure is a prediction. Rates from publications are labelled with their
+source; the efficiency factors applied to peak figures are assumptions until a GPU run
+measures them (`tests/gpu/run_gpu_checks.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_lc.config import TrainConfig
+
+CAUSES = ("attention forward", "attention recompute", "attention backward", "GEMMs", "recompute of the rest",
+          "elementwise (memory-bound)", "offload stalls", "exposed communication", "tiling and stage overhead",
+          "optimizer")
+"""The causes a step's time is split into, in report order."""
+
+FA2_BACKWARD_WORK = 2.5
+"""Attention backward FLOPs over forward FLOPs: five matmuls against two (flash-attention 2 and 3)."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one GPU (or this machine's one process) sustains, with the source of each figure."""
+
+    name: str
+    gemm_flops: float
+    """Dense 16-bit GEMM FLOP/s sustained (fp32 on `local`)."""
+    attention_fwd_flops: dict
+    """Causal attention forward FLOP/s by kernel family (fa2, fa3, efficient, cpu)."""
+    attention_bwd_flops: dict
+    hbm_bytes: float
+    """Device memory bandwidth (the optimizer step is bound by it)."""
+    host_copy_bytes: float
+    """Host <-> device copy bandwidth per GPU and direction."""
+    intra_node_bytes: float
+    """Bytes per second one GPU sends in an all-to-all or ring step inside a node."""
+    inter_node_bytes: float
+    """Bytes per second one GPU sends to another node."""
+    launch_s: float
+    """Fixed cost of one tile, stage or collective in one pass (launches, latency)."""
+    peak_flops: float
+    """The dense peak MFU is measured against."""
+    sources: dict = field(default_factory=dict)
+    cores_per_process: float = 1.0
+    """`local` only: the share of the measured core(s) each process gets."""
+
+    def scaled(self, share: float) -> "Rates":
+        """Rates of a process that gets `share` of the compute it was measured with (oversubscribed cores)."""
+        s = min(1.0, share)
+        return dataclasses.replace(self, gemm_flops=self.gemm_flops * s,
+                                   attention_fwd_flops={k: v * s for k, v in self.attention_fwd_flops.items()},
+                                   attention_bwd_flops={k: v * s for k, v in self.attention_bwd_flops.items()},
+                                   hbm_bytes=self.hbm_bytes * s, host_copy_bytes=self.host_copy_bytes * s)
+
+
+_H100_PEAK = 989.4e12
+_GEMM_EFFICIENCY = 0.65
+"""Share of the dense peak large bf16 GEMMs sustain (an assumption until measured)."""
+_H100_SOURCES = {
+    "peak_flops": "989.4 TFLOP/s dense BF16, NVIDIA H100 SXM5 datasheet",
+    "gemm_flops": "65% of the dense peak (assumed)",
+    "attention": "flash-attention 2 / 3 forward about 350 / 640 TFLOP/s and backward about 300 / 480 TFLOP/s, "
+                 "causal, head dim 128, long sequences, read off the FlashAttention-3 paper's figures "
+                 "(arXiv 2407.08608); torch's memory-efficient kernel assumed at half of FA2",
+    "hbm_bytes": "3.35 TB/s HBM3, NVIDIA H100 SXM5 datasheet",
+    "host_copy_bytes": "PCIe Gen5 x16: 64 GB/s per direction (PCI-SIG), 50 GB/s sustained (assumed)",
+    "intra_node_bytes": "NVLink 4: 450 GB/s per direction per GPU (NVIDIA), 70% in all-to-all (assumed)",
+    "inter_node_bytes": "one 400 Gb/s ConnectX-7 per GPU (DGX H100 datasheet): 50 GB/s, 80% sustained (assumed)",
+    "launch_s": "20 us per tile, stage or collective and pass (assumed)",
+}
+_H100 = Rates("dgx-h100", _GEMM_EFFICIENCY * _H100_PEAK, {"fa2": 350e12, "fa3": 640e12, "efficient": 175e12},
+              {"fa2": 300e12, "fa3": 480e12, "efficient": 150e12}, 3.35e12, 50e9, 0.7 * 450e9, 0.8 * 50e9, 20e-6,
+              _H100_PEAK, _H100_SOURCES)
+RATES = {
+    "dgx-h100": _H100,
+    "dgx-h200": dataclasses.replace(_H100, name="dgx-h200", hbm_bytes=4.8e12, sources={
+        **_H100_SOURCES, "hbm_bytes": "4.8 TB/s HBM3e, NVIDIA H200 datasheet (compute as H100 SXM5)"}),
+    "dgx-a100-80gb": Rates(
+        "dgx-a100-80gb", _GEMM_EFFICIENCY * 312e12, {"fa2": 190e12, "efficient": 95e12},
+        {"fa2": 150e12, "efficient": 75e12}, 2.039e12, 25e9, 0.7 * 300e9, 0.8 * 25e9, 20e-6, 312e12, {
+            "peak_flops": "312 TFLOP/s dense BF16, NVIDIA A100 datasheet",
+            "attention": "flash-attention 2 about 190 / 150 TFLOP/s forward / backward on A100 (FlashAttention-2 "
+                         "paper, arXiv 2307.08691, read off its figures); no FA3 before sm90",
+            "hbm_bytes": "2.039 TB/s, NVIDIA A100 80GB SXM datasheet",
+            "host_copy_bytes": "PCIe Gen4 x16: 32 GB/s per direction, 25 GB/s sustained (assumed)",
+            "intra_node_bytes": "NVLink 3: 300 GB/s per direction per GPU (NVIDIA), 70% (assumed)",
+            "inter_node_bytes": "200 Gb/s HDR per GPU (DGX A100 datasheet), 80% (assumed)"}),
+}
+
+
+# --- the work of one step ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Work:
+    """One rank's work in one micro-batch, by item (FLOPs or bytes)."""
+
+    gemm_fwd: float
+    """Every GEMM of one forward: projections, MLP, output head."""
+    gemm_recompute: float
+    """GEMMs run again: full / selective recompute, Untied Ulysses' q/k/v re-projection, tiled MLP's gate/up."""
+    attention_fwd: float
+    attention_recompute: float
+    attention_bwd: float
+    a2a_bytes: float
+    """Bytes sent in synchronous all-to-alls (forward, recompute, backward)."""
+    ring_bytes_fwd: float
+    """Bytes sent around the ring per forward pass (overlapped with attention)."""
+    ring_bytes_bwd: float
+    fsdp_bytes_per_layer: tuple[float, float]
+    """(all-gather per pass, reduce-scatter) bytes per layer."""
+    offload_bytes_per_layer: float
+    offloaded_layers: int
+    layers: int
+    launches: int
+    """Tiles, stages and collectives, over all passes."""
+    elementwise_bytes: float
+    """Bytes read and written by the memory-bound ops (norms, rotary, residual adds, SwiGLU, the exchanges'
+    packing, the loss's softmax over the logits), over all passes."""
+    optimizer_bytes: float
+    model_flops: float
+    """fwd + bwd FLOPs without recompute (for MFU): 3 x (GEMMs + attention forward)."""
+
+
+def _stage_width(cfg: TrainConfig, a2a: int) -> int:
+    return cfg.parallel.untied_heads_per_stage or a2a
+
+
+def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
+    """The work of one micro-batch on one rank of `cfg` on `num_gpus` GPUs."""
+    c, mem, par = cfg.model_config(), cfg.memory, cfg.parallel
+    cp, layout = par.context_parallel_size, cfg.context_layout()
+    B, S = cfg.data.micro_batch_size, cfg.data.seq_length
+    T, h, f, H, Hkv, d, V, L = B * S // cp, c.hidden_size, c.ffn_hidden_size, c.num_attention_heads, \
+        c.num_query_groups, c.kv_channels, c.vocab_size, c.num_layers
+    item = 2 if cfg.train.bf16 else 4
+    qkv = 2 * T * h * d * (H + 2 * Hkv)
+    mlp = 6 * T * h * f
+    layer_gemm = qkv + 2 * T * H * d * h + mlp
+    head_gemm = 2 * T * h * V
+    attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
+    full, selective = mem.recompute_granularity == "full", mem.recompute_granularity == "selective"
+    untied = cp > 1 and par.cp_impl == "untied_ulysses" and layout.a2a_size > 1
+    mlp_tiles = cfg.parallelize_options().mlp_tiles
+    recompute = L * (layer_gemm if full else mlp if selective else 0)
+    recompute += L * qkv if untied else 0  # its backward projects q, k, v again
+    recompute += L * 4 * T * h * f if mlp_tiles else 0  # gate and up again, tile by tile
+    a2a = _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full) * L
+    ring_fwd = ring_bwd = 0.0
+    if layout.ring_size > 1:
+        kv = T * 2 * max(Hkv, 1) * d * item
+        ring_fwd = kv * (layout.ring_size - 1)
+        ring_bwd = ring_fwd + 2 * ring_fwd * 4 / item  # K/V again, and the fp32 dK/dV
+    params_layer = h * d * (H + 2 * Hkv) + H * d * h + 3 * h * f + 2 * h
+    shards = num_gpus // par.data_parallel_replicate
+    share = (shards - 1) / shards if shards > 1 else 0.0
+    fsdp = (params_layer * item * share, params_layer * 4 * share)
+    offloaded = max(0, L - mem.offload_keep_last) if mem.offload_activations else 0
+    loss_tiles = cfg.parallelize_options().loss_tiles or 0
+    stages = (H // _stage_width(cfg, layout.a2a_size)) if untied else (1 if layout.a2a_size > 1 else 0)
+    passes = 3 if full else 2
+    launches = L * ((mlp_tiles or 0) * passes + stages * passes) + loss_tiles
+    total_params = L * params_layer + 2 * V * h
+    # Per layer forward: two norms (read, write), two residual adds (2 reads, 1 write), rotary of q and k,
+    # SwiGLU (2 reads, 1 write of [T, f]), the attention inputs and output packed for the exchange; the
+    # backward touches about twice that. The loss: fp32 logits written, softmax read and written, its
+    # gradient written and read (6 passes over [T, V]).
+    layer_bytes = T * item * (10 * h + 2 * (H + Hkv) * d + 3 * f + 2 * (2 * H + 2 * Hkv) * d)
+    passes_fwd = 2 if full else 1
+    elementwise = L * layer_bytes * (passes_fwd + 2) + 6 * T * V * 4
+    return Work(L * layer_gemm + head_gemm, recompute, L * attention, L * attention if full else 0.0,
+                L * attention * FA2_BACKWARD_WORK, a2a, ring_fwd * L, ring_bwd * L, fsdp, T * h * item, offloaded,
+                L, launches, elementwise, 28 * total_params / max(shards, 1),
+                3 * (L * layer_gemm + head_gemm + L * attention))
+
+
+def _a2a_bytes(T, H, Hkv, d, item, a2a, untied, full) -> float:
+    """Bytes one rank sends in a layer's all-to-alls (Ulysses or Untied Ulysses), all passes."""
+    if a2a <= 1:
+        return 0.0
+    rep = max(1, a2a // Hkv)  # kv heads replicated when there are fewer than ranks
+    q, kv, o = T * H * d, T * 2 * Hkv * rep * d, T * H * d
+    forward = q + kv + o
+    backward = (q + kv + o + o + q + kv) if untied else (o + q + kv)  # Untied re-sends q, k, v and o
+    passes = forward * (2 if full else 1) + backward
+    return passes * item * (a2a - 1) / a2a
+
+
+# --- time -----------------------------------------------------------------------------------
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one step by cause, and what follows from them."""
+
+    seconds: dict
+    tokens: int
+    """Tokens of the global batch."""
+    model_flops_per_gpu: float
+    peak_flops: float
+    rates: str
+    attention_kernel: str
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_gpu / (self.step_s * self.peak_flops)
+
+    def to_json(self) -> dict:
+        return {"step_s": round(self.step_s, 6), "tokens_per_s": round(self.tokens_per_s, 3),
+                "mfu": round(self.mfu, 4), "rates": self.rates, "attention_kernel": self.attention_kernel,
+                "by_cause_s": {k: round(v, 6) for k, v in self.seconds.items()}}
+
+
+def attention_family(cfg: TrainConfig, device: str, flash_attn: bool, fa3: bool = False) -> str:
+    """The rate family of the kernel `--attention-kernel` runs: fa2, fa3, efficient or cpu."""
+    from megatron_lc.attention.kernels import resolve_kernel_name
+    import torch
+
+    if device == "cpu":
+        return "cpu"
+    name = resolve_kernel_name("cuda", cfg.parallel.attention_kernel, torch.bfloat16 if cfg.train.bf16 else
+                               torch.float32, flash_attn)
+    if name == "sdpa_efficient":
+        return "efficient"
+    return "fa3" if fa3 else "fa2"
+
+
+def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 8, family: str = "fa2"
+            ) -> StepTime:
+    """The step time of `cfg` on `num_gpus` GPUs at `rates`, by cause."""
+    w = step_work(cfg, num_gpus)
+    cp = cfg.parallel.context_parallel_size
+    dp = max(1, num_gpus // cp)
+    mbs = cfg.data.micro_batch_size
+    micro = max(1, (cfg.data.global_batch_size or mbs * dp) // (mbs * dp))
+    layout = cfg.context_layout()
+    fwd_rate, bwd_rate = rates.attention_fwd_flops[family], rates.attention_bwd_flops[family]
+    gemm = w.gemm_fwd * 3 / rates.gemm_flops
+    a_fwd, a_re, a_bwd = w.attention_fwd / fwd_rate, w.attention_recompute / fwd_rate, w.attention_bwd / bwd_rate
+    a2a_link = rates.intra_node_bytes if layout.a2a_size <= gpus_per_node else rates.inter_node_bytes
+    ring_link = rates.intra_node_bytes if cp <= gpus_per_node else rates.inter_node_bytes
+    exposed = w.a2a_bytes / a2a_link
+    exposed += max(0.0, w.ring_bytes_fwd / ring_link - a_fwd - a_re) + max(0.0, w.ring_bytes_bwd / ring_link - a_bwd)
+    fsdp_link = rates.intra_node_bytes if num_gpus <= gpus_per_node else rates.inter_node_bytes
+    layer_compute = (gemm + a_fwd + a_re + a_bwd) / max(w.layers, 1)
+    gather, scatter = w.fsdp_bytes_per_layer
+    exposed += w.layers * max(0.0, (2 * gather + scatter) / fsdp_link - layer_compute)
+    block_fwd = (w.gemm_fwd / rates.gemm_flops + a_fwd) / max(w.layers, 1)
+    copy = w.offload_bytes_per_layer / rates.host_copy_bytes
+    stalls = w.offloaded_layers * (max(0.0, copy - block_fwd) + copy)
+    seconds = dict.fromkeys(CAUSES, 0.0)
+    seconds.update({"attention forward": a_fwd, "attention recompute": a_re, "attention backward": a_bwd,
+                    "GEMMs": gemm, "recompute of the rest": w.gemm_recompute / rates.gemm_flops,
+                    "elementwise (memory-bound)": w.elementwise_bytes / rates.hbm_bytes,
+                    "offload stalls": stalls, "exposed communication": exposed,
+                    "tiling and stage overhead": w.launches * rates.launch_s})
+    seconds = {k: v * micro for k, v in seconds.items()}
+    seconds["optimizer"] = w.optimizer_bytes / rates.hbm_bytes
+    tokens = micro * mbs * dp * cfg.data.seq_length
+    return StepTime(seconds, tokens, micro * w.model_flops, rates.peak_flops, rates.name, family)
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """The rates a step is predicted at, and how attention runs on that machine."""
+
+    rates: Rates = RATES["dgx-h100"]
+    gpus_per_node: int = 8
+    family: str = "fa2"
+    """Attention's rate family: fa2 (flash-attn 2 and torch's flash kernel), fa3, efficient or cpu."""
+
+    def predict(self, cfg: TrainConfig, num_gpus: int) -> StepTime:
+        return predict(cfg, num_gpus, self.rates, self.gpus_per_node, self.family)
+
+    @staticmethod
+    def for_machine(machine, cfg: TrainConfig, fa3: bool = False) -> "TimeModel":
+        """The model of `machine` (a planning.estimate.Machine): its node's published rates, or for `local`
+        this machine's measured ones shared by `num_gpus` processes."""
+        if machine.node == "local":
+            return TimeModel(calibrate_local(processes=machine.num_gpus), machine.gpus_per_node, "cpu")
+        family = attention_family(cfg, "cuda", machine.flash_attn, fa3)  # the node's GPUs, whatever was traced
+        return TimeModel(RATES[machine.node], machine.gpus_per_node, family)
+
+
+def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 8, family: str = "fa2"
+                ) -> list[tuple[str, float]]:
+    """The time each memory layer of `cfg` costs: its step against the same step without it (seconds)."""
+    base = predict(cfg, num_gpus, rates, gpus_per_node, family).step_s
+    mem, par = cfg.memory, cfg.parallel
+    without = []
+    if mem.offload_activations:
+        without.append(("offload", dataclasses.replace(cfg, memory=dataclasses.replace(mem, offload_activations=False))))
+    if mem.recompute_granularity != "none":
+        m = dataclasses.replace(mem, recompute_granularity="none", offload_activations=False)
+        without.append((f"{mem.recompute_granularity} recompute (and offload)", dataclasses.replace(cfg, memory=m)))
+    if mem.tiled_mlp:
+        without.append(("tiled MLP", dataclasses.replace(cfg, memory=dataclasses.replace(mem, tiled_mlp=False))))
+    if mem.tiled_loss:
+        without.append(("tiled loss", dataclasses.replace(cfg, memory=dataclasses.replace(mem, tiled_loss=False))))
+    if par.cp_impl == "untied_ulysses" and par.context_parallel_size > 1:
+        without.append(("Untied Ulysses (against Ulysses)",
+                        dataclasses.replace(cfg, parallel=dataclasses.replace(par, cp_impl="ulysses"))))
+    return [(name, base - predict(other, num_gpus, rates, gpus_per_node, family).step_s) for name, other in without]
+
+
+# --- this machine's rates ---------------------------------------------------------------------
+
+
+LOCAL_CACHE = Path.home() / ".cache" / "megatron_lc" / "local_rates.json"
+
+
+def calibrate_local(threads: int = 1, cache: Path | None = LOCAL_CACHE, processes: int = 1,
+                    refresh: bool = False) -> Rates:
+    """This machine's rates for one process of `threads` threads, measured once (a few seconds) and cached.
+
+    `processes` running at once share the machine's cores: each gets cores / (processes x threads)
+    of what one measured (at most all of it)."""
+    import torch
+
+    key = f"threads={threads} torch={torch.__version__}"
+    measured = None if refresh else _read_cache(cache, key)
+    if measured is None:
+        measured = _measure_local(threads)
+        _write_cache(cache, key, measured)
+    cores = os.cpu_count() or 1
+    rates = Rates("local", measured["gemm_flops"], {"cpu": measured["attention_fwd_flops"]},
+                  {"cpu": measured["attention_bwd_flops"]}, measured["copy_bytes"], measured["copy_bytes"],
+                  measured["a2a_bytes"], measured["a2a_bytes"], measured["launch_s"], measured["gemm_flops"],
+                  {"all": f"measured on this machine ({key}), cached in {cache}"})
+    return rates.scaled(cores / (processes * threads))
+
+
+def _read_cache(cache: Path | None, key: str) -> dict | None:
+    if cache is None or not cache.exists():
+        return None
+    try:
+        return json.loads(cache.read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_cache(cache: Path | None, key: str, measured: dict) -> None:
+    if cache is None:
+        return
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        old = json.loads(cache.read_text()) if cache.exists() else {}
+        cache.write_text(json.dumps({**old, key: measured}, indent=1))
+    except (OSError, ValueError):
+        pass  # a cache that cannot be written only costs the next run a calibration
+
+
+def _best_time(fn, repeats: int = 5) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _measure_local(threads: int) -> dict:
+    """GEMM, CPU flash attention, copy and in-process exchange rates of this machine."""
+    import torch
+
+    from megatron_lc.attention.kernels import KERNELS
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(2048, 512), torch.randn(512, 2048)
+        gemm = 2 * 2048 * 512 * 2048 / _best_time(lambda: torch.mm(a, b))
+        T, H, d = 2048, 4, 64
+        q, k, v = (torch.randn(T, H, d) for _ in range(3))
+        kernel, cu = KERNELS["cpu_flash"], (0, T)
+        out, lse, state = kernel.forward(q, k, v, cu)
+        flops = 2 * T * T * d * H
+        fwd = flops / _best_time(lambda: kernel.forward(q, k, v, cu))
+        bwd = FA2_BACKWARD_WORK * flops / _best_time(lambda: kernel.backward(out, q, k, v, out, lse, cu, state=state))
+        src = torch.randn(16 << 20 // 4)
+        dst = torch.empty_like(src)
+        copy = src.numel() * 4 / _best_time(lambda: dst.copy_(src))
+        small = torch.randn(8)
+        launch = _best_time(lambda: [small.add(1) for _ in range(1000)]) / 1000
+    finally:
+        torch.set_num_threads(old)
+    return {"gemm_flops": gemm, "attention_fwd_flops": fwd, "attention_bwd_flops": bwd, "copy_bytes": copy,
+            "a2a_bytes": _measure_gloo_all_to_all(threads), "launch_s": launch}
+
+
+def _measure_gloo_all_to_all(threads: int, nbytes: int = 8 << 20) -> float:
+    """Bytes per second one of two gloo processes on this machine sends in all_to_all_single."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:  # a free port for the two processes
+        sock.bind(("127.0.0.1", 0))
+        free_port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rate"
+        mp.start_processes(_gloo_worker, args=(2, free_port, threads, nbytes, str(out)), nprocs=2,
+                           start_method="spawn")
+        return float(out.read_text())
+
+
+def _gloo_worker(rank: int, world: int, port: int, threads: int, nbytes: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        send = torch.randn(nbytes // 4)
+        recv = torch.empty_like(send)
+        seconds = _best_time(lambda: dist.all_to_all_single(recv, send), repeats=3)
+        if rank == 0:
+            Path(out).write_text(str(nbytes * (world - 1) / world / seconds))
+    finally:
+        dist.destroy_process_group()

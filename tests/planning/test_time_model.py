@@ -1,0 +1,124 @@
+"""The time model: the work it counts, how each memory layer moves it, and the report and JSON it feeds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_lc.config import parse_config
+from megatron_lc.devices import Devices
+from megatron_lc.models.llama import build_model
+from megatron_lc.planning import timing
+from megatron_lc.planning.timing import RATES, TimeModel, predict, step_work
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import estimate_memory
+
+H100 = RATES["dgx-h100"]
+EIGHT_B = ["--model", "llama3-8b", "--bf16", "--seq-length", "1048576", "--context-parallel-size", "8", "--mock-data"]
+
+
+def _cfg(*flags):
+    return parse_config([*EIGHT_B, *flags])
+
+
+def test_attention_work_is_causal_over_the_full_sequence_shared_by_the_cp_ranks():
+    w = step_work(_cfg(), 8)
+    S, d, H, L = 1048576, 128, 32, 32
+    assert w.attention_fwd == pytest.approx(L * 2 * S * S * d * H / 8)
+    assert w.attention_bwd == pytest.approx(timing.FA2_BACKWARD_WORK * w.attention_fwd)
+    assert w.attention_recompute == 0 and step_work(_cfg("--recompute-granularity", "full"), 8).attention_recompute \
+        == w.attention_fwd
+
+
+def test_gemm_work_equals_torchs_flop_counter_on_a_real_forward():
+    """The projections', MLP's and head's FLOPs as counted by torch on a CPU forward of the same shapes."""
+    cfg = parse_config(["--model", "debug", "--seq-length", "128", "--mock-data", "--device", "cpu"])
+    model = build_model(cfg.model_config(), device="cpu")
+    tokens = torch.zeros(1, 128, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, torch.arange(128).unsqueeze(0), cu_seqlens=(0, 128))
+    counts = counter.get_flop_counts()["Global"]
+    gemms = sum(v for op, v in counts.items() if op.__name__.split(".")[0] in ("mm", "addmm", "bmm", "matmul"))
+    assert step_work(cfg, 1).gemm_fwd == gemms
+
+
+def test_each_memory_layer_adds_the_time_of_the_work_it_adds():
+    base = predict(_cfg(), 8, H100)
+    full = predict(_cfg("--recompute-granularity", "full"), 8, H100)
+    assert full.seconds["attention recompute"] == pytest.approx(base.seconds["attention forward"])
+    assert full.step_s > base.step_s
+    selective = predict(_cfg("--recompute-granularity", "selective"), 8, H100)
+    assert 0 < selective.seconds["recompute of the rest"] < full.seconds["recompute of the rest"]
+    offload = predict(_cfg("--recompute-granularity", "full", "--offload-activations"), 8, H100)
+    copy = 131072 * 4096 * 2 / H100.host_copy_bytes  # one [S/cp, hidden] bf16 block input
+    assert offload.seconds["offload stalls"] == pytest.approx(31 * copy)  # back exposed; out hidden by the next block
+    untied = predict(_cfg("--cp-impl", "untied_ulysses"), 8, H100)
+    assert untied.seconds["exposed communication"] > base.seconds["exposed communication"]
+    assert untied.seconds["recompute of the rest"] > 0 == base.seconds["recompute of the rest"]
+    tiled = predict(_cfg("--tiled-loss", "--tiled-loss-tiles", "314"), 8, H100)
+    assert tiled.step_s - base.step_s == pytest.approx(314 * H100.launch_s)
+
+
+def test_fa3_rates_shorten_attention_only():
+    cfg = _cfg("--recompute-granularity", "full")
+    fa2, fa3 = predict(cfg, 8, H100, family="fa2"), predict(cfg, 8, H100, family="fa3")
+    assert fa3.step_s < fa2.step_s and fa3.seconds["GEMMs"] == fa2.seconds["GEMMs"]
+    assert fa3.seconds["attention forward"] == pytest.approx(fa2.seconds["attention forward"] * 350 / 640)
+
+
+def test_mfu_counts_three_passes_of_the_model_and_no_recompute():
+    t = predict(_cfg("--recompute-granularity", "full"), 8, H100)
+    w = step_work(_cfg(), 8)
+    assert t.model_flops_per_gpu == pytest.approx(3 * (w.gemm_fwd + w.attention_fwd))
+    assert t.mfu == pytest.approx(t.model_flops_per_gpu / (t.step_s * H100.peak_flops))
+    assert t.tokens_per_s == pytest.approx(1048576 / t.step_s)
+
+
+def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, monkeypatch):
+    calls = []
+
+    def measure(threads):
+        calls.append(threads)
+        return {"gemm_flops": 1e10, "attention_fwd_flops": 2e9, "attention_bwd_flops": 1e9, "copy_bytes": 1e9,
+                "a2a_bytes": 3e8, "launch_s": 1e-5}
+
+    monkeypatch.setattr(timing, "_measure_local", measure)
+    monkeypatch.setattr(timing.os, "cpu_count", lambda: 2)
+    cache = tmp_path / "rates.json"
+    one = timing.calibrate_local(cache=cache)
+    four = timing.calibrate_local(cache=cache, processes=4)
+    assert calls == [1] and json.loads(cache.read_text())
+    assert one.gemm_flops == 1e10 and four.gemm_flops == pytest.approx(0.5e10)  # 4 processes on 2 cores
+    timing.calibrate_local(cache=cache, refresh=True)
+    assert calls == [1, 1]
+
+
+def test_planner_json_carries_the_time_and_the_report_shows_fa2_and_fa3(capsys):
+    argv = ["--model", "llama3-8b", "--bf16", "--seq-length", "65536", "--context-parallel-size", "8", "--num-gpus",
+            "8", "--recompute-granularity", "full", "--offload-activations", "--tiled-mlp", "--tiled-loss",
+            "--num-layers", "4"]
+    assert estimate_memory.main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["time"]["step_s"] > 0 and set(out["time"]["by_cause_s"]) == set(timing.CAUSES)
+    assert estimate_memory.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "predicted step time (dgx-h100 rates" in text and "FA2" in text and "FA3" in text and "MFU" in text
+    assert "full recompute (and offload)" in text
+
+
+def test_local_machine_plans_the_cpu_kernels_with_this_machines_rates(monkeypatch):
+    monkeypatch.setattr(timing, "calibrate_local", lambda processes=1, **_: dataclasses.replace(
+        H100, name="local", attention_fwd_flops={"cpu": 1e9}, attention_bwd_flops={"cpu": 1e9}))
+    planner, cfg = estimate_memory.parse(["--model", "debug", "--seq-length", "256", "--num-gpus", "2",
+                                          "--context-parallel-size", "2", "--machine", "local"])
+    machine = estimate_memory.machine_of(planner, cfg)
+    assert machine.device == "cpu" and machine.gpus_per_node == 2
+    model = TimeModel.for_machine(machine, cfg)
+    assert model.family == "cpu" and model.rates.name == "local"
