@@ -10,6 +10,7 @@ group or accelerator memory is touched, naming the flag and the fix.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import socket
@@ -161,7 +162,8 @@ class CheckpointArgs:
     use_checkpoint_args: bool = flag(False, "take the model's shape (--num-layers, --hidden-size, ...) from the "
                                      "checkpoint in --load")
     save_interval: int | None = flag(None, "save every N steps (and at the end)")
-    keep_last_checkpoints: int = flag(2, "checkpoints kept in --save (older ones are deleted)")
+    keep_last_checkpoints: int = flag(0, "0 keeps every checkpoint in --save (as Megatron-LM); N > 0 keeps the "
+                                      "newest N and deletes the older ones")
 
 
 @dataclass
@@ -173,6 +175,8 @@ class LoggingArgs:
     eval_iters: int = flag(2, "validation micro-batches per evaluation")
     wandb_project: str | None = flag(None, "Weights & Biases project to log to (needs the wandb package)")
     wandb_exp_name: str | None = flag(None, "Weights & Biases run name")
+    log_validation_ppl_to_tensorboard: bool = flag(False, "also write the validation perplexity to tensorboard "
+                                                   "('lm loss validation ppl')")
 
 
 SECTIONS = {
@@ -339,7 +343,12 @@ class TrainConfig:
                          ("--no-load-optim", c.no_load_optim), ("--no-load-rng", c.no_load_rng)):
             if on and not c.load:
                 raise ConfigError(f"{name} reads the checkpoint in --load: give --load DIR")
+        if c.keep_last_checkpoints < 0:
+            raise ConfigError(f"--keep-last-checkpoints {c.keep_last_checkpoints}: 0 keeps all, N > 0 the newest N")
         if c.save:
+            from megatron_lc.training.checkpointing import check_save_directory
+
+            check_save_directory(c.save)
             check_writable(c.save, "--save")
         if self.logging.wandb_project:
             import importlib.util
@@ -360,15 +369,22 @@ def _flag_name(name: str) -> str:
 
 
 def check_writable(directory: str, flag_name: str) -> None:
-    """Create `directory` if needed and prove a file can be written there (before any training time)."""
+    """Create `directory` if needed and prove a file can be written there (before any training time).
+
+    The probe writes and syncs a block: an empty file can still be created on a full disk."""
     path = Path(directory)
+    probe = path / f".write_probe_{socket.gethostname()}_{os.getpid()}"  # unique across nodes sharing it
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write_probe_{socket.gethostname()}_{os.getpid()}"  # unique across nodes sharing it
-        probe.write_bytes(b"")
-        probe.unlink(missing_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
+        with contextlib.suppress(OSError):  # the probe may never have been created
+            probe.unlink()
         raise ConfigError(f"{flag_name} {directory}: not writable ({e.strerror or e})") from e
+    probe.unlink(missing_ok=True)
 
 
 def _add_field(group, f: dataclasses.Field, hint) -> None:
