@@ -49,6 +49,17 @@ class ModelArgs:
     kv_channels: int | None = flag(None, "override: head dimension")
     vocab_size: int | None = flag(None, "override: vocabulary size (default: the tokenizer's, else the flavour's)")
     rotary_base: float | None = flag(None, "override: rotary theta")
+    norm_epsilon: float | None = flag(None, "override: RMSNorm epsilon")
+    max_position_embeddings: int | None = flag(None, "override: positions recorded in exported configs (rotary "
+                                               "itself works at any length)")
+    untie_embeddings_and_output_weights: bool = flag(False, "an output matrix of its own for a flavour that ties it "
+                                                     "to the embedding")
+    init_method_std: float | None = flag(None, "override: standard deviation of the normal initialisation")
+    use_rope_scaling: bool = flag(False, "Llama 3.x rotary scaling (factor --rope-scaling-factor, default 8)")
+    rope_scaling_factor: float | None = flag(None, "Llama 3.x rotary scaling factor (with --use-rope-scaling, or "
+                                                   "for a flavour that scales)")
+    checkpoint_model: dict | None = field(default=None, metadata={
+        "cli": False, "help": "the whole model config of the checkpoint in --load (--use-checkpoint-args)"})
 
 
 @dataclass
@@ -198,13 +209,22 @@ class TrainConfig:
 
     def model_config(self, vocab_size: int | None = None):
         """The LlamaConfig of the run: the flavour with the overrides applied."""
-        from megatron_lc.models.llama import get_config
+        from megatron_lc.models.llama import FLAVOURS, get_config
+        from megatron_lc.models.llama.zoo import config_from_dict, rope_scaling_from_flags
 
         m = self.model
-        return get_config(m.model, num_layers=m.num_layers, hidden_size=m.hidden_size,
+        base = config_from_dict(m.checkpoint_model) if m.checkpoint_model else None
+        if base is None and m.model not in FLAVOURS:
+            return get_config(m.model)  # refused, naming the flavours
+        scaling = rope_scaling_from_flags((base or FLAVOURS[m.model]).rope_scaling, m.use_rope_scaling,
+                                          m.rope_scaling_factor)
+        return get_config(m.model, base, num_layers=m.num_layers, hidden_size=m.hidden_size,
                           ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
                           num_query_groups=m.num_query_groups, kv_channels=m.kv_channels,
-                          vocab_size=m.vocab_size or vocab_size, rotary_base=m.rotary_base)
+                          vocab_size=m.vocab_size or (None if base else vocab_size), rotary_base=m.rotary_base,
+                          norm_eps=m.norm_epsilon, max_position_embeddings=m.max_position_embeddings,
+                          init_std=m.init_method_std, rope_scaling=scaling,
+                          tie_embeddings=False if m.untie_embeddings_and_output_weights else None)
 
     def parallelize_options(self):
         """The ParallelizeOptions of the run (tile counts resolved by the chunk scheduler)."""
@@ -416,7 +436,8 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
         group = parser.add_argument_group(section)
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            _add_field(group, f, hints[f.name])
+            if f.metadata.get("cli", True):  # a field set by the program (from a checkpoint), not a flag
+                _add_field(group, f, hints[f.name])
     return parser
 
 

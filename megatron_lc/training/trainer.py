@@ -299,17 +299,21 @@ def check_data_settings(meta: dict, cfg: TrainConfig, pstate: ParallelState, pat
 
 
 def apply_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
-    """--use-checkpoint-args: the model's shape from the checkpoint in --load."""
+    """--use-checkpoint-args: the model from the checkpoint in --load, its whole recorded config
+    (a converted checkpoint records no flags, only the config)."""
     if not cfg.checkpoint.load:
         raise ConfigError("--use-checkpoint-args reads the checkpoint in --load: give --load DIR")
     found = checkpointing.newest_intact_checkpoint(cfg.checkpoint.load)
     if found is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {cfg.checkpoint.load}")
     path, meta = found
-    model = meta.get("train_config", {}).get("model")
-    if not model:
+    flags = meta.get("train_config", {}).get("model")
+    if meta.get("model_config"):
+        flavour = (flags or {}).get("model", cfg.model.model)
+        return dataclasses.replace(cfg, model=type(cfg.model)(model=flavour, checkpoint_model=meta["model_config"]))
+    if not flags:
         raise ConfigError(f"--use-checkpoint-args: {path} records no model settings")
-    return dataclasses.replace(cfg, model=type(cfg.model)(**model))
+    return dataclasses.replace(cfg, model=type(cfg.model)(**flags))
 
 
 def _say(run: Run, text: str) -> None:

@@ -15,15 +15,15 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.hf import from_hf_config, to_hf_config, to_hf_name
-from megatron_lc.models.llama.model import LlamaConfig, RopeScaling
+from megatron_lc.models.llama.model import LlamaConfig
+from megatron_lc.models.llama.zoo import config_from_dict
+from megatron_lc.config import ConfigError
 from megatron_lc.training import checkpointing
+from megatron_lc.training.save_lock import acquire_save_lock
 
 
 def config_from_meta(meta: dict) -> LlamaConfig:
-    values = dict(meta["model_config"])
-    if values.get("rope_scaling"):
-        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
-    return LlamaConfig(**values)
+    return config_from_dict(meta["model_config"])
 
 
 def resolve_checkpoint(load: str, iteration: int | None) -> Path:
@@ -148,28 +148,70 @@ def save_tokenizer(tokenizer_model: str, save: str) -> None:
         (Path(save) / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
-def hf_to_checkpoint(load: str, save: str) -> Path:
+def hf_to_checkpoint(load: str, save: str, force: bool = False) -> Path:
     """A weights-only checkpoint of this trainer (fp32) from a Hugging Face LlamaForCausalLM directory.
 
     Streams: each tensor is read from its safetensors shard only when the checkpoint writer
-    reaches it, so host memory is about one tensor whatever the model's size.
+    reaches it, so host memory is about one tensor whatever the model's size. A config field the
+    model does not compute exactly, or a tensor it would not use or of another shape, is refused.
+    A `save` that already holds checkpoints is refused unless `force`; then `iter_0000000` is added
+    and the marker is left at a later step, so `--load save` still resumes the run there.
     """
     import transformers
 
     config = from_hf_config(transformers.AutoConfig.from_pretrained(load))
     sources = hf_tensor_sources(Path(load))
     expected = build_model(config, device="meta").state_dict()
+    check_hf_tensors(load, sources, expected, config)
     readers, shapes = {}, {}
     for name, like in expected.items():
-        hf = to_hf_name(name)
-        if config.tie_embeddings and hf == "lm_head.weight":
-            hf = "model.embed_tokens.weight"
-        if hf not in sources:
-            raise ValueError(f"--load {load}: no tensor {hf!r} in its safetensors files")
+        hf = _hf_source_name(name, config)
         readers[MODEL_PREFIX + name] = functools.partial(read_safetensor, sources[hf], hf, torch.float32)
         shapes[name] = torch.empty(like.shape, dtype=torch.float32, device="meta")
+    check_conversion_target(save, force)
     extra = {"model_config": dataclasses.asdict(config), "source": str(load), "weights_only": True}
-    return checkpointing.save_state(save, 0, {"model": shapes}, extra, planner=StreamingSavePlanner(readers))
+    lock = acquire_save_lock(save)
+    try:
+        return checkpointing.save_state(save, 0, {"model": shapes}, extra, planner=StreamingSavePlanner(readers),
+                                        run_id=lock.run_id, move_marker_back=False)
+    finally:
+        lock.release()
+
+
+def check_conversion_target(save: str, force: bool) -> None:
+    """A converted model goes into a directory of its own: refuse one holding a run's checkpoints."""
+    checkpointing.check_save_directory(save)
+    if checkpointing.holds_checkpoints(save) and not force:
+        raise ConfigError(f"--save {save} already holds checkpoints: give an empty directory, or --force to add "
+                          "iter_0000000 there (the marker keeps naming the run's latest step)")
+
+
+def _hf_source_name(name: str, config: LlamaConfig) -> str:
+    hf = to_hf_name(name)
+    return "model.embed_tokens.weight" if config.tie_embeddings and hf == "lm_head.weight" else hf
+
+
+def check_hf_tensors(load: str, sources: dict[str, Path], expected: dict, config: LlamaConfig) -> None:
+    """Every tensor the model needs, at its shape, and none it would drop (a bias, an extra layer)."""
+    needed = {_hf_source_name(name, config): tuple(like.shape) for name, like in expected.items()}
+    for hf, shape in needed.items():
+        if hf not in sources:
+            raise ConfigError(f"--load {load}: no tensor {hf!r} in its safetensors files")
+        found = tuple(safetensor_shape(sources[hf], hf))
+        if found != shape:
+            raise ConfigError(f"--load {load}: {hf} has shape {list(found)}, the config makes it {list(shape)}")
+    unused = sorted(n for n in sources if n not in needed and "rotary_emb" not in n
+                    and not (config.tie_embeddings and n == "lm_head.weight"))
+    if unused:
+        raise ConfigError(f"--load {load}: tensors the model would not use: {', '.join(unused[:3])}"
+                          + (f" and {len(unused) - 3} more" if len(unused) > 3 else ""))
+
+
+def safetensor_shape(file: Path, name: str) -> list[int]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_slice(name).get_shape()
 
 
 def hf_tensor_sources(directory: Path) -> dict[str, Path]:
