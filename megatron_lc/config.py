@@ -10,6 +10,7 @@ group or accelerator memory is touched, naming the flag and the fix.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import socket
@@ -48,6 +49,17 @@ class ModelArgs:
     kv_channels: int | None = flag(None, "override: head dimension")
     vocab_size: int | None = flag(None, "override: vocabulary size (default: the tokenizer's, else the flavour's)")
     rotary_base: float | None = flag(None, "override: rotary theta")
+    norm_epsilon: float | None = flag(None, "override: RMSNorm epsilon")
+    max_position_embeddings: int | None = flag(None, "override: positions recorded in exported configs (rotary "
+                                               "itself works at any length)")
+    untie_embeddings_and_output_weights: bool = flag(False, "an output matrix of its own for a flavour that ties it "
+                                                     "to the embedding")
+    init_method_std: float | None = flag(None, "override: standard deviation of the normal initialisation")
+    use_rope_scaling: bool = flag(False, "Llama 3.x rotary scaling (factor --rope-scaling-factor, default 8)")
+    rope_scaling_factor: float | None = flag(None, "Llama 3.x rotary scaling factor (with --use-rope-scaling, or "
+                                                   "for a flavour that scales)")
+    checkpoint_model: dict | None = field(default=None, metadata={
+        "cli": False, "help": "the whole model config of the checkpoint in --load (--use-checkpoint-args)"})
 
 
 @dataclass
@@ -161,7 +173,8 @@ class CheckpointArgs:
     use_checkpoint_args: bool = flag(False, "take the model's shape (--num-layers, --hidden-size, ...) from the "
                                      "checkpoint in --load")
     save_interval: int | None = flag(None, "save every N steps (and at the end)")
-    keep_last_checkpoints: int = flag(2, "checkpoints kept in --save (older ones are deleted)")
+    keep_last_checkpoints: int = flag(0, "0 keeps every checkpoint in --save (as Megatron-LM); N > 0 keeps the "
+                                      "newest N and deletes the older ones")
 
 
 @dataclass
@@ -173,6 +186,8 @@ class LoggingArgs:
     eval_iters: int = flag(2, "validation micro-batches per evaluation")
     wandb_project: str | None = flag(None, "Weights & Biases project to log to (needs the wandb package)")
     wandb_exp_name: str | None = flag(None, "Weights & Biases run name")
+    log_validation_ppl_to_tensorboard: bool = flag(False, "also write the validation perplexity to tensorboard "
+                                                   "('lm loss validation ppl')")
 
 
 SECTIONS = {
@@ -194,13 +209,22 @@ class TrainConfig:
 
     def model_config(self, vocab_size: int | None = None):
         """The LlamaConfig of the run: the flavour with the overrides applied."""
-        from megatron_lc.models.llama import get_config
+        from megatron_lc.models.llama import FLAVOURS, get_config
+        from megatron_lc.models.llama.zoo import config_from_dict, rope_scaling_from_flags
 
         m = self.model
-        return get_config(m.model, num_layers=m.num_layers, hidden_size=m.hidden_size,
+        base = config_from_dict(m.checkpoint_model) if m.checkpoint_model else None
+        if base is None and m.model not in FLAVOURS:
+            return get_config(m.model)  # refused, naming the flavours
+        scaling = rope_scaling_from_flags((base or FLAVOURS[m.model]).rope_scaling, m.use_rope_scaling,
+                                          m.rope_scaling_factor)
+        return get_config(m.model, base, num_layers=m.num_layers, hidden_size=m.hidden_size,
                           ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
                           num_query_groups=m.num_query_groups, kv_channels=m.kv_channels,
-                          vocab_size=m.vocab_size or vocab_size, rotary_base=m.rotary_base)
+                          vocab_size=m.vocab_size or (None if base else vocab_size), rotary_base=m.rotary_base,
+                          norm_eps=m.norm_epsilon, max_position_embeddings=m.max_position_embeddings,
+                          init_std=m.init_method_std, rope_scaling=scaling,
+                          tie_embeddings=False if m.untie_embeddings_and_output_weights else None)
 
     def parallelize_options(self):
         """The ParallelizeOptions of the run (tile counts resolved by the chunk scheduler)."""
@@ -339,7 +363,12 @@ class TrainConfig:
                          ("--no-load-optim", c.no_load_optim), ("--no-load-rng", c.no_load_rng)):
             if on and not c.load:
                 raise ConfigError(f"{name} reads the checkpoint in --load: give --load DIR")
+        if c.keep_last_checkpoints < 0:
+            raise ConfigError(f"--keep-last-checkpoints {c.keep_last_checkpoints}: 0 keeps all, N > 0 the newest N")
         if c.save:
+            from megatron_lc.training.checkpointing import check_save_directory
+
+            check_save_directory(c.save)
             check_writable(c.save, "--save")
         if self.logging.wandb_project:
             import importlib.util
@@ -360,15 +389,22 @@ def _flag_name(name: str) -> str:
 
 
 def check_writable(directory: str, flag_name: str) -> None:
-    """Create `directory` if needed and prove a file can be written there (before any training time)."""
+    """Create `directory` if needed and prove a file can be written there (before any training time).
+
+    The probe writes and syncs a block: an empty file can still be created on a full disk."""
     path = Path(directory)
+    probe = path / f".write_probe_{socket.gethostname()}_{os.getpid()}"  # unique across nodes sharing it
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write_probe_{socket.gethostname()}_{os.getpid()}"  # unique across nodes sharing it
-        probe.write_bytes(b"")
-        probe.unlink(missing_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
+        with contextlib.suppress(OSError):  # the probe may never have been created
+            probe.unlink()
         raise ConfigError(f"{flag_name} {directory}: not writable ({e.strerror or e})") from e
+    probe.unlink(missing_ok=True)
 
 
 def _add_field(group, f: dataclasses.Field, hint) -> None:
@@ -400,7 +436,8 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
         group = parser.add_argument_group(section)
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            _add_field(group, f, hints[f.name])
+            if f.metadata.get("cli", True):  # a field set by the program (from a checkpoint), not a flag
+                _add_field(group, f, hints[f.name])
     return parser
 
 

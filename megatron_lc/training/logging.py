@@ -1,8 +1,14 @@
-"""Metrics of a run: a console progress line, metrics.jsonl, and tensorboard when asked."""
+"""Metrics of a run: a console progress line, metrics.jsonl, and tensorboard when asked.
+
+A step with an evaluation is always logged, whatever --log-interval: its record carries
+`val_loss` and `val_ppl`, the console gets a validation line of its own, and tensorboard
+gets Megatron-LM's `lm loss validation` (and, when asked, `lm loss validation ppl`).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -15,9 +21,11 @@ class MetricsLogger:
     """Writes one JSON object per logged step; only the logging rank creates files."""
 
     def __init__(self, log_dir: str | Path, tensorboard_dir: str | None, total_steps: int, enabled: bool = True,
-                 wandb: tuple[str | None, str | None, dict] = (None, None, {})):
+                 wandb: tuple[str | None, str | None, dict] = (None, None, {}),
+                 validation_ppl_to_tensorboard: bool = False):
         """`wandb`: (project, run name, config); logs there too when a project is given."""
         self.enabled = enabled
+        self.validation_ppl_to_tensorboard = validation_ppl_to_tensorboard
         self.total_steps = total_steps
         self.log_dir = Path(log_dir)
         self._jsonl = None
@@ -40,14 +48,27 @@ class MetricsLogger:
     def log(self, metrics: dict) -> None:
         if not self.enabled:
             return
+        if "val_loss" in metrics:
+            metrics = {**metrics, "val_ppl": validation_ppl(metrics["val_loss"])}
         self._jsonl.write(json.dumps(metrics) + "\n")
         if self._tb is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{key}", value, metrics["step"])
+            self._tensorboard(metrics)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
         print(self._progress_line(metrics), flush=True)
+        if "val_loss" in metrics:
+            print(f"validation at step {metrics['step']} | lm loss {metrics['val_loss']:.6E} | "
+                  f"lm loss PPL {metrics['val_ppl']:.6E}", flush=True)
+
+    def _tensorboard(self, metrics: dict) -> None:
+        step = metrics["step"]
+        for key, value in metrics.items():
+            if key not in ("step", "val_loss", "val_ppl") and isinstance(value, (int, float)):
+                self._tb.add_scalar(f"train/{key}", value, step)
+        if "val_loss" in metrics:  # Megatron-LM's names, so its dashboards read these runs
+            self._tb.add_scalar("lm loss validation", metrics["val_loss"], step)
+            if self.validation_ppl_to_tensorboard:
+                self._tb.add_scalar("lm loss validation ppl", metrics["val_ppl"], step)
 
     def _progress_line(self, m: dict) -> str:
         parts = [f"step {m['step']:>5}/{self.total_steps}", f"loss {m['loss']:.4f}"]
@@ -70,6 +91,11 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def validation_ppl(loss: float) -> float:
+    """exp(loss), capped as Megatron-LM caps it (exp(20)) so a diverged run stays plottable."""
+    return math.exp(min(20.0, loss))
 
 
 def format_duration(seconds: float) -> str:

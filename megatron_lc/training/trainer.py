@@ -13,6 +13,7 @@ import resource
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from megatron_lc.parallel_state import (
     warm_up_collectives,
 )
 from megatron_lc.training import checkpointing
+from megatron_lc.training.save_lock import SaveLock, acquire_save_lock
 from megatron_lc.training.logging import MetricsLogger, default_log_dir
 from megatron_lc.training.optim import build_optimizer
 from megatron_lc.training.schedule import LRSchedule, schedule_from_config
@@ -121,6 +123,7 @@ class Run:
     valid_source: SampleSource | None
     eod_token: int | None
     accumulation: int
+    save_lock: SaveLock | None = None
 
     @property
     def is_logging_rank(self) -> bool:
@@ -296,17 +299,21 @@ def check_data_settings(meta: dict, cfg: TrainConfig, pstate: ParallelState, pat
 
 
 def apply_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
-    """--use-checkpoint-args: the model's shape from the checkpoint in --load."""
+    """--use-checkpoint-args: the model from the checkpoint in --load, its whole recorded config
+    (a converted checkpoint records no flags, only the config)."""
     if not cfg.checkpoint.load:
         raise ConfigError("--use-checkpoint-args reads the checkpoint in --load: give --load DIR")
     found = checkpointing.newest_intact_checkpoint(cfg.checkpoint.load)
     if found is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {cfg.checkpoint.load}")
     path, meta = found
-    model = meta.get("train_config", {}).get("model")
-    if not model:
+    flags = meta.get("train_config", {}).get("model")
+    if meta.get("model_config"):
+        flavour = (flags or {}).get("model", cfg.model.model)
+        return dataclasses.replace(cfg, model=type(cfg.model)(model=flavour, checkpoint_model=meta["model_config"]))
+    if not flags:
         raise ConfigError(f"--use-checkpoint-args: {path} records no model settings")
-    return dataclasses.replace(cfg, model=type(cfg.model)(**model))
+    return dataclasses.replace(cfg, model=type(cfg.model)(**flags))
 
 
 def _say(run: Run, text: str) -> None:
@@ -342,8 +349,29 @@ def resume(run: Run) -> int:
 def save(run: Run, step: int) -> None:
     c = run.cfg.checkpoint
     path = checkpointing.save_checkpoint(c.save, step, run.model, run.optimizer, _checkpoint_extra(run),
-                                         keep_last=c.keep_last_checkpoints)
+                                         keep_last=c.keep_last_checkpoints, run_id=run.save_lock.run_id)
     _say(run, f"saved {path}")
+
+
+def take_save_lock(run: Run) -> SaveLock | None:
+    """Rank 0 locks --save for this run (see save_lock.py); every rank learns the outcome and the run's id."""
+    if not run.cfg.checkpoint.save:
+        return None
+    outcome: list = [None, None]
+    if run.is_logging_rank:
+        try:
+            outcome = [acquire_save_lock(run.cfg.checkpoint.save, say=print), None]
+        except ConfigError as e:
+            outcome = [None, str(e)]
+    lock, error = outcome
+    if run.pstate.distributed:  # the other ranks get the holder (for its run id) or the refusal
+        shared = [lock.holder if lock else None, error]
+        dist.broadcast_object_list(shared, src=0)
+        holder, error = shared
+        lock = lock or (SaveLock(Path(run.cfg.checkpoint.save), holder) if holder else None)
+    if error:
+        raise ConfigError(error)
+    return lock
 
 
 class StopRequest:
@@ -395,13 +423,24 @@ def train(cfg: TrainConfig) -> list[dict]:
     if cfg.checkpoint.use_checkpoint_args:
         cfg = apply_checkpoint_args(cfg)
     run = build_run(cfg)
+    run.save_lock = take_save_lock(run)
+    try:
+        return _train_run(run)
+    finally:
+        if run.save_lock is not None and run.is_logging_rank:
+            run.save_lock.release()
+
+
+def _train_run(run: Run) -> list[dict]:
+    """The loop of `train` once --save is locked."""
+    cfg = run.cfg
     start = resume(run)
     if start >= cfg.train.train_iters:
         _say(run, f"the checkpoint is at step {start}, --train-iters is {cfg.train.train_iters}: nothing left to do")
         return []
     log_dir = cfg.logging.log_dir or str(default_log_dir())
     logger = MetricsLogger(log_dir, cfg.logging.tensorboard_dir, cfg.train.train_iters, run.is_logging_rank,
-                           wandb=(cfg.logging.wandb_project, cfg.logging.wandb_exp_name, cfg.to_dict()))
+                           validation_ppl_to_tensorboard=cfg.logging.log_validation_ppl_to_tensorboard, wandb=(cfg.logging.wandb_project, cfg.logging.wandb_exp_name, cfg.to_dict()))
     n = count_parameters(run.model)
     _say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
               f"seq {cfg.data.seq_length} | metrics in {log_dir}/metrics.jsonl")
@@ -414,7 +453,8 @@ def train(cfg: TrainConfig) -> list[dict]:
             metrics.update(elapsed_s=time.monotonic() - began, eta_s=_eta_s(step_times, cfg.train.train_iters - step))
             if cfg.logging.eval_interval and step % cfg.logging.eval_interval == 0:
                 metrics["val_loss"] = evaluate(run, cfg.logging.eval_iters)
-            if step % cfg.logging.log_interval == 0 or step in (start + 1, cfg.train.train_iters):
+            if ("val_loss" in metrics or step % cfg.logging.log_interval == 0
+                    or step in (start + 1, cfg.train.train_iters)):  # every evaluation is logged at its step
                 logger.log(metrics)
             history.append(metrics)
             c = cfg.checkpoint

@@ -77,3 +77,89 @@ def test_export_into_a_used_directory_replaces_the_earlier_weights(tmp_path):
                               max_shard_bytes=200_000)
     assert not (hf_dir / "model.safetensors").exists()
     assert transformers.LlamaForCausalLM.from_pretrained(hf_dir).dtype == torch.float32
+
+
+def _hf_model_dir(tmp_path, name="hf", **config) -> Path:
+    """A tiny transformers LlamaForCausalLM saved in fp32, with `config`'s fields."""
+    values = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=False)
+    hf_config = transformers.LlamaConfig(**{**values, **config})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    model.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+def _tool(name: str, args: list[str], cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools" / "checkpoint" / name), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_act", "gelu", "hidden_act='gelu': the MLP is SwiGLU, which needs 'silu'"),
+    ("attention_bias", True, "attention_bias=True: the projections have no biases"),
+    ("mlp_bias", True, "mlp_bias=True: the projections have no biases"),
+    ("attention_dropout", 0.1, "attention_dropout=0.1: attention has no dropout"),
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling.rope_type='linear': only 'default' and"),
+])
+def test_hf_config_fields_the_model_does_not_compute_are_refused_in_one_line(tmp_path, field, value, message):
+    hf_dir = _hf_model_dir(tmp_path, **{field: value})
+    out = _tool("convert_from_hf.py", ["--load", str(hf_dir), "--save", "ckpt"], tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --load {hf_dir}: {message}")
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("shape", ["llama2", "llama3-original", "tinyllama-tied-mha-tp2"])
+def test_converted_models_compute_transformers_logits_and_train_with_checkpoint_args(tmp_path, shape):
+    """Settings the zoo fixes otherwise (eps 1e-6, 512 positions, theta, tie, pretraining_tp) convert exactly."""
+    config = {"llama2": {},
+              "llama3-original": {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+                                  "initializer_range": 0.01},
+              "tinyllama-tied-mha-tp2": {"num_key_value_heads": 4, "tie_word_embeddings": True, "pretraining_tp": 2}}
+    hf_dir = _hf_model_dir(tmp_path, **config[shape])
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    path = hf_to_checkpoint(str(hf_dir), str(tmp_path / "ckpt"))
+    ours = _load_ours(path).eval()
+    ids = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
+    history = train(parse_config(["--mock-data", "--seq-length", "32", "--train-iters", "1", "--device", "cpu",
+                                  "--load", str(tmp_path / "ckpt"), "--use-checkpoint-args",
+                                  "--log-dir", str(tmp_path / "log")]))
+    assert [m["step"] for m in history] == [1]
+
+
+def test_megatron_flags_set_what_a_converted_llama2_shape_needs(tmp_path):
+    hf_dir = _hf_model_dir(tmp_path, initializer_range=0.01)
+    hf_to_checkpoint(str(hf_dir), str(tmp_path / "ckpt"))
+    flags = ["--model", "debug-tied", "--untie-embeddings-and-output-weights", "--vocab-size", "320",
+             "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "96",
+             "--norm-epsilon", "1e-6", "--max-position-embeddings", "512", "--init-method-std", "0.01"]
+    history = train(parse_config(flags + ["--mock-data", "--seq-length", "32", "--train-iters", "1", "--device",
+                                          "cpu", "--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "l")]))
+    assert [m["step"] for m in history] == [1]  # the checkpoint's model, matched field by field
+
+
+def test_rope_scaling_flags_turn_llama3_scaling_on_and_set_its_factor():
+    scaled = parse_config(["--use-rope-scaling", "--rope-scaling-factor", "4"]).model_config().rope_scaling
+    assert scaled is not None and scaled.factor == 4.0 and scaled.original_max_position_embeddings == 8192
+    assert parse_config(["--use-rope-scaling"]).model_config().rope_scaling.factor == 8.0  # Megatron's default
+    assert parse_config(["--model", "llama3-8b", "--rope-scaling-factor", "16"]).model_config().rope_scaling.factor == 16
+
+
+def test_conversion_into_a_run_directory_is_refused_unless_forced_and_never_moves_the_marker_back(tmp_path):
+    _trained_checkpoint(tmp_path)  # ckpt/iter_0000001, marker 1
+    hf_dir = _hf_model_dir(tmp_path, vocab_size=512, hidden_size=64, intermediate_size=192, num_attention_heads=8,
+                           num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5)
+    out = _tool("convert_from_hf.py", ["--load", str(hf_dir), "--save", "ckpt"], tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: --save ckpt already holds checkpoints: give an empty directory, or --force to add iter_0000000 there "
+        "(the marker keeps naming the run's latest step)"]
+    out = _tool("convert_from_hf.py", ["--load", str(hf_dir), "--save", "ckpt", "--force"], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "ckpt" / checkpointing.LATEST).read_text() == "1"
+    assert checkpointing.latest_checkpoint(tmp_path / "ckpt").name == "iter_0000001"
+    assert (checkpointing.checkpoint_dir(tmp_path / "ckpt", 0) / checkpointing.META).exists()

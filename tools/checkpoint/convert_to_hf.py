@@ -10,6 +10,7 @@ import argparse
 
 import torch
 
+from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 from megatron_lc.models.llama.conversion import checkpoint_to_hf
 
 
@@ -28,13 +29,17 @@ def main(argv=None) -> None:
     p.add_argument("--load", required=True, help="--save directory of a run, or one iter_* checkpoint")
     p.add_argument("--iteration", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--save", required=True, help="output directory (safetensors + config.json)")
-    p.add_argument("--tokenizer-model", default=None, help="tokenizer to ship with the weights")
+    p.add_argument("--tokenizer-model", default=None, help="tokenizer to ship with the weights (default: the one "
+                   "the checkpoint was trained with); its bos/eos/pad ids go into the configs")
+    p.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="type of --tokenizer-model (default: a directory or .json is HuggingFaceTokenizer, a "
+                   "SentencePiece model SentencePieceTokenizer, else TikTokenizer)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--max-shard-size", type=parse_size, default="5GB",
                    help="largest safetensors shard, e.g. 5GB or 500MB (default 5GB, as transformers)")
     args = p.parse_args(argv)
     out = checkpoint_to_hf(args.load, args.save, args.iteration, getattr(torch, args.dtype), args.tokenizer_model,
-                           max_shard_bytes=args.max_shard_size)
+                           max_shard_bytes=args.max_shard_size, tokenizer_type=args.tokenizer_type)
     print(f"wrote {out}")
 
 

@@ -15,15 +15,15 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.hf import from_hf_config, to_hf_config, to_hf_name
-from megatron_lc.models.llama.model import LlamaConfig, RopeScaling
+from megatron_lc.models.llama.model import LlamaConfig
+from megatron_lc.models.llama.zoo import config_from_dict
+from megatron_lc.config import ConfigError
 from megatron_lc.training import checkpointing
+from megatron_lc.training.save_lock import acquire_save_lock
 
 
 def config_from_meta(meta: dict) -> LlamaConfig:
-    values = dict(meta["model_config"])
-    if values.get("rope_scaling"):
-        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
-    return LlamaConfig(**values)
+    return config_from_dict(meta["model_config"])
 
 
 def resolve_checkpoint(load: str, iteration: int | None) -> Path:
@@ -34,14 +34,22 @@ def resolve_checkpoint(load: str, iteration: int | None) -> Path:
 
 
 def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype=torch.bfloat16,
-                     tokenizer_model: str | None = None, max_shard_bytes: int = 5 * 10**9) -> Path:
+                     tokenizer_model: str | None = None, max_shard_bytes: int = 5 * 10**9,
+                     tokenizer_type: str | None = None) -> Path:
     """Write safetensors shards (+ index), config.json, generation_config.json (and tokenizer files) to `save`.
+
+    bos/eos/pad come from the tokenizer (by default the one the checkpoint was trained with), so
+    generate() stops at the training's end-of-document; without one they are left unset.
 
     Streams: one tensor is read from the checkpoint at a time and one shard is held, so host
     memory is about one shard whatever the model's size.
     """
     path = resolve_checkpoint(load, iteration)
-    config = config_from_meta(checkpointing.read_meta(path))
+    meta = checkpointing.read_meta(path)
+    config = config_from_meta(meta)
+    if tokenizer_model is None and tokenizer_type is None:  # the training's own, when it recorded one
+        data = meta.get("train_config", {}).get("data", {})
+        tokenizer_type, tokenizer_model = data.get("tokenizer_type"), data.get("tokenizer_model")
     out = Path(save)
     out.mkdir(parents=True, exist_ok=True)
     remove_hf_weights(out)
@@ -60,9 +68,8 @@ def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype=t
     if len(shards) > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=1))
-    _write_hf_config(config, dtype, out)
-    if tokenizer_model:
-        save_tokenizer(tokenizer_model, save)
+    ids = save_tokenizer(tokenizer_model, save, tokenizer_type)
+    _write_hf_config(config, dtype, out, ids)
     return out
 
 
@@ -104,10 +111,11 @@ def save_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
     save_file(tensors, str(file), metadata={"format": "pt"})
 
 
-def _write_hf_config(config: LlamaConfig, dtype: torch.dtype, out: Path) -> None:
+def _write_hf_config(config: LlamaConfig, dtype: torch.dtype, out: Path, ids: SpecialIds) -> None:
     import transformers
 
-    hf_config = to_hf_config(config, torch_dtype=dtype)
+    hf_config = to_hf_config(config, torch_dtype=dtype, bos_token_id=ids.bos, eos_token_id=ids.eos,
+                             pad_token_id=ids.pad)
     hf_config.save_pretrained(out)
     transformers.GenerationConfig.from_model_config(hf_config).save_pretrained(out)
 
@@ -130,46 +138,162 @@ def read_checkpoint_tensor(path: Path, key: str, item) -> torch.Tensor:
     return tensor
 
 
-def save_tokenizer(tokenizer_model: str, save: str) -> None:
-    """Copy the tokenizer next to the weights in a form transformers loads."""
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+    """The ids an export writes into config.json and generation_config.json (generate() stops at eos)."""
+
+    bos: int | None = None
+    eos: int | None = None
+    pad: int | None = None
+
+
+def infer_tokenizer_type(tokenizer_model: str) -> str:
+    """A directory or .json is a Hugging Face tokenizer; a file SentencePiece reads is one; else tiktoken BPE."""
+    path = Path(tokenizer_model)
+    if path.is_dir() or path.suffix == ".json":
+        return "HuggingFaceTokenizer"
+    try:
+        import sentencepiece
+
+        sentencepiece.SentencePieceProcessor(model_file=str(path))
+        return "SentencePieceTokenizer"
+    except (OSError, RuntimeError):
+        return "TikTokenizer"
+
+
+def _token_or_none(getter) -> int | None:
+    try:
+        return getter()
+    except ValueError:  # the tokenizer defines no such token
+        return None
+
+
+def save_tokenizer(tokenizer_model: str | None, save: str, tokenizer_type: str | None = None) -> SpecialIds:
+    """Write the tokenizer next to the weights in a form transformers loads natively; its special ids.
+
+    SentencePiece: `tokenizer.model` with a Llama tokenizer config naming its specials; a
+    `tokenizer.json` (or its directory): a fast tokenizer with the training EOD as eos; Llama-3
+    tiktoken BPE: converted to a fast tokenizer (transformers would read that file as SentencePiece).
+    """
+    from megatron_lc.data.tokenizers import build_tokenizer
+
+    tokenizer_type = tokenizer_type or (infer_tokenizer_type(tokenizer_model) if tokenizer_model else None)
+    if tokenizer_type is None:
+        return SpecialIds()
+    ours = build_tokenizer(tokenizer_type, tokenizer_model)
+    ids = SpecialIds(bos=_token_or_none(lambda: ours.bos), eos=_token_or_none(lambda: ours.eod))
+    if tokenizer_type == "ByteTokenizer":
+        return ids  # no file: the ids alone
+    fast = _fast_tokenizer(tokenizer_type, tokenizer_model, ids, save)
+    if fast is not None:
+        fast.save_pretrained(save)
+        return dataclasses.replace(ids, pad=fast.pad_token_id)
+    return ids
+
+
+def _fast_tokenizer(tokenizer_type: str, tokenizer_model: str, ids: SpecialIds, save: str):
+    """A transformers fast tokenizer with the training's specials; None once written another way."""
     import transformers
 
-    src = Path(tokenizer_model)
-    if src.is_dir():
-        for f in src.iterdir():
-            if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-                shutil.copy(f, Path(save) / f.name)
-    elif src.suffix == ".json":
-        transformers.PreTrainedTokenizerFast(tokenizer_file=str(src)).save_pretrained(save)
-    else:  # a SentencePiece model: transformers' Llama tokenizer reads it as tokenizer.model
-        shutil.copy(src, Path(save) / "tokenizer.model")
-        config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
-                  "legacy": False}
-        (Path(save) / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    def token(rust, token_id):
+        return rust.id_to_token(token_id) if token_id is not None else None
+
+    if tokenizer_type == "HuggingFaceTokenizer":
+        src = Path(tokenizer_model)
+        if src.is_dir() and not (src / "tokenizer.json").exists():  # only a slow tokenizer: transformers' own copy
+            transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True).save_pretrained(save)
+            return None
+        file = src / "tokenizer.json" if src.is_dir() else src
+        from tokenizers import Tokenizer as RustTokenizer
+
+        rust = RustTokenizer.from_file(str(file))
+        return transformers.PreTrainedTokenizerFast(tokenizer_object=rust, bos_token=token(rust, ids.bos),
+                                                    eos_token=token(rust, ids.eos))
+    if tokenizer_type == "TikTokenizer":
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        from megatron_lc.data.tokenizers import LLAMA3_PATTERN, llama3_special_tokens
+
+        rust = TikTokenConverter(vocab_file=tokenizer_model, pattern=LLAMA3_PATTERN,
+                                 extra_special_tokens=llama3_special_tokens()).converted()
+        return transformers.PreTrainedTokenizerFast(tokenizer_object=rust, bos_token=token(rust, ids.bos),
+                                                    eos_token=token(rust, ids.eos))
+    import sentencepiece  # SentencePiece: transformers' Llama tokenizer reads it as tokenizer.model
+
+    processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
+    shutil.copy(tokenizer_model, Path(save) / "tokenizer.model")
+    piece = lambda i: processor.id_to_piece(i) if i is not None and i >= 0 else None  # noqa: E731
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": False,
+              "bos_token": piece(ids.bos), "eos_token": piece(ids.eos), "pad_token": piece(processor.pad_id()),
+              "unk_token": piece(processor.unk_id())}
+    (Path(save) / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return None
 
 
-def hf_to_checkpoint(load: str, save: str) -> Path:
+def hf_to_checkpoint(load: str, save: str, force: bool = False) -> Path:
     """A weights-only checkpoint of this trainer (fp32) from a Hugging Face LlamaForCausalLM directory.
 
     Streams: each tensor is read from its safetensors shard only when the checkpoint writer
-    reaches it, so host memory is about one tensor whatever the model's size.
+    reaches it, so host memory is about one tensor whatever the model's size. A config field the
+    model does not compute exactly, or a tensor it would not use or of another shape, is refused.
+    A `save` that already holds checkpoints is refused unless `force`; then `iter_0000000` is added
+    and the marker is left at a later step, so `--load save` still resumes the run there.
     """
     import transformers
 
     config = from_hf_config(transformers.AutoConfig.from_pretrained(load))
     sources = hf_tensor_sources(Path(load))
     expected = build_model(config, device="meta").state_dict()
+    check_hf_tensors(load, sources, expected, config)
     readers, shapes = {}, {}
     for name, like in expected.items():
-        hf = to_hf_name(name)
-        if config.tie_embeddings and hf == "lm_head.weight":
-            hf = "model.embed_tokens.weight"
-        if hf not in sources:
-            raise ValueError(f"--load {load}: no tensor {hf!r} in its safetensors files")
+        hf = _hf_source_name(name, config)
         readers[MODEL_PREFIX + name] = functools.partial(read_safetensor, sources[hf], hf, torch.float32)
         shapes[name] = torch.empty(like.shape, dtype=torch.float32, device="meta")
+    check_conversion_target(save, force)
     extra = {"model_config": dataclasses.asdict(config), "source": str(load), "weights_only": True}
-    return checkpointing.save_state(save, 0, {"model": shapes}, extra, planner=StreamingSavePlanner(readers))
+    lock = acquire_save_lock(save)
+    try:
+        return checkpointing.save_state(save, 0, {"model": shapes}, extra, planner=StreamingSavePlanner(readers),
+                                        run_id=lock.run_id, move_marker_back=False)
+    finally:
+        lock.release()
+
+
+def check_conversion_target(save: str, force: bool) -> None:
+    """A converted model goes into a directory of its own: refuse one holding a run's checkpoints."""
+    checkpointing.check_save_directory(save)
+    if checkpointing.holds_checkpoints(save) and not force:
+        raise ConfigError(f"--save {save} already holds checkpoints: give an empty directory, or --force to add "
+                          "iter_0000000 there (the marker keeps naming the run's latest step)")
+
+
+def _hf_source_name(name: str, config: LlamaConfig) -> str:
+    hf = to_hf_name(name)
+    return "model.embed_tokens.weight" if config.tie_embeddings and hf == "lm_head.weight" else hf
+
+
+def check_hf_tensors(load: str, sources: dict[str, Path], expected: dict, config: LlamaConfig) -> None:
+    """Every tensor the model needs, at its shape, and none it would drop (a bias, an extra layer)."""
+    needed = {_hf_source_name(name, config): tuple(like.shape) for name, like in expected.items()}
+    for hf, shape in needed.items():
+        if hf not in sources:
+            raise ConfigError(f"--load {load}: no tensor {hf!r} in its safetensors files")
+        found = tuple(safetensor_shape(sources[hf], hf))
+        if found != shape:
+            raise ConfigError(f"--load {load}: {hf} has shape {list(found)}, the config makes it {list(shape)}")
+    unused = sorted(n for n in sources if n not in needed and "rotary_emb" not in n
+                    and not (config.tie_embeddings and n == "lm_head.weight"))
+    if unused:
+        raise ConfigError(f"--load {load}: tensors the model would not use: {', '.join(unused[:3])}"
+                          + (f" and {len(unused) - 3} more" if len(unused) > 3 else ""))
+
+
+def safetensor_shape(file: Path, name: str) -> list[int]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_slice(name).get_shape()
 
 
 def hf_tensor_sources(directory: Path) -> dict[str, Path]:

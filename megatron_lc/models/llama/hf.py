@@ -49,29 +49,77 @@ def _hf_rope(hf_config) -> tuple[float, dict | None]:
     return getattr(hf_config, "rope_theta", 10000.0), getattr(hf_config, "rope_scaling", None)
 
 
+class UnsupportedHFConfig(ValueError):
+    """A transformers config field whose value this model does not compute: one line naming field and value."""
+
+
+def _refuse(field: str, value: Any, why: str) -> UnsupportedHFConfig:
+    return UnsupportedHFConfig(f"{field}={value!r}: {why}")
+
+
+# Fields of transformers' LlamaConfig that change nothing this model computes from the weights:
+# token ids, caching, and pretraining_tp (it split the same matmuls in transformers < 4.45, which
+# is the same function; transformers 5 ignores it). initializer_range and max_position_embeddings
+# are recorded (as init_std and max_position_embeddings).
+ACCEPTED_ANY_VALUE = ("pretraining_tp", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def check_hf_config(hf_config) -> None:
+    """Refuse every field whose value would make our model compute something else than transformers'."""
+    model_type = getattr(hf_config, "model_type", "llama")
+    if model_type != "llama":
+        raise _refuse("model_type", model_type, "expected a llama config")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise _refuse("hidden_act", act, "the MLP is SwiGLU, which needs 'silu'")
+    for field in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, field, False):
+            raise _refuse(field, True, "the projections have no biases")
+    dropout = getattr(hf_config, "attention_dropout", 0.0) or 0.0
+    if dropout != 0:
+        raise _refuse("attention_dropout", dropout, "attention has no dropout (training would differ)")
+    heads = hf_config.num_attention_heads
+    if (getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads) % 2:
+        raise _refuse("head_dim", hf_config.head_dim, "rotary embeddings need an even head dimension")
+    _, scaling = _hf_rope(hf_config)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            raise _refuse("rope_scaling.rope_type", kind, "only 'default' and 'llama3' rotary embeddings are "
+                          "implemented")
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if k not in scaling]
+        if missing:
+            raise _refuse("rope_scaling", scaling, f"llama3 scaling without {', '.join(missing)}")
+        extra = set(scaling) - {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                                "original_max_position_embeddings"}
+        if extra:
+            raise _refuse("rope_scaling", scaling, f"unknown keys {', '.join(sorted(extra))}")
+
+
 def from_hf_config(hf_config) -> LlamaConfig:
-    """Our LlamaConfig from a transformers config; unsupported features are refused."""
-    if getattr(hf_config, "model_type", "llama") != "llama":
-        raise ValueError(f"expected a llama config, got model_type={hf_config.model_type!r}")
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise ValueError("biased attention/MLP projections are not supported")
+    """Our LlamaConfig from a transformers config; a field we do not compute exactly is refused (see check_hf_config)."""
+    check_hf_config(hf_config)
     theta, scaling = _hf_rope(hf_config)
     rope = None
     if scaling is not None:
-        if scaling.get("rope_type", scaling.get("type")) != "llama3":
-            raise ValueError(f"rope scaling {scaling!r} is not supported (only rope_type 'llama3')")
         rope = RopeScaling(factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
                            high_freq_factor=scaling["high_freq_factor"],
                            original_max_position_embeddings=scaling["original_max_position_embeddings"])
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return LlamaConfig(
+    config = LlamaConfig(
         vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size, num_layers=hf_config.num_hidden_layers,
         num_attention_heads=heads, num_query_groups=hf_config.num_key_value_heads or heads, kv_channels=head_dim,
         ffn_hidden_size=hf_config.intermediate_size, norm_eps=hf_config.rms_norm_eps, rotary_base=float(theta),
         rope_scaling=rope, tie_embeddings=bool(hf_config.tie_word_embeddings),
         max_position_embeddings=hf_config.max_position_embeddings, init_std=hf_config.initializer_range,
     )
+    try:
+        config.validate()
+    except ValueError as e:
+        raise UnsupportedHFConfig(str(e)) from e
+    return config
 
 
 def to_hf_name(name: str) -> str:

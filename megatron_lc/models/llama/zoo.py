@@ -29,14 +29,34 @@ FLAVOURS: dict[str, LlamaConfig] = {
 }
 
 
-def get_config(name: str, **overrides) -> LlamaConfig:
-    """The flavour `name` with Megatron-style overrides (None values ignored), validated."""
-    if name not in FLAVOURS:
+def get_config(name: str, base: LlamaConfig | None = None, **overrides) -> LlamaConfig:
+    """The flavour `name` (or `base`, e.g. a checkpoint's config) with Megatron-style overrides (None values
+    ignored), validated."""
+    if base is None and name not in FLAVOURS:
         raise ValueError(f"--model {name!r}: unknown flavour; expected one of {', '.join(FLAVOURS)}")
+    base = base or FLAVOURS[name]
     given = {k: v for k, v in overrides.items() if v is not None}
     if given.keys() & {"hidden_size", "num_attention_heads"} and "kv_channels" not in given:
-        base = replace(FLAVOURS[name], **given)  # as Megatron: head dimension = hidden size / heads
-        given["kv_channels"] = base.hidden_size // base.num_attention_heads
-    config = replace(FLAVOURS[name], **given)
+        shaped = replace(base, **given)  # as Megatron: head dimension = hidden size / heads
+        given["kv_channels"] = shaped.hidden_size // shaped.num_attention_heads
+    config = replace(base, **given)
     config.validate()
     return config
+
+
+def config_from_dict(values: dict) -> LlamaConfig:
+    """A LlamaConfig from its `dataclasses.asdict` form (as a checkpoint's meta.json records it)."""
+    values = dict(values)
+    if values.get("rope_scaling"):
+        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+    return LlamaConfig(**values)
+
+
+def rope_scaling_from_flags(base: RopeScaling | None, use_rope_scaling: bool,
+                            factor: float | None) -> RopeScaling | None:
+    """--use-rope-scaling turns Llama 3.x scaling on (factor 8 as Megatron-LM unless --rope-scaling-factor);
+    --rope-scaling-factor alone changes the factor of a flavour that scales."""
+    if base is None and not use_rope_scaling:
+        return None
+    base = base or RopeScaling()
+    return replace(base, factor=factor) if factor is not None else base
