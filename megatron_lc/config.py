@@ -80,6 +80,11 @@ class ParallelArgs:
     attention_kernel: str = flag("auto", "local attention kernel",
                                  choices=("auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash",
                                           "reference"))
+    flash_attention_impl: str = flag("auto", "what runs torch's flash kernels, through torch's registry "
+                                     "(torch.nn.attention.activate_flash_attention_impl): auto (FA3 on compute "
+                                     "capability 9.0 when flash_attn_interface imports, FA4 on 10.0 when "
+                                     "flash_attn.cute imports, else torch's own), default, fa3, fa4",
+                                     choices=("auto", "default", "fa3", "fa4"))
     fsdp_cpu_offload: bool = flag(False, "keep sharded parameters, gradients and optimizer state in host memory")
     no_reshard_after_forward: bool = flag(False, "keep gathered parameters between forward and backward")
 

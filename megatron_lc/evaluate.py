@@ -23,6 +23,7 @@ from megatron_lc.context_layout import CP_COMM_TYPES
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import LongSequenceSamples
+from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.devices import resolve_devices, set_cuda_allocator_settings
 from megatron_lc.entry import run_entry_point
 from megatron_lc.models.llama import build_model
@@ -73,6 +74,7 @@ def evaluate(args) -> dict:
     devices = resolve_devices(args.device, launch.local_rank)
     if devices.is_cuda:
         torch.cuda.set_device(devices.accelerator)
+        activate_flash_impl(cfg.parallel.flash_attention_impl, devices.accelerator)  # before any attention, as in training
     init_distributed(devices.accelerator)
     layout = cfg.context_layout()
     pstate = ParallelState(ParallelDims(launch.world_size, cp=args.context_parallel_size, cp_ring=layout.ring_size),

@@ -79,6 +79,10 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--with-flash-attn", action="store_true",
                        help="flash-attn is installed on the GPU machines (decides what --attention-kernel auto "
                             "runs; torch's flash kernel otherwise, which allocates the same)")
+    group.add_argument("--with-fa3", action="store_true",
+                       help="FA3's flash_attn_interface is installed on the GPU machines: --flash-attention-impl "
+                            "auto puts it behind torch's flash kernel on H100/H200 (its allocations are modelled "
+                            "as flash-attention 2's; its speed at FA3's rates)")
     group.add_argument("--find-max-seq-length", action="store_true", help="search the longest length that fits")
     group.add_argument("--ablate", action="store_true",
                        help="the longest length with each memory layer added in turn (FSDP, Ulysses, "
@@ -94,7 +98,7 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
 PLANNER_FLAGS = ("num_gpus", "machine", "no_expandable_segments", "nccl_nvls", "gpus_per_node", "gpu_memory_gib",
                  "host_memory_gib", "host_reserve_gib",
                  "reserve_gib", "nccl_buffsize", "nccl_channels", "nccl_p2p_channels_per_peer",
-                 "nccl_net_channels_per_peer", "with_flash_attn",
+                 "nccl_net_channels_per_peer", "with_flash_attn", "with_fa3",
                  "find_max_seq_length", "ablate", "plot", "auto_fit", "auto_fit_max_traces", "json")
 
 
@@ -127,7 +131,7 @@ def machine_of(planner: argparse.Namespace, cfg) -> Machine:
                                      p2p_channels_per_peer=planner.nccl_p2p_channels_per_peer,
                                      net_channels_per_peer=planner.nccl_net_channels_per_peer),
                    expandable_segments=not planner.no_expandable_segments, nvls=planner.nccl_nvls,
-                   device=device, flash_attn=planner.with_flash_attn)
+                   device=device, flash_attn=planner.with_flash_attn, fa3=planner.with_fa3)
 
 
 def progress(e) -> None:

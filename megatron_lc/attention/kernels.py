@@ -662,17 +662,90 @@ def flash_attn_available() -> bool:
     return _flash_attn_interface is not None
 
 
+# --- FA3 / FA4 behind torch's flash operators, through torch's registry ------------------------
+#
+# torch >= 2.11 can re-register the CUDA kernels of aten::_flash_attention_forward/_backward with
+# FlashAttention-3's (`flash_attn_interface`, compute capability 9.0) or FlashAttention-4's
+# (`flash_attn.cute.interface`, 9.0 and 10.0): `sdpa_flash` then runs them with no other change.
+# Their support checks (torch/nn/attention/_fa3.py, _fa4.py) are what our calls satisfy: dropout 0,
+# no debug mask, ragged [T, H, d] inputs with cumulative boundaries, fp16/bf16 of one dtype, fp32
+# log-sum-exp (pinned by tests/attention/test_flash_impl.py).
+
+FLASH_IMPLS = {"fa3": ("FA3", "flash_attn_interface", (9,)), "fa4": ("FA4", "flash_attn.cute.interface", (9, 10))}
+"""--flash-attention-impl -> (torch's registry name, the module providing its kernels, compute capabilities)."""
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+
+
+def _why_unavailable_here(impl: str) -> str:
+    """'' when `impl` can be activated in this process, else why not."""
+    registry_name, module, _ = FLASH_IMPLS[impl]
+    if not _importable(module):
+        return f"{module} is not installed"
+    attention = torch.nn.attention
+    if not hasattr(attention, "list_flash_attention_impls") or registry_name not in attention.list_flash_attention_impls():
+        return f"this torch ({torch.__version__}) has no {registry_name} in torch.nn.attention's registry"
+    return ""
+
+
+def resolve_flash_impl(name: str, capability: tuple[int, int] | None,
+                       why_unavailable: Callable[[str], str] | None = None) -> tuple[str, str]:
+    """(the implementation `--flash-attention-impl NAME` runs on a device of `capability`, why not the one asked
+    for ('' when it is)). `capability` None: not CUDA, torch's own kernels. `auto` takes FA3, then FA4, where
+    the device and the installation allow."""
+    if name == "default" or capability is None:
+        return "default", ""
+    why_unavailable = why_unavailable or _why_unavailable_here  # looked up now: tests stand in for the machine
+    for impl in ([name] if name != "auto" else list(FLASH_IMPLS)):
+        majors = FLASH_IMPLS[impl][2]
+        why = "" if capability[0] in majors else \
+            f"it needs compute capability {' or '.join(f'{m}.0' for m in majors)}, the GPU is {capability[0]}.{capability[1]}"
+        why = why or why_unavailable(impl)
+        if not why:
+            return impl, ""
+    if name == "auto":
+        return "default", ""
+    return "default", f"--flash-attention-impl {name}: {why}; torch's own flash kernels run instead"
+
+
+def activate_flash_impl(name: str, device: torch.device) -> str:
+    """Put the implementation `--flash-attention-impl NAME` resolves to behind torch's flash operators, before
+    the first attention; returns it ('default', 'fa3' or 'fa4'). Activating the one already active does
+    nothing; an unavailable one asked for by name falls back to torch's own with one warning."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    impl, why = resolve_flash_impl(name, capability)
+    if why:
+        warnings.warn(why, stacklevel=2)
+    if impl != "default" and torch.nn.attention.current_flash_attention_impl() != FLASH_IMPLS[impl][0]:
+        torch.nn.attention.activate_flash_attention_impl(FLASH_IMPLS[impl][0])
+    return impl
+
+
+def active_flash_impl() -> str:
+    """'fa3' or 'fa4' when activated behind torch's flash operators, else 'default'."""
+    current = getattr(torch.nn.attention, "current_flash_attention_impl", lambda: None)()
+    return next((impl for impl, (registry_name, _, _) in FLASH_IMPLS.items() if registry_name == current), "default")
+
+
 def select_kernel(device: torch.device, name: str = "auto") -> Kernel:
     """The kernel for `device`, or the one named.
 
-    `auto` on CUDA: flash-attn (else torch's flash kernel) for fp16/bf16 inputs and torch's
+    `auto` on CUDA: torch's flash kernel when FA3/FA4 is behind it (`activate_flash_impl`), else
+    flash-attn (else torch's flash kernel) for fp16/bf16 inputs and torch's
     memory-efficient kernel for fp32, decided per call from the inputs' dtype (autocast
     decides it at run time); on other devices, torch's CPU flash kernel.
     """
     if name == "auto":
         if device.type != "cuda":
             return KERNELS[resolve_kernel_name(device.type, name, torch.float32, flash_attn_available())]
-        low, full = (KERNELS[resolve_kernel_name("cuda", name, dtype, flash_attn_available())]
+        low, full = (KERNELS[resolve_kernel_name("cuda", name, dtype, flash_attn_available(), active_flash_impl())]
                      for dtype in (torch.bfloat16, torch.float32))
         return _by_dtype(low, full)
     if name not in KERNELS:
@@ -685,14 +758,18 @@ def select_kernel(device: torch.device, name: str = "auto") -> Kernel:
     return KERNELS[name]
 
 
-def resolve_kernel_name(device_type: str, name: str, dtype: torch.dtype, flash_attn_installed: bool) -> str:
-    """The kernel `select_kernel(name)` runs for inputs of `dtype` (what the planner models)."""
+def resolve_kernel_name(device_type: str, name: str, dtype: torch.dtype, flash_attn_installed: bool,
+                        flash_impl: str = "default") -> str:
+    """The kernel `select_kernel(name)` runs for inputs of `dtype` (what the planner models); with FA3 or FA4
+    behind torch's flash operators (`flash_impl`), `auto` runs those."""
     if name != "auto":
         return name
     if device_type != "cuda":
         return "cpu_flash"
     if dtype not in FLASH_DTYPES:
         return "sdpa_efficient"
+    if flash_impl != "default":
+        return "sdpa_flash"
     return "flash_attn" if flash_attn_installed else "sdpa_flash"
 
 

@@ -59,6 +59,9 @@ class Machine:
     """cuda: model the CUDA kernels and NCCL; cpu: trace the CPU kernels as they are (validation)."""
     flash_attn: bool = False
     """flash-attn is installed on the GPUs' machines: `auto` runs it for bf16 (torch's flash kernel otherwise)."""
+    fa3: bool = False
+    """FA3's flash_attn_interface is installed on the GPUs' machines: `--flash-attention-impl auto` puts it behind
+    torch's flash kernel on compute capability 9.0."""
 
     def __post_init__(self) -> None:
         if self.node not in NODES:
@@ -71,6 +74,15 @@ class Machine:
                             ("host_memory_gib", spec.host_memory_gib)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+
+    def flash_impl(self, asked: str) -> str:
+        """What `--flash-attention-impl ASKED` runs on these GPUs: an implementation named is taken as
+        installed; `auto` finds FA3 where `fa3` says it is installed."""
+        from megatron_lc.attention.kernels import resolve_flash_impl
+
+        installed = {asked} if asked != "auto" else ({"fa3"} if self.fa3 else set())
+        return resolve_flash_impl(asked, NODES[self.node].compute_capability,
+                                  lambda impl: "" if impl in installed else "not installed")[0]
 
     @property
     def gpus_on_node(self) -> int:

@@ -35,6 +35,8 @@ class Node:
     gpus_per_node: int
     host_memory_gib: float
     host_memory_source: str
+    compute_capability: tuple[int, int] | None = (9, 0)
+    """The GPUs' compute capability (None: no GPU): decides FA3 / FA4."""
 
 
 _OOM_MESSAGE = "PyTorch's out-of-memory message ('GPU 0 has a total capacity of ...', cudaMemGetInfo's total)"
@@ -46,7 +48,7 @@ NODES: dict[str, Node] = {
     "dgx-h200": Node("dgx-h200", "H200 SXM 141GB", 139.72, f"{_OOM_MESSAGE} on H200, the lowest of 139.72-139.81 "
                      "GiB in public reports", 8, 1907.0, f"DGX H200: {_TWO_TB}"),
     "dgx-a100-80gb": Node("dgx-a100-80gb", "A100 SXM4 80GB", 79.15, f"{_OOM_MESSAGE} on A100 80GB, as in public "
-                          "reports", 8, 1907.0, f"DGX A100 640GB: {_TWO_TB}"),
+                          "reports", 8, 1907.0, f"DGX A100 640GB: {_TWO_TB}", (8, 0)),
 }
 DEFAULT_NODE = "dgx-h100"
 
@@ -55,7 +57,7 @@ def _local_node() -> Node:
     """This machine, planned as CPU processes (`--machine local`: the planner's validation on CPU)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     return Node("local", "this machine's CPU", round(ram, 2), "sysconf: physical pages x page size", 0, round(ram, 2),
-                "sysconf: physical pages x page size")
+                "sysconf: physical pages x page size", None)
 
 
 NODES["local"] = _local_node()

@@ -246,18 +246,18 @@ class StepTime:
                 "by_cause_s": {k: round(v, 6) for k, v in self.seconds.items()}}
 
 
-def attention_family(cfg: TrainConfig, device: str, flash_attn: bool, fa3: bool = False) -> str:
-    """The rate family of the kernel `--attention-kernel` runs: fa2, fa3, efficient or cpu."""
-    from megatron_lc.attention.kernels import resolve_kernel_name
+def attention_family(cfg: TrainConfig, flash_attn: bool, flash_impl: str = "default") -> str:
+    """The rate family of the kernel `--attention-kernel` runs on the GPUs: fa2, fa3 (FA3, and FA4 at FA3's
+    rates, an assumption: no Hopper figures of FA4's are published that we know of) or efficient."""
     import torch
 
-    if device == "cpu":
-        return "cpu"
-    name = resolve_kernel_name("cuda", cfg.parallel.attention_kernel, torch.bfloat16 if cfg.train.bf16 else
-                               torch.float32, flash_attn)
+    from megatron_lc.attention.kernels import resolve_kernel_name
+
+    dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
+    name = resolve_kernel_name("cuda", cfg.parallel.attention_kernel, dtype, flash_attn, flash_impl)
     if name == "sdpa_efficient":
         return "efficient"
-    return "fa3" if fa3 else "fa2"
+    return "fa3" if name == "sdpa_flash" and flash_impl != "default" else "fa2"
 
 
 def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 8, family: str = "fa2"
@@ -308,12 +308,13 @@ class TimeModel:
         return predict(cfg, num_gpus, self.rates, self.gpus_per_node, self.family)
 
     @staticmethod
-    def for_machine(machine, cfg: TrainConfig, fa3: bool = False) -> "TimeModel":
+    def for_machine(machine, cfg: TrainConfig) -> "TimeModel":
         """The model of `machine` (a planning.estimate.Machine): its node's published rates, or for `local`
         this machine's measured ones shared by `num_gpus` processes."""
         if machine.node == "local":
             return TimeModel(calibrate_local(processes=machine.num_gpus), machine.gpus_per_node, "cpu")
-        family = attention_family(cfg, "cuda", machine.flash_attn, fa3)  # the node's GPUs, whatever was traced
+        impl = machine.flash_impl(cfg.parallel.flash_attention_impl)
+        family = attention_family(cfg, machine.flash_attn, impl)  # the node's GPUs, whatever was traced
         return TimeModel(RATES[machine.node], machine.gpus_per_node, family)
 
 

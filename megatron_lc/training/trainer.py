@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.config import ConfigError, TrainConfig
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
@@ -145,6 +146,9 @@ def build_run(cfg: TrainConfig) -> Run:
     devices = resolve_devices(cfg.train.device, launch.local_rank)
     if devices.is_cuda:
         torch.cuda.set_device(devices.accelerator)
+        impl = activate_flash_impl(cfg.parallel.flash_attention_impl, devices.accelerator)  # before any attention
+        if launch.rank == 0 and impl != "default":
+            print(f"attention: {impl.upper()} behind torch's flash kernels (--flash-attention-impl)", flush=True)
     init_distributed(devices.accelerator)
     p = cfg.parallel
     pstate = ParallelState(ParallelDims(launch.world_size, cp=p.context_parallel_size,

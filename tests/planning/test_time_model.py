@@ -122,3 +122,14 @@ def test_local_machine_plans_the_cpu_kernels_with_this_machines_rates(monkeypatc
     assert machine.device == "cpu" and machine.gpus_per_node == 2
     model = TimeModel.for_machine(machine, cfg)
     assert model.family == "cpu" and model.rates.name == "local"
+
+
+def test_fa3_behind_torchs_flash_kernel_is_priced_at_fa3s_rates_where_the_gpus_take_it():
+    from megatron_lc.planning.estimate import Machine
+
+    cfg = _cfg()
+    assert TimeModel.for_machine(Machine(), cfg).family == "fa2"
+    assert TimeModel.for_machine(Machine(fa3=True), cfg).family == "fa3"  # --with-fa3, --flash-attention-impl auto
+    assert TimeModel.for_machine(Machine(), _cfg("--flash-attention-impl", "fa3")).family == "fa3"
+    assert TimeModel.for_machine(Machine(node="dgx-a100-80gb", fa3=True), cfg).family == "fa2"  # sm80: no FA3
+    assert TimeModel.for_machine(Machine(fa3=True), _cfg("--flash-attention-impl", "default")).family == "fa2"

@@ -1,0 +1,124 @@
+"""FA3 / FA4 behind torch's flash operators: which one runs, activated once, and our calls within their checks."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention import _fa3
+
+from megatron_lc.attention import kernels
+from megatron_lc.attention.kernels import KERNELS, activate_flash_impl, resolve_flash_impl, select_kernel
+
+from test_cuda_kernel_calls import CU, FlashRecorder, _against_naive  # noqa: E402  (same directory)
+
+
+def _available(*impls):
+    return lambda impl: "" if impl in impls else "not installed"
+
+
+@pytest.mark.parametrize("asked, capability, installed, want", [
+    ("auto", (9, 0), ("fa3", "fa4"), "fa3"),
+    ("auto", (10, 0), ("fa3", "fa4"), "fa4"),  # FA3 is sm90 only
+    ("auto", (9, 0), (), "default"),
+    ("auto", (8, 0), ("fa3", "fa4"), "default"),
+    ("default", (9, 0), ("fa3",), "default"),
+    ("fa4", (9, 0), ("fa4",), "fa4"),
+    ("fa3", None, ("fa3",), "default"),  # not CUDA
+])
+def test_which_implementation_runs(asked, capability, installed, want):
+    impl, why = resolve_flash_impl(asked, capability, _available(*installed))
+    assert impl == want and why == ""
+
+
+def test_an_unavailable_implementation_asked_for_by_name_falls_back_with_one_reason():
+    impl, why = resolve_flash_impl("fa3", (8, 0), _available("fa3"))
+    assert impl == "default" and why.startswith("--flash-attention-impl fa3: it needs compute capability 9.0")
+    impl, why = resolve_flash_impl("fa3", (9, 0), _available())
+    assert impl == "default" and "fa3: not installed" in why and "\n" not in why
+
+
+class _Registry:
+    """torch.nn.attention's registry, recorded."""
+
+    def __init__(self):
+        self.active, self.activations = None, []
+
+    def activate(self, name):
+        self.activations.append(name)
+        self.active = name
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    reg = _Registry()
+    monkeypatch.setattr(torch.nn.attention, "activate_flash_attention_impl", reg.activate)
+    monkeypatch.setattr(torch.nn.attention, "current_flash_attention_impl", lambda: reg.active)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(kernels, "_why_unavailable_here", lambda impl: "" if impl == "fa3" else "not installed")
+    return reg
+
+
+def test_activation_happens_once_and_auto_then_runs_torchs_flash_kernel(registry, monkeypatch):
+    cuda = torch.device("cuda", 0)
+    assert kernels.active_flash_impl() == "default"
+    assert activate_flash_impl("auto", cuda) == "fa3" and registry.activations == ["FA3"]
+    assert activate_flash_impl("auto", cuda) == "fa3" and registry.activations == ["FA3"]  # already active
+    assert kernels.active_flash_impl() == "fa3"
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: True)  # even with flash-attn 2 installed
+    assert select_kernel(cuda).name == "sdpa_flash|sdpa_efficient"
+    assert activate_flash_impl("auto", torch.device("cpu")) == "default" and registry.activations == ["FA3"]
+
+
+def test_unavailable_implementation_warns_once_and_activates_nothing(registry):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert activate_flash_impl("fa4", torch.device("cuda", 0)) == "default"
+    assert registry.activations == [] and len(caught) == 1 and "--flash-attention-impl fa4" in str(caught[0].message)
+
+
+class _LooksCuda(torch.Tensor):
+    """A CPU tensor that FA3's checks take for a CUDA one (they test `is_cuda`, then the capability)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _as_cuda(t):
+    return t.as_subclass(_LooksCuda) if isinstance(t, torch.Tensor) else t
+
+
+class FA3Checked(FlashRecorder):
+    """The flash operators' stand-ins, each call first put through torch's own FA3 support checks."""
+
+    def forward(self, q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
+                scale=None):
+        error = _fa3._fa3_forward_support_error(*map(_as_cuda, (q, k, v)), dropout_p, return_debug_mask, None, None,
+                                                _as_cuda(cum_seq_q), None, None, None)
+        assert error is None, error
+        return super().forward(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+                               scale=scale)
+
+    def backward(self, dout, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state,
+                 unused, *, scale=None):
+        error = _fa3._fa3_backward_support_error(*map(_as_cuda, (dout, q, k, v, out, lse)), dropout_p,
+                                                 _as_cuda(cum_seq_q), None, None)
+        assert error is None, error
+        return super().backward(dout, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                                rng_state, unused, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdpa_flash_calls_pass_torchs_fa3_support_checks(monkeypatch, dtype):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_fa3, "_get_device_major", lambda device: 9)
+    rec = FA3Checked()
+    monkeypatch.setitem(kernels.TORCH_OPS, "flash_forward", rec.forward)
+    monkeypatch.setitem(kernels.TORCH_OPS, "flash_backward", rec.backward)
+    _against_naive(KERNELS["sdpa_flash"], dtype, 3e-2)
+    assert [name for name, _ in rec.calls] == ["forward", "backward"]
+    with pytest.raises(AssertionError, match="dropout_p must be 0"):  # the checks are live: they refuse dropout
+        q = torch.zeros(CU[-1], 2, 16, dtype=dtype)
+        rec.forward(q, q, q, torch.tensor(CU, dtype=torch.int32), None, 96, 96, 0.1, True, False, scale=0.25)
