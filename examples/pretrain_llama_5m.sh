@@ -4,11 +4,12 @@
 #
 #   bash examples/pretrain_llama_5m.sh DATA_PREFIX TOKENIZER_MODEL CHECKPOINT_DIR [extra flags...]
 #
-# Predicted (not yet measured on a GPU) at 60.63 GiB per GPU with torch's own kernels and 58.13 GiB
-# with flash-attn, 1,240 GiB of page-locked host memory per node (a DGX H100 has 1,907):
+# Predicted (not yet measured on a GPU) at 56.88 GiB per GPU of a DGX H100's 79.11 GiB cards (2.83 GiB
+# itemized reserve), torch's own kernels or flash-attn alike, and 1,240 GiB of page-locked host memory
+# per node of the 1,703 GiB its 1,907 GiB leave after the itemized host reserve:
 #   python tools/estimate_memory.py --model llama3-8b --bf16 --context-parallel-size 8 \
 #       --cp-impl untied_ulysses --untied-heads-per-stage 8 --recompute-granularity full \
-#       --offload-activations --tiled-mlp --tiled-loss --num-gpus 8 --gpu-memory-gib 80 \
+#       --offload-activations --tiled-mlp --tiled-loss --num-gpus 8 \
 #       --seq-length 5242880 --nccl-channels 16 --nccl-p2p-channels-per-peer 16 [--with-flash-attn]
 # The same stack reaches 7M tokens: examples/pretrain_llama_7m.sh.
 set -euo pipefail

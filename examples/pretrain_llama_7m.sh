@@ -5,12 +5,13 @@
 #
 #   bash examples/pretrain_llama_7m.sh DATA_PREFIX TOKENIZER_MODEL CHECKPOINT_DIR [extra flags...]
 #
-# Predicted (not yet measured on a GPU) at 75.22 GiB per GPU with torch's own kernels and 71.84 GiB
-# with flash-attn. The host side is the bound: 1,674 GiB of page-locked block inputs per node, which
-# needs a node with about 2 TB of RAM (a DGX H100 has 1,907 GiB; the planner keeps 128 GiB back):
+# Predicted (not yet measured on a GPU) at 70.15 GiB per GPU of a DGX H100's 79.11 GiB cards (2.93 GiB
+# itemized reserve), torch's own kernels or flash-attn alike. The host side is the bound: 1,674 GiB of
+# page-locked block inputs per node of the 1,701 GiB a DGX H100's 1,907 GiB leave after the itemized
+# host reserve (struct page, page-locking bookkeeping, 8 processes, checkpoint staging, the OS):
 #   python tools/estimate_memory.py --model llama3-8b --bf16 --context-parallel-size 8 \
 #       --cp-impl untied_ulysses --untied-heads-per-stage 8 --recompute-granularity full \
-#       --offload-activations --tiled-mlp --tiled-loss --num-gpus 8 --gpu-memory-gib 80 \
+#       --offload-activations --tiled-mlp --tiled-loss --num-gpus 8 \
 #       --seq-length 7077888 --nccl-channels 16 --nccl-p2p-channels-per-peer 16 [--with-flash-attn]
 set -euo pipefail
 exec bash "$(dirname "$0")/pretrain_llama_5m.sh" "$@" --seq-length 7077888
