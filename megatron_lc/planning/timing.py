@@ -132,7 +132,7 @@ class Work:
     a2a_bytes: float
     """Bytes sent in synchronous all-to-alls (forward, recompute, backward)."""
     ring_bytes_fwd: float
-    """Bytes sent around the ring per forward pass (overlapped with attention)."""
+    """Bytes sent around the ring in the forward passes (the recompute's too; overlapped with attention)."""
     ring_bytes_bwd: float
     fsdp_bytes_per_layer: tuple[float, float]
     """(all-gather per pass, reduce-scatter) bytes per layer."""
@@ -196,7 +196,8 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     passes_fwd = 2 if full else 1
     elementwise = L * layer_bytes * (passes_fwd + 2) + 6 * T * V * 4
     return Work(L * layer_gemm + head_gemm, recompute, L * attention, L * attention if full else 0.0,
-                L * attention * FA2_BACKWARD_WORK, a2a, ring_fwd * L, ring_bwd * L, fsdp, T * h * item, offloaded,
+                L * attention * FA2_BACKWARD_WORK, a2a, ring_fwd * L * (2 if full else 1), ring_bwd * L, fsdp,
+                T * h * item, offloaded,
                 L, launches, elementwise, 28 * total_params / max(shards, 1),
                 3 * (L * layer_gemm + head_gemm + L * attention))
 
