@@ -10,7 +10,11 @@ each entry point reports like any other configuration error.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import socket
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 EXIT_CONFIG_ERROR = 2
@@ -49,3 +53,22 @@ def run_tool(prog: str, main: Callable[[Sequence[str] | None], int], argv: Seque
         return main(argv)
     except (ConfigError, *errors) as error:
         return report_tool_error(prog, error)
+
+
+def check_writable(directory: str, flag_name: str) -> None:
+    """Create `directory` if needed and prove a file can be written there (before any training time).
+
+    The probe writes and syncs a block: an empty file can still be created on a full disk."""
+    path = Path(directory)
+    probe = path / f".write_probe_{socket.gethostname()}_{os.getpid()}"  # unique across nodes sharing it
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        with contextlib.suppress(OSError):  # the probe may never have been created
+            probe.unlink()
+        raise ConfigError(f"{flag_name} {directory}: not writable ({e.strerror or e})") from e
+    probe.unlink(missing_ok=True)

@@ -10,17 +10,14 @@ group or accelerator memory is touched, naming the flag and the fix.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import torch
 
-from megatron_lc.cli import ArgumentParser, ConfigError
+from megatron_lc.cli import ArgumentParser, ConfigError, check_writable
 from megatron_lc.data.sources import validate_data_flags
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 
@@ -425,25 +422,6 @@ class TrainConfig:
 
 def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def check_writable(directory: str, flag_name: str) -> None:
-    """Create `directory` if needed and prove a file can be written there (before any training time).
-
-    The probe writes and syncs a block: an empty file can still be created on a full disk."""
-    path = Path(directory)
-    probe = path / f".write_probe_{socket.gethostname()}_{os.getpid()}"  # unique across nodes sharing it
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        with contextlib.suppress(OSError):  # the probe may never have been created
-            probe.unlink()
-        raise ConfigError(f"{flag_name} {directory}: not writable ({e.strerror or e})") from e
-    probe.unlink(missing_ok=True)
 
 
 def _add_field(group, f: dataclasses.Field, hint) -> None:
