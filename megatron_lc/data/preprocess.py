@@ -279,8 +279,8 @@ class Progress:
         rate = done / seconds
         share = f" ({100 * done / total:.1f}%)" if total else ""
         left = format_duration((total - done) / rate) if total and rate > 0 else "?"
-        return (f"{self._label}{self.documents:,} documents, {self.tokens:,} tokens, {done / 1e6:,.1f} of "
-                f"{total / 1e6:,.1f} MB read{share}, {rate / 1e6:,.2f} MB/s, {self.documents / seconds:,.1f} docs/s, "
+        return (f"{self._label}{self.documents:,} documents, {self.tokens:,} tokens, {format_size(done)} of "
+                f"{format_size(total)} read{share}, {format_size(rate)}/s, {self.documents / seconds:,.1f} docs/s, "
                 f"{self.tokens_per_second:,.0f} tokens/s, ETA {left}")
 
     @property
@@ -290,6 +290,14 @@ class Progress:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.elapsed
+
+
+def format_size(size: float) -> str:
+    """Bytes in decimal units, as `du --si` and tqdm write them: 512 B, 1.5 kB, 36.2 MB, 1.2 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:,.1f} {unit}"
+    return f"{size:.0f} B"
 
 
 def format_duration(seconds: float) -> str:
