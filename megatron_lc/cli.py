@@ -55,14 +55,19 @@ def run_tool(prog: str, main: Callable[[Sequence[str] | None], int], argv: Seque
         return report_tool_error(prog, error)
 
 
-def check_writable(directory: str, flag_name: str) -> None:
-    """Create `directory` if needed and prove a file can be written there (before any training time).
+def check_writable(directory: str, flag_name: str, create: bool = True) -> None:
+    """Prove a file can be written in `directory` (before any training time), creating it if needed; with
+    `create` False nothing is created: the probe goes into the directory, or where it would be created.
 
     The probe writes and syncs a block: an empty file can still be created on a full disk."""
     path = Path(directory)
-    probe = path / f".write_probe_{socket.gethostname()}_{os.getpid()}"  # unique across nodes sharing it
+    where = path if create else _nearest_existing(path.absolute())
+    probe = where / f".write_probe_{socket.gethostname()}_{os.getpid()}"  # unique across nodes sharing it
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        elif not where.is_dir():
+            raise NotADirectoryError(20, "Not a directory", str(where))
         with open(probe, "wb") as f:
             f.write(b"\0" * 4096)
             f.flush()
@@ -72,3 +77,8 @@ def check_writable(directory: str, flag_name: str) -> None:
             probe.unlink()
         raise ConfigError(f"{flag_name} {directory}: not writable ({e.strerror or e})") from e
     probe.unlink(missing_ok=True)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists."""
+    return next(p for p in (path, *path.parents) if p.exists())

@@ -411,7 +411,7 @@ class TrainConfig:
         for name, directory in (("--log-dir", self.logging.log_dir), ("--tensorboard-dir", self.logging.tensorboard_dir),
                                 ("--data-cache-path", self.data.data_cache_path)):
             if directory:
-                check_writable(directory, name)
+                check_writable(directory, name, create=False)  # the run creates them when it starts
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
