@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from megatron_lc.cli import ArgumentParser, ConfigError, check_writable, run_tool  # noqa: E402
-from megatron_lc.data.indexed_dataset import IndexedDatasetError, bin_path, idx_path, merge_datasets  # noqa: E402
+from megatron_lc.data.indexed_dataset import IndexedDatasetError, idx_path, merge_datasets  # noqa: E402
 
 
 def expand_prefixes(inputs: list[str]) -> list[str]:
@@ -29,10 +29,9 @@ def expand_prefixes(inputs: list[str]) -> list[str]:
             prefixes.extend(os.path.join(path, name) for name in names)
         else:
             prefixes.append(path[: -len(".idx")] if path.endswith((".idx", ".bin")) else path)
-    for prefix in prefixes:
-        missing = [p for p in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(p)]
-        if missing:
-            raise ConfigError(f"--input {prefix}: no {' or '.join(missing)}")
+    for prefix in prefixes:  # a damaged pair is the reader's to name
+        if not os.path.isfile(idx_path(prefix)):
+            raise ConfigError(f"--input {prefix}: no {idx_path(prefix)}")
     return prefixes
 
 
