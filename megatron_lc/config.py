@@ -10,22 +10,16 @@ group or accelerator memory is touched, naming the flag and the fix.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import torch
 
+from megatron_lc.cli import ArgumentParser, ConfigError, check_writable
 from megatron_lc.data.sources import validate_data_flags
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work, named with its flag: one line from rank 0, exit status 2."""
 
 
 def flag(default: Any, help: str, **kwargs) -> Any:
@@ -87,6 +81,14 @@ class ParallelArgs:
                                      choices=("auto", "default", "fa3", "fa4"))
     fsdp_cpu_offload: bool = flag(False, "keep sharded parameters, gradients and optimizer state in host memory")
     no_reshard_after_forward: bool = flag(False, "keep gathered parameters between forward and backward")
+    tensor_model_parallel_size: int = flag(1, "Megatron-LM's tensor parallelism: only 1 (FSDP2 + context "
+                                           "parallelism shard the model and the sequence instead)")
+    pipeline_model_parallel_size: int = flag(1, "Megatron-LM's pipeline parallelism: only 1 (FSDP2 shards the "
+                                             "layers' parameters instead)")
+    sequence_parallel: bool = flag(False, "Megatron-LM's sequence parallelism (of tensor parallelism): refused; "
+                                   "--context-parallel-size splits the sequence instead")
+    use_distributed_optimizer: bool = flag(False, "Megatron-LM's sharded optimizer: refused, as FSDP2 always shards "
+                                           "the optimizer state (drop the flag)")
 
 
 @dataclass
@@ -260,7 +262,8 @@ class TrainConfig:
     def validate(self, world_size: int) -> None:
         """Every impossible combination, with the reason and the fix, before any GPU time is spent."""
         checks = (self._check_data, self._check_parallel, self._check_memory, self._check_model,
-                  self._check_run, self._check_schedule, self._check_checkpoint)
+                  self._check_run, self._check_schedule, self._check_checkpoint,
+                  self._check_megatron_flags, self._check_environment)
         try:
             for check in checks:
                 check(world_size)
@@ -382,6 +385,39 @@ class TrainConfig:
                 raise ConfigError(f"--wandb-project {self.logging.wandb_project} needs the wandb package: "
                                   "pip install wandb")
 
+    def _check_megatron_flags(self, world_size: int) -> None:
+        """Megatron-LM flags of parallelisms this framework replaces: refused, saying what it does instead."""
+        p = self.parallel
+        instead = ("FSDP2 + context parallelism shard parameters, gradients, optimizer state and the sequence "
+                   "over all ranks instead")
+        if p.tensor_model_parallel_size != 1:
+            raise ConfigError(f"--tensor-model-parallel-size {p.tensor_model_parallel_size}: no tensor parallelism "
+                              f"here; {instead} (drop the flag, or give 1)")
+        if p.pipeline_model_parallel_size != 1:
+            raise ConfigError(f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: no pipeline "
+                              f"parallelism here; {instead} (drop the flag, or give 1)")
+        if p.sequence_parallel:
+            raise ConfigError("--sequence-parallel: Megatron's sequence parallelism belongs to tensor parallelism, "
+                              "which is not here; --context-parallel-size N splits the sequence over N ranks instead")
+        if p.use_distributed_optimizer:
+            raise ConfigError("--use-distributed-optimizer: FSDP2 + context parallelism shard the optimizer state "
+                              "over all ranks already, always; drop the flag")
+
+    def _check_environment(self, world_size: int) -> None:
+        """What the run needs of this machine, checked before the model is built: a GPU when --device
+        cuda asks for one, the EOD id --eod-mask-loss masks, and every directory the run writes."""
+        if self.train.device == "cuda" and not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(f"--device cuda: no CUDA device is visible (torch {torch.__version__}, {build}); "
+                              "use --device cpu, or auto to take a GPU when there is one")
+        if self.data.eod_mask_loss and not self.data.tokenizer_type:
+            raise ConfigError("--eod-mask-loss masks the token after each end-of-document, whose id comes from the "
+                              "tokenizer: give --tokenizer-type (and --tokenizer-model)")
+        for name, directory in (("--log-dir", self.logging.log_dir), ("--tensorboard-dir", self.logging.tensorboard_dir),
+                                ("--data-cache-path", self.data.data_cache_path)):
+            if directory:
+                check_writable(directory, name, create=False)  # the run creates them when it starts
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -391,25 +427,6 @@ class TrainConfig:
 
 def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def check_writable(directory: str, flag_name: str) -> None:
-    """Create `directory` if needed and prove a file can be written there (before any training time).
-
-    The probe writes and syncs a block: an empty file can still be created on a full disk."""
-    path = Path(directory)
-    probe = path / f".write_probe_{socket.gethostname()}_{os.getpid()}"  # unique across nodes sharing it
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        with contextlib.suppress(OSError):  # the probe may never have been created
-            probe.unlink()
-        raise ConfigError(f"{flag_name} {directory}: not writable ({e.strerror or e})") from e
-    probe.unlink(missing_ok=True)
 
 
 def _add_field(group, f: dataclasses.Field, hint) -> None:
@@ -434,7 +451,7 @@ def _scalar_type(hint):
 
 
 def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_lc.train", exit_on_error=exit_on_error,
+    parser = ArgumentParser(prog="python -m megatron_lc.train", exit_on_error=exit_on_error,
                                      description="Train a LLaMA model on long contexts.")
     parser.add_argument("--config", default=None, help="YAML or TOML preset; command-line flags win")
     for section, cls in SECTIONS.items():

@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_lc.cli import ArgumentParser
 from megatron_lc.config import ConfigError, config_from_values
 from megatron_lc.context_layout import CP_COMM_TYPES
 from megatron_lc.data.indexed_dataset import IndexedDataset
@@ -35,7 +36,7 @@ from megatron_lc.training.step import IGNORE_INDEX
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_lc.evaluate", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m megatron_lc.evaluate", description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True, help="checkpoint directory (a --save root or one iter_* directory)")
     p.add_argument("--data-path", required=True, help="indexed dataset prefix")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
@@ -64,7 +65,8 @@ def evaluate(args) -> dict:
                               "hierarchical_context_parallel_sizes": args.hierarchical_context_parallel_sizes or [],
                               "seq_length": args.seq_length, "data_path": [args.data_path]})
     cfg.validate(launch.world_size)
-    source = LongSequenceSamples(IndexedDataset(args.data_path), args.seq_length, seed=0, shuffle=False)
+    source = LongSequenceSamples(_checked_dataset(args.data_path, config.vocab_size), args.seq_length, seed=0,
+                                 shuffle=False)
     total = min(args.num_samples or len(source), len(source))
     per_step = args.micro_batch_size * ParallelDims(launch.world_size, cp=args.context_parallel_size).dp
     if total < per_step:
@@ -88,6 +90,19 @@ def evaluate(args) -> dict:
     loader = MicroBatchLoader(source, args.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
                               pstate.cp_size, num_samples=total - total % per_step, cp_ring=layout.ring_size)
     return _loss_over(loader, model, pstate, devices.accelerator, args)
+
+
+def _checked_dataset(prefix: str, vocab_size: int) -> IndexedDataset:
+    """The dataset, its ids checked against the checkpoint's vocabulary as training checks them (an id beyond
+    it would index past the embedding)."""
+    from megatron_lc.data.sources import check_token_ids
+
+    try:
+        dataset = IndexedDataset(prefix)
+        check_token_ids(dataset, vocab_size)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--data-path {prefix}: {e}" if prefix not in str(e) else str(e)) from e
+    return dataset
 
 
 def _loss_over(loader, model, pstate, device, args) -> dict:
@@ -120,10 +135,8 @@ def _loss_over(loader, model, pstate, device, args) -> dict:
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
-
     def evaluate_and_print() -> None:
-        result = evaluate(args)
+        result = evaluate(build_parser().parse_args(argv))  # a usage error is one line too
         if detect_launch().rank == 0:
             print(json.dumps(result), flush=True)
 

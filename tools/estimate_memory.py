@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_lc.cli import ArgumentParser, ConfigError, run_tool
 from megatron_lc.config import build_parser, parse_config
 from megatron_lc.planning.estimate import Machine, estimate, planning_config
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
@@ -110,13 +111,31 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
     add_planner_flags(parser)
     args = parser.parse_args(argv)  # validates every flag and serves --help
     planner, training = split_argv(argv)
+    check_planner_flags(planner)
     cfg = parse_config(training + (["--mock-data"] if not args.data_path else []))
     return planner, cfg
 
 
+def check_planner_flags(planner: argparse.Namespace) -> None:
+    """Sizes that cannot describe a machine, refused by flag before any tracing."""
+    for name in ("num_gpus", "gpus_per_node", "auto_fit_max_traces", "nccl_buffsize", "nccl_channels",
+                 "nccl_p2p_channels_per_peer", "nccl_net_channels_per_peer"):
+        value = getattr(planner, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be >= 1")
+    for name in ("gpu_memory_gib", "host_memory_gib"):
+        value = getattr(planner, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be > 0")
+    for name in ("host_reserve_gib", "reserve_gib"):
+        value = getattr(planner, name)
+        if value is not None and not value >= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be >= 0")
+
+
 def split_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(planner flags, the training flags: what python -m megatron_lc.train takes) of a command line."""
-    planner_only = argparse.ArgumentParser(add_help=False)
+    planner_only = ArgumentParser(add_help=False)
     add_planner_flags(planner_only)
     return planner_only.parse_known_args(argv)
 
@@ -153,29 +172,85 @@ def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[
     from megatron_lc.planning import autofit
 
     result = autofit.auto_fit(cfg, machine, None, planner.auto_fit_max_traces, on_estimate=auto_fit_progress)
-    command = ["python", "-m", "megatron_lc.train", *autofit.strip_memory_flags(split_argv(argv)[1])]
+    command = launch_command(machine, autofit.strip_memory_flags(split_argv(argv)[1]))
     if result.estimate is not None:
         out.update(result.estimate.to_json())
     else:
         out.update(seq_length=cfg.data.seq_length, fits=False, gpu_peak_gib=None, host_peak_gib=None)
     out["auto_fit"] = autofit.auto_fit_json(result, command)
+    if result.choice is None:
+        out["auto_fit"]["reason"] = no_fit_reason(min((t.estimate for t in result.traced),
+                                                      key=lambda e: e.gpu_peak_bytes, default=None),
+                                                  "the strongest stack traced")
     if not planner.json:
         print(autofit.auto_fit_text(result, command))
+        if result.choice is None:
+            print(out["auto_fit"]["reason"])
+        elif DATA_PLACEHOLDER in command:
+            print(f"  ({DATA_PLACEHOLDER}: the --output-prefix of tools/preprocess_data.py with _text_document, "
+                  "or --mock-data; the planner was given no data flags)")
+    return result.choice is not None
+
+
+DATA_PLACEHOLDER = "YOUR_DATA_PREFIX"
+DATA_FLAGS = ("--data-path", "--train-data-path", "--mock-data")
+
+
+def launch_command(machine: Machine, training: list[str]) -> list[str]:
+    """The command that runs `training` on `machine`: torchrun with one process per GPU (on each node, with a
+    rendezvous endpoint to fill in when there are several), and a data placeholder when none was given."""
+    nodes = -(-machine.num_gpus // machine.gpus_per_node)
+    launcher = ["torchrun", "--nproc-per-node", str(machine.gpus_on_node)]
+    if nodes > 1:  # run on every node; MASTER_HOST is the first node's address
+        launcher += ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", "MASTER_HOST:29500"]
+    has_data = any(arg.split("=", 1)[0] in DATA_FLAGS for arg in training)
+    data = [] if has_data else ["--data-path", DATA_PLACEHOLDER]
+    return [*launcher, "-m", "megatron_lc.train", *training, *data]
+
+
+def no_fit_reason(e, what: str) -> str:
+    """Why nothing fits, from the estimate that came closest."""
+    if e is None:
+        return "nothing fits: no estimate was made"
+    return (f"nothing fits: {what} ({e.seq_length:,} tokens) needs GPU {e.gpu_peak_bytes / 2**30:.2f} GiB of "
+            f"{e.gpu_budget_bytes / 2**30:.2f} and host {e.host_bytes_per_node / 2**30:.1f} GiB per node of "
+            f"{e.host_budget_bytes / 2**30:.1f}: more GPUs (--num-gpus), a larger --context-parallel-size, or a "
+            "shorter --seq-length")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0 when the plan was printed, 1 when nothing fits (with the reason), 2 on a configuration error."""
+    return run_tool("estimate_memory", plan, sys.argv[1:] if argv is None else list(argv))
+
+
+def validate_plan(planner: argparse.Namespace, cfg, argv: list[str]) -> None:
+    """The configuration's errors as one line before any tracing (auto-fit replaces the memory flags, so
+    only the rest must hold)."""
+    from megatron_lc.planning import autofit
+
+    if planner.auto_fit and (planner.ablate or planner.plot or planner.find_max_seq_length):
+        raise ConfigError("--auto-fit chooses a stack at one --seq-length: not together with --find-max-seq-length, "
+                          "--ablate or --plot")
+    checked = cfg
+    if planner.auto_fit:
+        training = autofit.strip_memory_flags(split_argv(argv)[1])
+        checked = parse_config(training + (["--mock-data"] if not cfg.data.data_path else []))
+    planning_config(checked).validate(planner.num_gpus)
+
+
+def plan(argv: list[str]) -> int:
     from megatron_lc.planning import report, search
 
-    argv = sys.argv[1:] if argv is None else argv
     planner, cfg = parse(argv)
-    machine = machine_of(planner, cfg)
+    validate_plan(planner, cfg, argv)
+    try:
+        machine = machine_of(planner, cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     out: dict = {}
-    if planner.auto_fit and (planner.ablate or planner.plot or planner.find_max_seq_length):
-        print("--auto-fit chooses a stack at one --seq-length: not together with --find-max-seq-length, --ablate "
-              "or --plot", file=sys.stderr)
-        return 2
+    fits = True
     if planner.auto_fit:
-        run_auto_fit(planner, cfg, machine, argv, out)
+        fits = run_auto_fit(planner, cfg, machine, argv, out)
     if planner.ablate or planner.plot:
         rows = search.ablate(cfg, machine, on_estimate=progress)
         out.update(report.ablation_json(rows))
@@ -187,10 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     if planner.find_max_seq_length:
         result = search.find_max_seq_length(cfg, machine, on_estimate=progress)
         out.update(report.search_json(result))
+        if not result.max_seq_length:
+            fits = False
+            out["reason"] = no_fit_reason(min(result.evaluated, key=lambda e: e.seq_length, default=None),
+                                          "the shortest length tried")
         if not planner.json:
             print(f"longest length that fits: {result.max_seq_length:,} tokens")
             if result.best:
                 print(report.estimate_table(planning_config(cfg, result.max_seq_length), result.best))
+            else:
+                print(out["reason"])
     if not (planner.ablate or planner.plot or planner.find_max_seq_length or planner.auto_fit):
         e = estimate(cfg, machine)
         out.update(e.to_json())
@@ -198,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             print(report.estimate_table(cfg, e))
     if planner.json:
         print(json.dumps(out, indent=1))
-    return 0
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Inputs, by name: `*.jsonl` and `*.json` (JSON lines; a `.json` file whose first
 character is `[` is one JSON array, read incrementally), `*.parquet`, directories
 saved with `datasets.Dataset.save_to_disk`, and any other file as plain text (one
-document per file). `.gz` compression is read transparently for JSON and text.
+document per file). `.gz`, `.xz`, `.bz2` and `.zst` compression is read transparently for
+JSON and text (`.zst` needs the `zstandard` package and is refused by name without it).
 Other directories stand for the files inside them (recursively, sorted, hidden
 entries skipped).
 
@@ -16,10 +17,13 @@ the skip for the summary.
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import glob
 import gzip
+import io
 import json
+import lzma
 import os
 from dataclasses import dataclass, field
 from typing import IO, Iterator, Mapping, Sequence
@@ -97,16 +101,108 @@ class Document:
     texts: dict[str, str]
 
 
+@dataclass
+class BytesRead:
+    """How far the reading has come, in bytes of the input files as stored (compressed bytes for a
+    compressed file): what a progress line divides by the inputs' total size."""
+
+    finished: int = 0
+    _current: IO[bytes] | None = None
+
+    def opened(self, raw: IO[bytes]) -> None:
+        self._current = raw
+
+    def finish(self, path: str) -> None:
+        """`path` is read whole."""
+        self.finished += _stored_size(path)
+        self._current = None
+
+    @property
+    def total(self) -> int:
+        current = self._current
+        try:
+            inside = current.tell() if current is not None and not current.closed else 0
+        except (OSError, ValueError):  # a stream that cannot tell counts when it is finished
+            inside = 0
+        return self.finished + inside
+
+
+def _stored_size(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
 @dataclass(frozen=True)
 class ReadOptions:
     """What to read from each record."""
 
     keys: tuple[str, ...] = ("text",)
     split: str = "train"  # the split read from a saved DatasetDict
+    max_document_chars: int | None = None  # a longer text is invalid input, named by its place
+    bytes_read: BytesRead | None = None  # advanced as the files are read, for progress lines
 
 
-def _open_binary(path: str) -> IO[bytes]:
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+COMPRESSED_SUFFIXES = (".gz", ".xz", ".bz2", ".zst")
+
+
+def _decompressed(raw: IO[bytes], path: str) -> IO[bytes]:
+    """A reader of the decompressed bytes of `raw` (by the name's suffix)."""
+    if path.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if path.endswith(".xz"):
+        return lzma.LZMAFile(raw, "rb")
+    if path.endswith(".bz2"):
+        return bz2.BZ2File(raw, "rb")
+    if path.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise InvalidInputError(f"{path}: a .zst file needs the zstandard package (pip install zstandard), "
+                                    "or decompress it first (zstd -d)") from None
+        # buffered: zstandard's reader has no readline, which line-by-line reading needs
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+    return raw
+
+
+class _Closing:
+    """The decompressed stream as a context manager that also closes the file under it."""
+
+    def __init__(self, stream: IO[bytes], raw: IO[bytes]) -> None:
+        self.stream, self.raw = stream, raw
+
+    def __enter__(self) -> IO[bytes]:
+        return self.stream
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            self.stream.close()
+        finally:
+            self.raw.close()
+
+
+def _open_binary(path: str, options: ReadOptions | None = None) -> _Closing:
+    raw = open(path, "rb")
+    try:
+        stream = _decompressed(raw, path)
+    except BaseException:
+        raw.close()
+        raise
+    if options is not None and options.bytes_read is not None:
+        options.bytes_read.opened(raw)
+    return _Closing(stream, raw)
+
+
+def check_length(location: Location, key: str, text: str, options: ReadOptions, problems: InputProblems) -> bool:
+    """Whether `text` is within --max-document-chars; else reported with its place and what to do instead (a
+    tokenizer's memory grows with the document: tens to hundreds of bytes per character, docs/data.md)."""
+    limit = options.max_document_chars
+    if limit is None or len(text) <= limit:
+        return True
+    problems.invalid(location, "document over --max-document-chars",
+                     f"{len(text):,} characters under {key!r}, the limit is {limit:,}; split it in the input, or "
+                     "raise --max-document-chars where the memory is there (fewer --workers leave each more)")
+    return False
 
 
 def _fields_to_document(
@@ -132,6 +228,8 @@ def _fields_to_document(
         if surrogate:
             problems.invalid(location, "lone surrogate (not encodable as UTF-8)", surrogate)
             return None
+        if not check_length(location, key, value, options, problems):
+            return None
         texts[key] = value
     return Document(location, texts)
 
@@ -150,7 +248,7 @@ def lone_surrogate(text: str, key: str) -> str:
 
 def read_json_lines(path: str, options: ReadOptions, problems: InputProblems) -> Iterator[Document]:
     """One record per line; blank lines are ignored."""
-    with _open_binary(path) as stream:
+    with _open_binary(path, options) as stream:
         for line_number, raw in enumerate(stream, start=1):
             if not raw.strip():
                 continue
@@ -221,7 +319,7 @@ class _JsonArrayStream:
 def read_json_array(path: str, options: ReadOptions, problems: InputProblems) -> Iterator[Document]:
     """The items of a top-level JSON array. A syntax error ends the file (there is no
     way to resynchronise inside an array): raised, or with `skip_invalid` counted."""
-    with _open_binary(path) as stream:
+    with _open_binary(path, options) as stream:
         items = _JsonArrayStream(stream, path)
         try:
             items.skip(" \t\r\n")
@@ -256,7 +354,7 @@ def read_text_file(path: str, options: ReadOptions, problems: InputProblems) -> 
     location = Location(path, 1)
     if len(options.keys) != 1:
         raise InvalidInputError(f"{path}: a plain-text file has one field, but --json-keys names {len(options.keys)}")
-    with _open_binary(path) as stream:
+    with _open_binary(path, options) as stream:
         data = stream.read()
     try:
         text = data.decode("utf-8")  # bytes as they are: CRLF and every space kept
@@ -267,7 +365,8 @@ def read_text_file(path: str, options: ReadOptions, problems: InputProblems) -> 
     if not text or text.isspace():  # isspace: no copy of a large file, unlike strip
         problems.skipped(location, "empty document", "blank file")
         return
-    yield Document(location, {options.keys[0]: text})
+    if check_length(location, options.keys[0], text, options, problems):
+        yield Document(location, {options.keys[0]: text})
 
 
 def read_parquet(path: str, options: ReadOptions, problems: InputProblems) -> Iterator[Document]:
@@ -334,7 +433,7 @@ def read_saved_dataset(path: str, options: ReadOptions, problems: InputProblems)
 
 def reader_for(path: str):
     """The reader function for one input path."""
-    name = path[:-3] if path.endswith(".gz") else path
+    name = next((path[: -len(s)] for s in COMPRESSED_SUFFIXES if path.endswith(s)), path)
     if is_saved_dataset(path):
         return read_saved_dataset
     if name.endswith(".parquet"):
@@ -373,3 +472,5 @@ def read_documents(paths: Sequence[str], options: ReadOptions, problems: InputPr
     """Every document of every input path, in order."""
     for path in paths:
         yield from reader_for(path)(path, options, problems)
+        if options.bytes_read is not None:
+            options.bytes_read.finish(path)

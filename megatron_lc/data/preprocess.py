@@ -22,11 +22,13 @@ import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from megatron_lc.cli import ArgumentParser, ConfigError, check_writable, report_tool_error
 from megatron_lc.data.corpus import (
+    BytesRead,
     Document,
     InputProblems,
     InvalidInputError,
@@ -46,6 +48,15 @@ from megatron_lc.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokeni
 # Documents go to workers in groups of about this many characters: large enough to
 # amortise inter-process transfer, small enough to keep every worker busy.
 TASK_CHARS = 256_000
+
+# A progress line at least this often, whatever --log-interval: a corpus of long documents
+# can take minutes between multiples of it.
+PROGRESS_SECONDS = 30.0
+
+# Tokenizer memory per character of one document, the largest measured (a tokenizer.json
+# byte-level BPE: a 30 MB document took 4.7 GB; SentencePiece about 47 B): the default
+# --max-document-chars gives each tokenizing process its share of RAM at this rate.
+TOKENIZER_BYTES_PER_CHAR = 160
 
 
 class NoDocumentsError(ValueError):
@@ -69,6 +80,7 @@ class PreprocessOptions:
     log_interval: int = 1000
     split: str = "train"
     show_progress: bool = True
+    max_document_chars: int | None = None  # None: no limit
 
 
 @dataclass(frozen=True)
@@ -214,20 +226,30 @@ class DatasetWriters:
 
 
 class Progress:
-    """A tqdm bar with documents/s and tokens/s on a terminal; log lines otherwise."""
+    """A tqdm bar over the input's bytes on a terminal; log lines otherwise, each time the document count
+    passes a multiple of `log_interval` and at least every `PROGRESS_SECONDS`. Both show the bytes read of
+    the input's total, MB/s and the time left at that rate."""
 
-    def __init__(self, enabled: bool, log_interval: int, position: int = 0, label: str = "") -> None:
+    def __init__(self, enabled: bool, log_interval: int, position: int = 0, label: str = "",
+                 total_bytes: int = 0, bytes_read: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, stream=None) -> None:
         self.documents = 0
         self.tokens = 0
-        self.start = time.perf_counter()
+        self._clock = clock
+        self.start = clock()
+        self._last_line = self.start
         self._log_interval = max(1, log_interval)
         self._label = label
+        self._total_bytes = total_bytes
+        self._bytes_read = bytes_read or (lambda: 0)
+        self._stream = stream or sys.stderr
         self._bar = None
-        self._log = enabled and not sys.stderr.isatty()
-        if enabled and sys.stderr.isatty():
+        self._log = enabled and not self._stream.isatty()
+        if enabled and self._stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(desc=label or "documents", unit=" docs", position=position, dynamic_ncols=True)
+            self._bar = tqdm(desc=label or "input", total=total_bytes or None, unit="B", unit_scale=True,
+                             position=position, dynamic_ncols=True, file=self._stream)
 
     def __enter__(self) -> "Progress":
         return self
@@ -237,26 +259,51 @@ class Progress:
             self._bar.close()
 
     def add(self, documents: int, tokens: int) -> None:
+        before = self.documents
         self.documents += documents
         self.tokens += tokens
         if self._bar is not None:
-            self._bar.update(documents)
-            self._bar.set_postfix_str(f"{self.tokens_per_second:,.0f} tokens/s", refresh=False)
-        elif self._log and documents and self.documents % self._log_interval == 0:
-            print(
-                f"{self._label}{self.documents:,} documents, {self.tokens:,} tokens, "
-                f"{self.documents / self.elapsed:,.1f} docs/s, {self.tokens_per_second:,.0f} tokens/s",
-                file=sys.stderr,
-                flush=True,
-            )
+            self._bar.update(max(0, self._bytes_read() - self._bar.n))
+            self._bar.set_postfix_str(f"{self.documents:,} docs, {self.tokens_per_second:,.0f} tokens/s",
+                                      refresh=False)
+            return
+        now = self._clock()
+        passed = self.documents // self._log_interval > before // self._log_interval
+        if self._log and documents and (passed or now - self._last_line >= PROGRESS_SECONDS):
+            self._last_line = now
+            print(self.line(), file=self._stream, flush=True)
+
+    def line(self) -> str:
+        """Documents, tokens, bytes read of the total, the rates, and the time left."""
+        done, total, seconds = self._bytes_read(), self._total_bytes, self.elapsed
+        rate = done / seconds
+        share = f" ({100 * done / total:.1f}%)" if total else ""
+        left = format_duration((total - done) / rate) if total and rate > 0 else "?"
+        return (f"{self._label}{self.documents:,} documents, {self.tokens:,} tokens, {format_size(done)} of "
+                f"{format_size(total)} read{share}, {format_size(rate)}/s, {self.documents / seconds:,.1f} docs/s, "
+                f"{self.tokens_per_second:,.0f} tokens/s, ETA {left}")
 
     @property
     def elapsed(self) -> float:
-        return max(time.perf_counter() - self.start, 1e-9)
+        return max(self._clock() - self.start, 1e-9)
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.elapsed
+
+
+def format_size(size: float) -> str:
+    """Bytes in decimal units, as `du --si` and tqdm write them: 512 B, 1.5 kB, 36.2 MB, 1.2 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:,.1f} {unit}"
+    return f"{size:.0f} B"
+
+
+def format_duration(seconds: float) -> str:
+    """H:MM:SS."""
+    seconds = max(0, round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 @dataclass
@@ -328,12 +375,15 @@ def run_partition(
     inputs without any document raise and leave `prefixes` untouched."""
     config = _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model))
     problems = InputProblems(options.skip_invalid)
-    read_options = ReadOptions(tuple(options.json_keys), options.split)
+    bytes_read = BytesRead()
+    read_options = ReadOptions(tuple(options.json_keys), options.split, options.max_document_chars, bytes_read)
     tasks = group_documents(read_documents(files, read_options, problems), options.json_keys)
     label = f"partition {position}: " if options.partitions > 1 else ""
+    total_bytes = sum(_input_size(path) for path in files)
     with (
         DatasetWriters(prefixes, np.dtype(config.dtype).type) as writers,
-        Progress(options.show_progress, options.log_interval, position, label) as progress,
+        Progress(options.show_progress, options.log_interval, position, label, total_bytes,
+                 lambda: bytes_read.total) as progress,
         TokenizerPool(config, workers) as pool,
     ):
         for encoded in pool.map_ordered(tasks):
@@ -408,7 +458,7 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
     if options.workers < 1 or options.partitions < 1:
         raise ValueError(f"--workers ({options.workers}) and --partitions ({options.partitions}) must be >= 1")
     start = time.perf_counter()
-    files = expand_inputs(options.inputs)
+    files = input_files(options)
     if options.partitions > 1 and len(files) > 1:
         summary = _run_partitions(files, options)
     else:
@@ -418,9 +468,57 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
     return summary
 
 
+def output_files(options: PreprocessOptions) -> set[str]:
+    """The absolute paths this run writes."""
+    prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
+    return {os.path.abspath(path) for prefix in prefixes for path in (bin_path(prefix), idx_path(prefix))}
+
+
+def input_files(options: PreprocessOptions, announce: bool = True) -> list[str]:
+    """The input files, without this run's own output: an input directory that also holds the previous
+    output would otherwise read its .bin/.idx as plain-text documents."""
+    outputs = output_files(options)
+    files = expand_inputs(options.inputs)
+    kept = [path for path in files if os.path.abspath(path) not in outputs]
+    for path in sorted(set(files) - set(kept)) if announce else ():
+        print(f"preprocess_data: not reading {path}: it is this run's output (--output-prefix)", file=sys.stderr)
+    return kept
+
+
+def default_max_document_chars(processes: int) -> int:
+    """Characters of one document that each of `processes` tokenizing processes can hold in its share of this
+    machine's RAM at `TOKENIZER_BYTES_PER_CHAR`."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # no sysconf: no limit rather than a guessed one
+        return 0
+    return ram // max(1, processes) // TOKENIZER_BYTES_PER_CHAR
+
+
+def check_options(options: PreprocessOptions) -> None:
+    """What can be known wrong before any document is read, as a `ConfigError` naming the flag: sizes, the
+    inputs, the tokenizer and its special tokens, and the output directory."""
+    for name, value in (("--workers", options.workers), ("--partitions", options.partitions),
+                        ("--log-interval", options.log_interval)):
+        if value < 1:
+            raise ConfigError(f"{name} {value} must be >= 1")
+    if options.max_document_chars is not None and options.max_document_chars < 1:
+        raise ConfigError(f"--max-document-chars {options.max_document_chars} must be >= 0 (0: no limit)")
+    try:
+        if not input_files(options, announce=False):
+            raise ConfigError(f"--input {' '.join(options.inputs)}: no input file (only this run's own output)")
+        _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model))
+    except (InvalidInputError, ValueError, OSError) as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(str(error)) from error
+    check_writable(os.path.dirname(os.path.abspath(options.output_prefix)), "--output-prefix")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Megatron's preprocess_data.py flags, plus a few for bad input and partitions."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="preprocess_data.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input")
     group.add_argument(
         "--input",
@@ -461,6 +559,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-interval", type=int, default=1000, help="documents between progress lines when not on a terminal"
     )
     group.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    group.add_argument(
+        "--max-document-chars", type=int, default=None,
+        help="a longer document is refused (or skipped with --skip-invalid), naming it, instead of the tokenizer "
+        f"running out of memory (default: RAM / tokenizing processes / {TOKENIZER_BYTES_PER_CHAR} B per character; "
+        "0: no limit)")
     return parser
 
 
@@ -480,16 +583,35 @@ def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
         log_interval=args.log_interval,
         split=args.split,
         show_progress=not args.no_progress,
+        max_document_chars=_max_document_chars(args),
     )
 
 
+def _max_document_chars(args: argparse.Namespace) -> int | None:
+    """The flag's value, its default from RAM when not given, None for no limit."""
+    if args.max_document_chars is None:
+        return default_max_document_chars(max(args.workers, args.partitions)) or None
+    return None if args.max_document_chars == 0 else args.max_document_chars  # a negative one is refused later
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: 0 on success, 1 with a one-line error on bad input."""
-    args = build_parser().parse_args(argv)
+    """Command-line entry point: 0 on success; one line and 2 for a command line that cannot work (checked
+    before reading), 1 for bad input found while reading (`file:line`) or a failed write (the path, the OS's
+    reason)."""
     try:
-        summary = preprocess(options_from_args(args))
-    except (InvalidInputError, ValueError, FileNotFoundError) as error:
+        options = options_from_args(build_parser().parse_args(argv))
+        check_options(options)
+    except ConfigError as error:
+        return report_tool_error("preprocess_data", error)
+    try:
+        summary = preprocess(options)
+    except (InvalidInputError, ValueError) as error:
         print(f"preprocess_data: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # a full disk, a vanished directory: the path and the OS's reason
+        where = error.filename or options.output_prefix
+        print(f"preprocess_data: error: {where}: {error.strerror or error} (nothing written: the partial output "
+              "was removed)", file=sys.stderr)
         return 1
     print(summary.format())
     return 0

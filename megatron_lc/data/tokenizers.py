@@ -319,6 +319,10 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | No
     return _BUILDERS_FROM_FILE[tokenizer_type](path)
 
 
+# SentencePiece's trainer drops longer sentences (UTF-8 bytes) without a word: callers cut them first.
+SENTENCEPIECE_MAX_SENTENCE_BYTES = 1 << 16
+
+
 def reservoir_sample(items: Iterable[str], size: int, seed: int) -> list[str]:
     """A uniform sample of `size` items from a stream of unknown length, fixed by `seed`."""
     rng = random.Random(seed)
@@ -352,6 +356,8 @@ def train_sentencepiece(
     prefix = os.fspath(output_prefix)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     sample = reservoir_sample(sentences, max_sentences, seed)  # SentencePiece's own sampling is unseeded
+    if not sample:  # else SentencePiece's own internal error
+        raise ValueError("no training line: the inputs hold no non-blank text under the keys")
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(sample),
         model_prefix=prefix,
@@ -367,7 +373,7 @@ def train_sentencepiece(
         bos_id=1,
         eos_id=2,
         pad_id=-1,
-        max_sentence_length=1 << 16,
+        max_sentence_length=SENTENCEPIECE_MAX_SENTENCE_BYTES,
         hard_vocab_limit=False,  # a small corpus may not support the full vocabulary
         minloglevel=2,
     )

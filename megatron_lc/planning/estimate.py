@@ -198,9 +198,12 @@ class Estimate:
 def planning_config(cfg: TrainConfig, seq_length: int | None = None) -> TrainConfig:
     """A copy of `cfg` that needs no data files (the planner reads none), at `seq_length` if given."""
     data = dataclasses.replace(cfg.data, mock_data=True, data_path=[], valid_data_path=[], train_data_path=[],
-                               test_data_path=[], split=None, seq_length=seq_length or cfg.data.seq_length)
-    logging = dataclasses.replace(cfg.logging, eval_interval=None)  # validation data is gone with the files
-    return dataclasses.replace(cfg, data=data, logging=logging)
+                               test_data_path=[], split=None, seq_length=seq_length or cfg.data.seq_length,
+                               data_cache_path=None)
+    logging = dataclasses.replace(cfg.logging, eval_interval=None,  # validation data is gone with the files
+                                  log_dir=None, tensorboard_dir=None)  # planning writes nowhere
+    train = dataclasses.replace(cfg.train, device="auto")  # the planned machine's GPUs, not this machine's
+    return dataclasses.replace(cfg, data=data, logging=logging, train=train)
 
 
 def traced_layer_counts(cfg: TrainConfig) -> tuple[int, ...]:

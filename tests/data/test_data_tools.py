@@ -126,3 +126,25 @@ def test_megatron_core_reads_preprocess_output(jsonl_corpus, tmp_path, tiktoken_
     assert len(theirs) == len(ours) > 0
     for i in range(len(ours)):
         np.testing.assert_array_equal(theirs[i], ours[i])
+
+
+def test_train_tokenizer_cuts_lines_sentencepiece_would_drop_and_says_so(tmp_path):
+    """Every line over SentencePiece's 64 KiB: trained on their pieces (not its internal error), counted."""
+    words = ["alpha", "beta", "gamma", "delta", "long", "context"]
+    line = " ".join(words[i * 7 % 6] for i in range(15_000))  # about 80 KB, no newline
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"text": line + str(i)}) + "\n" for i in range(3)))
+    result = run_tool("train_tokenizer.py", "--input", tmp_path / "long.jsonl", "--output-prefix", tmp_path / "t",
+                      "--vocab-size", "300")
+    assert result.returncode == 0, result.stderr
+    assert f"3 lines over 65,536 bytes cut into pieces (first in {tmp_path / 'long.jsonl'}:1)" in result.stdout
+    assert (tmp_path / "t.model").exists()
+
+
+def test_split_long_line_keeps_every_character_and_cuts_at_spaces():
+    sys.path.insert(0, str(TOOLS))
+    from train_tokenizer import split_long_line
+
+    line = ("ü" * 30 + " ") * 5000
+    pieces = split_long_line(line, limit=1000)
+    assert "".join(pieces) == line and all(len(p.encode()) <= 1000 and p.endswith(" ") for p in pieces[:-1])
+    assert split_long_line("é" * 1000, limit=101) and "".join(split_long_line("é" * 1000, limit=101)) == "é" * 1000

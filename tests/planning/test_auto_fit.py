@@ -177,11 +177,45 @@ def test_command_line_flags_parse_and_validate():
     assert fit["flags"] and fit["time"]["step_s"] > 0 and len(fit["traced"]) < fit["candidates"]
     assert got["time"]["step_s"] == fit["time"]["step_s"]  # the answer's estimate carries its predicted time
     command = fit["command"]
-    assert command[:3] == ["python", "-m", "megatron_lc.train"] and command[-len(fit["flags"]):] == fit["flags"]
-    cfg = parse_config([*command[3:], "--mock-data"])
+    assert command[:5] == ["torchrun", "--nproc-per-node", "2", "-m", "megatron_lc.train"]
+    assert command[-len(fit["flags"]):] == fit["flags"]
+    cfg = parse_config(_with_mock_data(command[5:]))
     cfg.validate(2)
     assert (cfg.memory.recompute_granularity, cfg.memory.offload_activations) in {(r, o != "off") for r, o in MODES}
     assert cfg.memory.tiled_loss and cfg.memory.tiled_loss_tiles == 1  # the untiled loss cannot fit 0.25 GiB
+
+
+def _with_mock_data(train_args: list[str]) -> list[str]:
+    """The printed training flags with the data placeholder (given no data flags, the planner names one) replaced
+    by --mock-data."""
+    i = train_args.index("--data-path")
+    assert train_args[i + 1] == estimate_memory.DATA_PLACEHOLDER
+    return [*train_args[:i], *train_args[i + 2:], "--mock-data"]
+
+
+def test_printed_command_launches_every_node_and_keeps_the_data_flags():
+    """One torchrun per node with --nnodes beyond one node, and the data flags given to the planner as given."""
+    one = Machine(num_gpus=4)
+    assert estimate_memory.launch_command(one, ["--mock-data"]) == [
+        "torchrun", "--nproc-per-node", "4", "-m", "megatron_lc.train", "--mock-data"]
+    two = estimate_memory.launch_command(Machine(num_gpus=16), ["--data-path", "d/c_text_document"])
+    assert two[:5] == ["torchrun", "--nproc-per-node", "8", "--nnodes", "2"]
+    assert two[-3:] == ["megatron_lc.train", "--data-path", "d/c_text_document"]
+    assert estimate_memory.DATA_PLACEHOLDER not in two
+
+
+@pytest.mark.parametrize("mode", ["--auto-fit", "--find-max-seq-length"])
+def test_nothing_fits_exits_1_with_the_reason(mode):
+    argv = [*TINY, "--num-gpus", "2", "--reserve-gib", "0", "--gpu-memory-gib", "0.001", "--recompute-granularity",
+            "full", mode, "--json"]
+    if mode == "--auto-fit":
+        argv += ["--auto-fit-max-traces", "3"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert estimate_memory.main(argv) == 1
+    got = json.loads(out.getvalue())
+    reason = got["auto_fit"]["reason"] if mode == "--auto-fit" else got["reason"]
+    assert reason.startswith("nothing fits: ") and "GiB of 0.00" in reason and not got["fits"]
 
 
 def test_untied_stage_widths_follow_the_all_to_all_level_of_a_hierarchical_layout():
@@ -204,6 +238,6 @@ def test_auto_fit_keeps_a_ring_layout_in_the_command_it_prints():
     fit = json.loads(out.getvalue())["auto_fit"]
     command = fit["command"]
     assert command[command.index("--cp-comm-type") + 1] == "p2p" and "--cp-impl" not in fit["flags"]
-    cfg = parse_config([*command[3:], "--mock-data"])
+    cfg = parse_config(_with_mock_data(command[5:]))
     cfg.validate(2)
     assert cfg.context_layout().ring_size == 2 and fit["gpu_peak_gib"] <= 0.25

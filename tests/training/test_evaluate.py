@@ -66,3 +66,16 @@ def test_sequence_longer_than_the_data_is_refused_not_reported_as_zero_loss(trai
 def test_wandb_without_its_package_is_refused_before_any_work():
     with pytest.raises(ConfigError, match="--wandb-project p needs the wandb package"):
         parse_config(["--mock-data", "--wandb-project", "p"]).validate(1)
+
+
+def test_ids_beyond_the_vocabulary_are_refused_in_one_line_as_training_does(trained):
+    """An id the embedding has no row for: one line naming the dataset, exit 2 (was an IndexError)."""
+    with IndexedDatasetBuilder(trained / "wide.bin", dtype=np.uint16) as builder:
+        builder.add_item(np.array([1, 2, 60000] * 40))
+        builder.end_document()
+        builder.finalize(trained / "wide.idx")
+    cmd = [sys.executable, "-m", "megatron_lc.evaluate", "--load", str(trained / "ckpt"), "--data-path",
+           str(trained / "wide"), "--seq-length", "64", "--device", "cpu"]
+    out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "wide" in lines[0] and "60000" in lines[0], out.stderr

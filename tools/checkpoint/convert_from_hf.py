@@ -7,29 +7,46 @@ field the model does not compute exactly is refused in one line (exit status 2),
 that already holds checkpoints unless --force.
 """
 
-import argparse
+import os
 
-from megatron_lc.config import ConfigError
+from megatron_lc.cli import ArgumentParser, ConfigError
 from megatron_lc.entry import run_entry_point
 from megatron_lc.models.llama.conversion import hf_to_checkpoint
 from megatron_lc.models.llama.hf import UnsupportedHFConfig
 
 
-def convert(args) -> None:
+def check_hf_directory(load: str) -> None:
+    """A local directory with a config.json: anything else would be read by transformers as a Hub repo id and
+    refused as a badly formed one."""
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load {load}: no such directory (a local Hugging Face model directory; download a Hub "
+                          "model first, e.g. huggingface-cli download REPO --local-dir DIR)")
+    if not os.path.isfile(os.path.join(load, "config.json")):
+        raise ConfigError(f"--load {load}: no config.json there (not a Hugging Face model directory)")
+
+
+def convert(argv) -> None:
+    args = build_parser().parse_args(argv)
+    check_hf_directory(args.load)
     try:
         print(f"wrote {hf_to_checkpoint(args.load, args.save, force=args.force)}")
     except UnsupportedHFConfig as e:
         raise ConfigError(f"--load {args.load}: {e}") from e
+    except FileNotFoundError as e:  # no safetensors files: named by the conversion
+        raise ConfigError(str(e)) from e
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="convert_from_hf.py", description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True, help="Hugging Face model directory")
     p.add_argument("--save", required=True, help="checkpoint root to write (empty, or new)")
     p.add_argument("--force", action="store_true", help="add iter_0000000 to a --save that holds checkpoints; "
                    "the marker keeps naming their latest step")
-    args = p.parse_args(argv)
-    run_entry_point(lambda: convert(args))
+    return p
+
+
+def main(argv=None) -> None:
+    run_entry_point(lambda: convert(argv))
 
 
 if __name__ == "__main__":

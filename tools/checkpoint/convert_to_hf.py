@@ -10,7 +10,9 @@ import argparse
 
 import torch
 
+from megatron_lc.cli import ArgumentParser, ConfigError
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
+from megatron_lc.entry import run_entry_point
 from megatron_lc.models.llama.conversion import checkpoint_to_hf
 
 
@@ -24,8 +26,8 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 5GB or 500MB") from None
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="convert_to_hf.py", description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True, help="--save directory of a run, or one iter_* checkpoint")
     p.add_argument("--iteration", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--save", required=True, help="output directory (safetensors + config.json)")
@@ -37,10 +39,21 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--max-shard-size", type=parse_size, default="5GB",
                    help="largest safetensors shard, e.g. 5GB or 500MB (default 5GB, as transformers)")
-    args = p.parse_args(argv)
-    out = checkpoint_to_hf(args.load, args.save, args.iteration, getattr(torch, args.dtype), args.tokenizer_model,
-                           max_shard_bytes=args.max_shard_size, tokenizer_type=args.tokenizer_type)
+    return p
+
+
+def convert(argv) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        out = checkpoint_to_hf(args.load, args.save, args.iteration, getattr(torch, args.dtype), args.tokenizer_model,
+                               max_shard_bytes=args.max_shard_size, tokenizer_type=args.tokenizer_type)
+    except FileNotFoundError as e:  # no checkpoint in --load, no --tokenizer-model: named by the conversion
+        raise ConfigError(str(e)) from e
     print(f"wrote {out}")
+
+
+def main(argv=None) -> None:
+    run_entry_point(lambda: convert(argv))
 
 
 if __name__ == "__main__":
