@@ -67,7 +67,7 @@ def test_data_path_takes_weight_prefix_pairs_or_plain_prefixes():
         (["0.7", "a", "nan", "b"], r"weight 'nan' \(before 'b'\) is not a non-negative number"),
         (["a", "0.3", "b"], r"'0\.3' looks like a weight among plain prefixes"),
         (["0.5", "0.5"], r"'0\.5' follows weight '0\.5' where a prefix belongs"),
-        (["0", "a", "0", "b"], r"the weights sum to zero"),
+        (["0.7", "a", "0", "b"], r"--data-path: weight '0' of 'b' is zero; leave the prefix out instead"),
     ],
 )
 def test_weights_that_are_not_numbers_or_do_not_pair_are_named(values, message):
@@ -149,10 +149,13 @@ def test_weighted_blend_through_build_datasets(prefixes):
         assert len({int(t) // 1000 for t in sources.train.read_tokens(i, 0, SEQ + 1)}) == 1
 
 
-def test_plain_prefixes_weigh_their_size(prefixes):
+def test_plain_prefixes_weigh_their_number_of_samples(prefixes):
+    """As megatron-core: A's 1,000 tokens hold 62 samples of 16, B's 400 hold 24; the blend is
+    min(asked, 62 + 24) samples long, every sample of each once."""
     sources = build_datasets([prefixes["A"], prefixes["B"]], SEQ, seed=0, num_samples={"train": 140})
-    labels = [int(sources.train.read_tokens(i, 0, 1)[0]) // 1000 for i in range(140)]
-    assert labels.count(1) == 100 and labels.count(2) == 40
+    assert len(sources.train) == 86
+    labels = [int(sources.train.read_tokens(i, 0, 1)[0]) // 1000 for i in range(86)]
+    assert labels.count(1) == 62 and labels.count(2) == 24
 
 
 def test_blend_is_deterministic_for_a_seed(prefixes):
