@@ -123,6 +123,39 @@ def test_blending_index_is_megatrons():
         np.testing.assert_array_equal(samples, expected_samples)
 
 
+def test_vectorised_blending_index_equals_helpers_cpp_bit_for_bit():
+    """Sizes around the block length, one to 50 sources, weights with exact ties, and an index
+    continued from where a shorter one ended."""
+    from megatron.core.datasets import helpers_cpp
+
+    from megatron_lc.data.blending import normalize
+
+    rng = np.random.default_rng(1)
+    weightings = [[1.0], [0.5, 0.5], normalize([0.96, 0.6]), normalize(normalize([1, 1, 1])), [0.25] * 4,
+                  normalize(rng.random(9)), normalize(rng.random(50)), normalize([1e-4, 1.0])]
+    for weights in weightings:
+        for size in (1, 2, 15, 16, 17, 1000, 70_001):
+            expected = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
+            helpers_cpp.build_blending_indices(*expected, np.array(weights), len(weights), size, False)
+            got = blending_indices(weights, size)
+            np.testing.assert_array_equal(got[0], expected[0])
+            np.testing.assert_array_equal(got[1], expected[1])
+            cut = size // 3
+            drawn = np.bincount(expected[0][:cut], minlength=len(weights)).tolist()
+            rest = blending_indices(weights, size - cut, start=cut, drawn=drawn)
+            np.testing.assert_array_equal(rest[0], expected[0][cut:])
+            np.testing.assert_array_equal(rest[1], expected[1][cut:])
+
+
+def test_a_prefix_whose_part_rounds_to_no_document_is_named(prefixes):
+    parts = build_datasets(["0.5", prefixes["A"], "0.5", prefixes["B"]], SEQ, seed=0, split="969,30,1")
+    assert parts.notes == (f"--split 969,30,1: the test part of {prefixes['A']} is empty (100 documents, range "
+                           f"[100, 100)); the test part is built without it",
+                           f"--split 969,30,1: the test part of {prefixes['B']} is empty (40 documents, range "
+                           f"[40, 40)); the test part is built without it")
+    assert parts.test is None and parts.valid is not None
+
+
 def test_blend_draws_in_proportion_to_weights_at_every_prefix():
     sources, samples = blending_indices([0.5, 0.3, 0.2], 10_000)
     counts = np.stack([np.cumsum(sources == d) for d in range(3)], axis=1)
