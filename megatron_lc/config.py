@@ -111,7 +111,8 @@ class DataArgs:
     data_path: list[str] = flag_list("indexed datasets: PREFIX ... or W1 PREFIX1 W2 PREFIX2 ... (weighted blend; "
                                      "PREFIX of PREFIX.bin/.idx); cut into train/valid/test by --split")
     split: str | None = flag(None, "train,valid,test weights carving every --data-path prefix by document, "
-                                   "e.g. 969,30,1 (default: all documents train)")
+                                   "e.g. 969,30,1 (default with --data-path: 969, 30, 1 and a warning, as "
+                                   "Megatron-LM)")
     train_data_path: list[str] = flag_list("training blend, uncut (replaces --data-path's train part)")
     valid_data_path: list[str] = flag_list("validation blend, uncut (replaces --data-path's valid part)")
     test_data_path: list[str] = flag_list("test blend, uncut (replaces --data-path's test part)")
@@ -190,7 +191,8 @@ class LoggingArgs:
     log_dir: str | None = flag(None, "where metrics.jsonl goes (default: a new directory under runs/)")
     tensorboard_dir: str | None = flag(None, "tensorboard event files (default: none)")
     eval_interval: int | None = flag(None, "validation every N steps")
-    eval_iters: int = flag(2, "validation micro-batches per evaluation")
+    eval_iters: int = flag(2, "global batches per evaluation (Megatron's iterations); the test part, when there is one, "
+                                 "is evaluated once at the end of training over as many")
     wandb_project: str | None = flag(None, "Weights & Biases project to log to (needs the wandb package)")
     wandb_exp_name: str | None = flag(None, "Weights & Biases run name")
     log_validation_ppl_to_tensorboard: bool = flag(False, "also write the validation perplexity to tensorboard "
@@ -357,9 +359,9 @@ class TrainConfig:
         if g.eval_interval is not None and (g.eval_interval < 1 or g.eval_iters < 1):
             raise ConfigError(f"--eval-interval {g.eval_interval} with --eval-iters {g.eval_iters}: both must be "
                               ">= 1 (omit --eval-interval for no validation)")
-        if g.eval_interval and not self.data.valid_data_path and not self.data.split:
-            raise ConfigError(f"--eval-interval {g.eval_interval} needs validation data: give --split (e.g. 969,30,1) "
-                              "or --valid-data-path")
+        if g.eval_interval and not self.data.valid_data_path and not self.data.data_path:
+            raise ConfigError(f"--eval-interval {g.eval_interval} needs validation data: give --data-path (split "
+                              "969,30,1 unless --split says otherwise) or --valid-data-path")
         for name, value in (("--exit-interval", t.exit_interval), ("--exit-duration-in-mins", t.exit_duration_in_mins),
                             ("--save-interval", self.checkpoint.save_interval)):
             if value is not None and value <= 0:

@@ -1,7 +1,11 @@
 """Loss of a checkpoint on a dataset, in stream order: `python -m megatron_lc.evaluate`.
 
-    python -m megatron_lc.evaluate --load CKPT --data-path PREFIX --seq-length S \
-        [--num-samples N] [--context-parallel-size CP] [--loss-by-position BUCKETS]
+    python -m megatron_lc.evaluate --load CKPT --data-path [W1] PREFIX1 [[W2] PREFIX2 ...] --seq-length S \
+        [--split 969,30,1 [--split-part valid]] [--num-samples N] [--context-parallel-size CP] \
+        [--loss-by-position BUCKETS]
+
+--data-path takes training's blend syntax (weights or none, blended as megatron-core blends
+them); with --split, one part of it (the validation part unless --split-part says otherwise).
 
 Prints one JSON object: samples, tokens, loss (mean per valid token) and, with
 --loss-by-position, the mean loss in each of BUCKETS equal position ranges of the
@@ -18,13 +22,13 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.cli import ArgumentParser
 from megatron_lc.config import ConfigError, config_from_values
 from megatron_lc.context_layout import CP_COMM_TYPES
-from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loader import MicroBatchLoader
-from megatron_lc.data.samples import LongSequenceSamples
-from megatron_lc.attention.kernels import activate_flash_impl
+from megatron_lc.data.samples import SampleSource
+from megatron_lc.data.sources import SPLIT_NAMES, build_datasets
 from megatron_lc.devices import resolve_devices, set_cuda_allocator_settings
 from megatron_lc.entry import run_entry_point
 from megatron_lc.models.llama import build_model
@@ -38,7 +42,10 @@ from megatron_lc.training.step import IGNORE_INDEX
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m megatron_lc.evaluate", description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True, help="checkpoint directory (a --save root or one iter_* directory)")
-    p.add_argument("--data-path", required=True, help="indexed dataset prefix")
+    p.add_argument("--data-path", required=True, nargs="+",
+                   help="indexed dataset prefixes, as for training: PREFIX ... or W1 PREFIX1 W2 PREFIX2 ...")
+    p.add_argument("--split", default=None, help="train,valid,test weights as for training (default: every document)")
+    p.add_argument("--split-part", default="valid", choices=SPLIT_NAMES, help="with --split: the part evaluated")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     p.add_argument("--num-samples", type=int, default=None, help="samples to evaluate (default: all whole samples)")
     p.add_argument("--micro-batch-size", type=int, default=1)
@@ -63,14 +70,13 @@ def evaluate(args) -> dict:
     cfg = config_from_values({"context_parallel_size": args.context_parallel_size, "cp_impl": args.cp_impl,
                               "cp_comm_type": args.cp_comm_type,
                               "hierarchical_context_parallel_sizes": args.hierarchical_context_parallel_sizes or [],
-                              "seq_length": args.seq_length, "data_path": [args.data_path]})
+                              "seq_length": args.seq_length, "data_path": args.data_path, "split": args.split})
     cfg.validate(launch.world_size)
-    source = LongSequenceSamples(_checked_dataset(args.data_path, config.vocab_size), args.seq_length, seed=0,
-                                 shuffle=False)
+    source = evaluation_source(args, config.vocab_size)
     total = min(args.num_samples or len(source), len(source))
     per_step = args.micro_batch_size * ParallelDims(launch.world_size, cp=args.context_parallel_size).dp
     if total < per_step:
-        raise ConfigError(f"--data-path {args.data_path} holds {len(source)} whole samples of --seq-length "
+        raise ConfigError(f"--data-path {' '.join(args.data_path)} holds {len(source)} whole samples of --seq-length "
                           f"{args.seq_length}; evaluating needs at least {per_step} (shorten --seq-length)")
     set_cuda_allocator_settings()  # before CUDA initialises, as in training
     devices = resolve_devices(args.device, launch.local_rank)
@@ -92,17 +98,22 @@ def evaluate(args) -> dict:
     return _loss_over(loader, model, pstate, devices.accelerator, args)
 
 
-def _checked_dataset(prefix: str, vocab_size: int) -> IndexedDataset:
-    """The dataset, its ids checked against the checkpoint's vocabulary as training checks them (an id beyond
+def evaluation_source(args, vocab_size: int | None = None) -> SampleSource:
+    """The samples evaluated, in stream order: the whole blend, or one --split part of it; with `vocab_size`
+    every dataset's ids are checked against the checkpoint's vocabulary as training checks them (an id beyond
     it would index past the embedding)."""
-    from megatron_lc.data.sources import check_token_ids
-
     try:
-        dataset = IndexedDataset(prefix)
-        check_token_ids(dataset, vocab_size)
+        parts = build_datasets(args.data_path, args.seq_length, seed=0, split=args.split, shuffle=False,
+                               num_samples={name: args.num_samples for name in SPLIT_NAMES if args.num_samples},
+                               vocab_size=vocab_size)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--data-path {prefix}: {e}" if prefix not in str(e) else str(e)) from e
-    return dataset
+        raise ConfigError(f"--data-path {' '.join(args.data_path)}: {e}") from e
+    part = args.split_part if args.split is not None else "train"  # without --split every document is "train"
+    source = getattr(parts, part)
+    if source is None:
+        raise ConfigError(f"--split {args.split}: the {part} part is empty; give it documents or another "
+                          "--split-part")
+    return source
 
 
 def _loss_over(loader, model, pstate, device, args) -> dict:

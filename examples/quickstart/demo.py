@@ -143,7 +143,7 @@ def main() -> None:
     ckpt, logs = work / "checkpoints", work / "logs"
     train_flags = [
         "--model", "debug", *tok, "--data-path", str(work / "train_text_document"),
-        "--valid-data-path", str(work / "valid_text_document"), "--seq-length", str(args.seq_length),
+        "--split", "100,0,0", "--valid-data-path", str(work / "valid_text_document"), "--seq-length", str(args.seq_length),
         "--micro-batch-size", "2", "--train-iters", str(args.train_iters), "--lr", "3e-3", "--min-lr", "3e-4",
         "--lr-warmup-iters", "5", "--weight-decay", "0.0", "--context-parallel-size", "2",
         "--cp-impl", "untied_ulysses", "--recompute-granularity", "full", "--offload-activations",

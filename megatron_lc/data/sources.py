@@ -1,7 +1,9 @@
 """Megatron's data flags turned into train, validation and test sample sources.
 
-- `--data-path [W1] P1 [W2 P2 ...]`: prefixes, each with a weight or none (then each
-  weighs its number of samples, as Megatron). `--split 969,30,1` carves train,
+- `--data-path [W1] P1 [W2 P2 ...]`: prefixes, each with a positive weight or none (then
+  each weighs its part's number of samples, as megatron-core). Weights are normalised as
+  megatron-core does it (its builder's `normalize`, then BlendedDataset's again), in
+  float64 with numpy's summation: one bit of difference flips exact ties of the index. `--split 969,30,1` carves train,
   validation and test from every prefix by document: contiguous ranges of the
   documents in file order, Megatron's rounding, so the parts never change with the seed;
   the seed orders the documents within each part.
@@ -21,12 +23,15 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_lc.data.blending import BlendedSamples
+from megatron_lc.data.blending import BlendedSamples, normalize
 from megatron_lc.data.index_cache import IndexCache, dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset, bin_path, idx_path
 from megatron_lc.data.samples import LongSequenceSamples, SampleSource
 
 SPLIT_NAMES = ("train", "valid", "test")
+DEFAULT_SPLIT = "969, 30, 1"  # Megatron-LM's value when --data-path comes without --split
+DEFAULT_SPLIT_WARNING = ('WARNING: Please specify --split when using --data-path. Using legacy default value '
+                         f'of "{DEFAULT_SPLIT}"')  # Megatron-LM's words
 
 
 def _as_weight(text: str) -> float | None:
@@ -60,9 +65,9 @@ def parse_data_path(values: Sequence[str], flag: str = "--data-path") -> list[tu
             raise ValueError(f"{flag}: weight {weight_text!r} (before {prefix!r}) is not a non-negative number")
         if _as_weight(prefix) is not None:
             raise ValueError(f"{flag}: {prefix!r} follows weight {weight_text!r} where a prefix belongs")
+        if weight == 0:  # megatron-core asserts every weight is positive
+            raise ValueError(f"{flag}: weight {weight_text!r} of {prefix!r} is zero; leave the prefix out instead")
         pairs.append((weight, prefix))
-    if sum(weight for weight, _ in pairs) <= 0:
-        raise ValueError(f"{flag}: the weights sum to zero")
     return pairs
 
 
@@ -124,6 +129,7 @@ class DataSources:
     train: SampleSource | None
     valid: SampleSource | None
     test: SampleSource | None
+    notes: tuple[str, ...] = ()  # one line each, for rank 0 to print: a prefix left out of a part
 
 
 @dataclass(frozen=True)
@@ -136,21 +142,30 @@ class _Part:
 
 def _parts(
     data_path: Sequence[str], split: str | None, explicit: dict[str, Sequence[str]], datasets: dict[str, IndexedDataset]
-) -> list[_Part]:
-    """Each part's members: an explicit path whole, else its range of every --data-path prefix."""
+) -> tuple[list[_Part], list[str]]:
+    """Each part's members (an explicit path whole, else its range of every --data-path
+    prefix), and a note for each prefix whose range of a part rounds to no document."""
     blend = parse_data_path(data_path)
     fractions = parse_split(split) if split is not None else (1.0, 0.0, 0.0)
-    parts = []
+    parts, notes = [], []
     for index, name in enumerate(SPLIT_NAMES):
         if explicit.get(name):
             members = tuple((w, p, None) for w, p in parse_data_path(explicit[name], f"--{name}-data-path"))
-        else:
-            members = tuple(
-                (w, p, split_ranges(len(datasets[p].sequence_lengths), fractions)[index]) for w, p in blend
-            )
-            members = tuple(m for m in members if m[2] is not None and m[2][1] > m[2][0])
-        parts.append(_Part(name, members))
-    return parts
+            parts.append(_Part(name, members))
+            continue
+        kept = []
+        for weight, prefix in blend:
+            count = len(datasets[prefix].sequence_lengths)
+            document_range = split_ranges(count, fractions)[index]
+            if document_range is None:  # a part of zero weight: no part at all, as in Megatron
+                continue
+            if document_range[1] > document_range[0]:
+                kept.append((weight, prefix, document_range))
+            else:  # megatron-core hangs or asserts here; the part is built without this prefix
+                notes.append(f"--split {split}: the {name} part of {prefix} is empty ({count} documents, range "
+                             f"[{document_range[0]}, {document_range[1]})); the {name} part is built without it")
+        parts.append(_Part(name, tuple(kept)))
+    return parts, notes
 
 
 def data_prefixes(
@@ -220,10 +235,32 @@ def build_datasets(
     cache = IndexCache(cache_path)
     datasets = _open(data_prefixes(data_path, train_data_path, valid_data_path, test_data_path), vocab_size, cache)
     sources = {}
-    for part in _parts(data_path, split, explicit, datasets):
+    parts, notes = _parts(data_path, split, explicit, datasets)
+    for part in parts:
         sources[part.name] = _part_source(part, datasets, seq_length, seed, shuffle and part.name == "train",
                                           cache, (num_samples or {}).get(part.name))
-    return DataSources(**sources)
+    return DataSources(**sources, notes=tuple(notes))
+
+
+def blend_weights_and_size(
+    weights: Sequence[float | None], lengths: Sequence[int], num_samples: int | None
+) -> tuple[list[float], int]:
+    """The weights handed to the blend and its length, as megatron-core's builder sets them.
+
+    Explicit weights: normalised once here (the builder's `normalize`; the blend
+    normalises again); the length is the sum of each source's `ceil(num_samples * w)`.
+    No weights: each source weighs its number of samples (`lengths`), and the length is
+    `min(num_samples, sum(lengths))`. Without `num_samples` (Megatron needs one for
+    explicit weights, and builds its exhaustive index without weights) the length is
+    `sum(lengths)`; the index itself never depends on the length (a prefix of a longer
+    index is the shorter one), and extends past it on demand."""
+    if any(w is None for w in weights):
+        counts = [float(n) for n in lengths]
+        size = sum(lengths) if num_samples is None else min(num_samples, sum(lengths))
+        return counts, size
+    once = normalize([float(w) for w in weights])
+    size = sum(lengths) if num_samples is None else sum(math.ceil(num_samples * w) for w in once)
+    return once, size
 
 
 def _part_source(
@@ -236,16 +273,16 @@ def _part_source(
     num_samples: int | None,
 ) -> SampleSource | None:
     """One part's source: a single dataset's samples, or their blend."""
-    members = [m for m in part.members if m[0] is None or m[0] > 0]  # weight 0 switches a dataset off
-    if not members:
+    if not part.members:
         return None
     sources = []
-    for _, prefix, document_range in members:
+    for _, prefix, document_range in part.members:
         documents = None if document_range is None else np.arange(*document_range, dtype=np.int64)
         sources.append(LongSequenceSamples(datasets[prefix], seq_length, seed, shuffle, documents, cache))
     if len(sources) == 1:
         return sources[0]
-    # unweighted prefixes weigh their size, as in Megatron (tokens: never zero)
-    weights = [s.tokens_per_epoch if w is None else w for (w, _, _), s in zip(members, sources)]
-    size = num_samples or sum(len(s) for s in sources)
+    weights, size = blend_weights_and_size([m[0] for m in part.members], [len(s) for s in sources], num_samples)
+    if sum(weights) <= 0:
+        raise ValueError(f"--seq-length {seq_length}: no prefix of the {part.name} part holds a whole sample, so "
+                         "unweighted prefixes have nothing to weigh; shorten --seq-length or give weights")
     return BlendedSamples(sources, weights, size, cache)

@@ -22,7 +22,7 @@ from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.config import ConfigError, TrainConfig
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
-from megatron_lc.data.sources import build_datasets
+from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
 from megatron_lc.data.tokenizers import build_tokenizer
 from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
 from megatron_lc.models.llama import build_model, count_parameters
@@ -83,29 +83,48 @@ def global_batch_size(cfg: TrainConfig, dp_size: int) -> int:
     return cfg.data.global_batch_size or cfg.data.micro_batch_size * dp_size
 
 
-def build_sample_sources(cfg: TrainConfig, vocab_size: int, dp_size: int) -> tuple[SampleSource, SampleSource | None]:
-    """Training and validation sources: mock tokens, or Megatron's --data-path/--split/--*-data-path blends."""
+def data_sizes(cfg: TrainConfig, dp_size: int) -> dict[str, int]:
+    """Samples asked of each part, as Megatron-LM's trainer asks: every training step's, every
+    evaluation's (`(train_iters // eval_interval + 1) * eval_iters` global batches) and one
+    test evaluation's."""
+    batch, g = global_batch_size(cfg, dp_size), cfg.logging
+    evaluations = cfg.train.train_iters // g.eval_interval + 1 if g.eval_interval else 1
+    return {"train": cfg.train.train_iters * batch, "valid": evaluations * g.eval_iters * batch,
+            "test": g.eval_iters * batch}
+
+
+def build_sample_sources(
+    cfg: TrainConfig, vocab_size: int, dp_size: int, rank: int = 0
+) -> tuple[SampleSource, SampleSource | None, SampleSource | None]:
+    """Training, validation and test sources: mock tokens, or Megatron's --data-path/--split/--*-data-path
+    blends. `--data-path` without `--split` is split 969, 30, 1 with Megatron-LM's warning (from `rank` 0)."""
     d = cfg.data
     if d.mock_data and not d.data_path and not d.train_data_path:
         if cfg.logging.eval_interval:
             raise ConfigError("--eval-interval with --mock-data: mock data has no validation part; give "
                               "--data-path with --split or --valid-data-path")
-        return MockSamples(vocab_size, d.seq_length, cfg.train.seed), None
+        return MockSamples(vocab_size, d.seq_length, cfg.train.seed), None, None
+    split = d.split
+    if split is None and d.data_path:
+        split = DEFAULT_SPLIT
+        if rank == 0:
+            print(DEFAULT_SPLIT_WARNING, flush=True)
     try:  # ids beyond the vocabulary, a split without training documents: one line, exit 2, before step 1
         sources = build_datasets(
-            d.data_path, d.seq_length, cfg.train.seed, split=d.split, train_data_path=d.train_data_path,
+            d.data_path, d.seq_length, cfg.train.seed, split=split, train_data_path=d.train_data_path,
             valid_data_path=d.valid_data_path, test_data_path=d.test_data_path, cache_path=d.data_cache_path,
-            num_samples={"train": cfg.train.train_iters * global_batch_size(cfg, dp_size),
-                         "valid": cfg.logging.eval_iters * d.micro_batch_size * dp_size},
-            shuffle=not d.no_shuffle, vocab_size=vocab_size)
+            num_samples=data_sizes(cfg, dp_size), shuffle=not d.no_shuffle, vocab_size=vocab_size)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if rank == 0:
+        for note in sources.notes:
+            print(note, flush=True)
     if sources.train is None:
-        raise ConfigError(f"--split {d.split} leaves no training documents")
+        raise ConfigError(f"--split {split} leaves no training documents")
     if cfg.logging.eval_interval and sources.valid is None:
         raise ConfigError(f"--eval-interval {cfg.logging.eval_interval}: the validation part is empty "
-                          f"(--split {d.split}); give it documents or --valid-data-path")
-    return sources.train, sources.valid
+                          f"(--split {split}); give it documents or --valid-data-path")
+    return sources.train, sources.valid, sources.test
 
 
 @dataclass
@@ -125,6 +144,7 @@ class Run:
     eod_token: int | None
     accumulation: int
     save_lock: SaveLock | None = None
+    test_source: SampleSource | None = None
 
     @property
     def is_logging_rank(self) -> bool:
@@ -169,10 +189,11 @@ def build_run(cfg: TrainConfig) -> Run:
     o = cfg.optim
     optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps)
-    train_source, valid_source = build_sample_sources(cfg, model_config.vocab_size, pstate.dp_size)
+    train_source, valid_source, test_source = build_sample_sources(cfg, model_config.vocab_size, pstate.dp_size,
+                                                                   launch.rank)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg), offload,
-               _loader(train_source, cfg, pstate, eod), valid_source, eod, accumulation)
+               _loader(train_source, cfg, pstate, eod), valid_source, eod, accumulation, test_source)
 
 
 def _autocast(run: Run):
@@ -201,14 +222,25 @@ def _mfu(run: Run, flops_per_s_per_gpu: float) -> float | None:
     return flops_per_s_per_gpu / peak if peak else None
 
 
-def evaluate(run: Run, iters: int) -> float:
-    """Mean loss over `iters` validation micro-batches (stream order)."""
-    loader = _loader(run.valid_source, run.cfg, run.pstate, run.eod_token)
+def validation_window(evaluation: int, per_evaluation: int, available: int) -> int:
+    """First sample of the `evaluation`-th evaluation (from 0): each evaluation reads the
+    `per_evaluation` samples after the previous one's, as Megatron's validation iterator
+    moves on, and starts again from sample 0 when the next window would pass the end of
+    the `available` samples. A function of the step, so a resumed run reads the same."""
+    windows = max(available // per_evaluation, 1)
+    return (evaluation % windows) * per_evaluation
+
+
+def evaluate(run: Run, iters: int, source: SampleSource | None = None, first_sample: int = 0) -> float:
+    """Mean loss over `iters` global batches (Megatron's --eval-iters) of `source` (default the
+    validation part) from `first_sample`, in stream order."""
+    loader = _loader(source or run.valid_source, run.cfg, run.pstate, run.eod_token)
+    loader.load_state_dict({"consumed_samples": first_sample})
     loss_sum = torch.zeros((), device=run.devices.accelerator)
     count = torch.zeros((), device=run.devices.accelerator)
     run.model.eval()
     with torch.no_grad(), _autocast(run):
-        for _ in range(iters):
+        for _ in range(iters * run.accumulation):
             mb = next(loader).to(run.devices.accelerator)
             s, _ = run.model(mb.input_ids, mb.position_ids, mb.labels, mb.cu_seqlens)
             loss_sum += s.float()
@@ -456,7 +488,12 @@ def _train_run(run: Run) -> list[dict]:
             step_times.append(metrics["step_time_s"])
             metrics.update(elapsed_s=time.monotonic() - began, eta_s=_eta_s(step_times, cfg.train.train_iters - step))
             if cfg.logging.eval_interval and step % cfg.logging.eval_interval == 0:
-                metrics["val_loss"] = evaluate(run, cfg.logging.eval_iters)
+                per_evaluation = cfg.logging.eval_iters * global_batch_size(cfg, run.pstate.dp_size)
+                first = validation_window(step // cfg.logging.eval_interval - 1, per_evaluation,
+                                          len(run.valid_source))
+                metrics["val_loss"] = evaluate(run, cfg.logging.eval_iters, run.valid_source, first)
+            if step == cfg.train.train_iters and run.test_source is not None and cfg.logging.eval_iters >= 1:
+                metrics["test_loss"] = evaluate(run, cfg.logging.eval_iters, run.test_source)  # once, as Megatron
             if ("val_loss" in metrics or step % cfg.logging.log_interval == 0
                     or step in (start + 1, cfg.train.train_iters)):  # every evaluation is logged at its step
                 logger.log(metrics)

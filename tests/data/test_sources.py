@@ -67,7 +67,7 @@ def test_data_path_takes_weight_prefix_pairs_or_plain_prefixes():
         (["0.7", "a", "nan", "b"], r"weight 'nan' \(before 'b'\) is not a non-negative number"),
         (["a", "0.3", "b"], r"'0\.3' looks like a weight among plain prefixes"),
         (["0.5", "0.5"], r"'0\.5' follows weight '0\.5' where a prefix belongs"),
-        (["0", "a", "0", "b"], r"the weights sum to zero"),
+        (["0.7", "a", "0", "b"], r"--data-path: weight '0' of 'b' is zero; leave the prefix out instead"),
     ],
 )
 def test_weights_that_are_not_numbers_or_do_not_pair_are_named(values, message):
@@ -123,6 +123,39 @@ def test_blending_index_is_megatrons():
         np.testing.assert_array_equal(samples, expected_samples)
 
 
+def test_vectorised_blending_index_equals_helpers_cpp_bit_for_bit():
+    """Sizes around the block length, one to 50 sources, weights with exact ties, and an index
+    continued from where a shorter one ended."""
+    from megatron.core.datasets import helpers_cpp
+
+    from megatron_lc.data.blending import normalize
+
+    rng = np.random.default_rng(1)
+    weightings = [[1.0], [0.5, 0.5], normalize([0.96, 0.6]), normalize(normalize([1, 1, 1])), [0.25] * 4,
+                  normalize(rng.random(9)), normalize(rng.random(50)), normalize([1e-4, 1.0])]
+    for weights in weightings:
+        for size in (1, 2, 15, 16, 17, 1000, 70_001):
+            expected = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
+            helpers_cpp.build_blending_indices(*expected, np.array(weights), len(weights), size, False)
+            got = blending_indices(weights, size)
+            np.testing.assert_array_equal(got[0], expected[0])
+            np.testing.assert_array_equal(got[1], expected[1])
+            cut = size // 3
+            drawn = np.bincount(expected[0][:cut], minlength=len(weights)).tolist()
+            rest = blending_indices(weights, size - cut, start=cut, drawn=drawn)
+            np.testing.assert_array_equal(rest[0], expected[0][cut:])
+            np.testing.assert_array_equal(rest[1], expected[1][cut:])
+
+
+def test_a_prefix_whose_part_rounds_to_no_document_is_named(prefixes):
+    parts = build_datasets(["0.5", prefixes["A"], "0.5", prefixes["B"]], SEQ, seed=0, split="969,30,1")
+    assert parts.notes == (f"--split 969,30,1: the test part of {prefixes['A']} is empty (100 documents, range "
+                           f"[100, 100)); the test part is built without it",
+                           f"--split 969,30,1: the test part of {prefixes['B']} is empty (40 documents, range "
+                           f"[40, 40)); the test part is built without it")
+    assert parts.test is None and parts.valid is not None
+
+
 def test_blend_draws_in_proportion_to_weights_at_every_prefix():
     sources, samples = blending_indices([0.5, 0.3, 0.2], 10_000)
     counts = np.stack([np.cumsum(sources == d) for d in range(3)], axis=1)
@@ -149,10 +182,13 @@ def test_weighted_blend_through_build_datasets(prefixes):
         assert len({int(t) // 1000 for t in sources.train.read_tokens(i, 0, SEQ + 1)}) == 1
 
 
-def test_plain_prefixes_weigh_their_size(prefixes):
+def test_plain_prefixes_weigh_their_number_of_samples(prefixes):
+    """As megatron-core: A's 1,000 tokens hold 62 samples of 16, B's 400 hold 24; the blend is
+    min(asked, 62 + 24) samples long, every sample of each once."""
     sources = build_datasets([prefixes["A"], prefixes["B"]], SEQ, seed=0, num_samples={"train": 140})
-    labels = [int(sources.train.read_tokens(i, 0, 1)[0]) // 1000 for i in range(140)]
-    assert labels.count(1) == 100 and labels.count(2) == 40
+    assert len(sources.train) == 86
+    labels = [int(sources.train.read_tokens(i, 0, 1)[0]) // 1000 for i in range(86)]
+    assert labels.count(1) == 62 and labels.count(2) == 24
 
 
 def test_blend_is_deterministic_for_a_seed(prefixes):

@@ -56,3 +56,62 @@ def test_eval_interval_with_an_empty_validation_part_is_refused_before_step_one(
     a = _dataset(tmp_path / "a", 0)
     with pytest.raises(ConfigError, match="--eval-interval 1: the validation part is empty"):
         train(parse_config(_flags(tmp_path, a) + ["--split", "100,0,0", "--eval-interval", "1"]))
+
+
+def test_data_path_without_split_is_split_969_30_1_with_megatrons_warning(tmp_path, capsys):
+    a = _dataset(tmp_path / "a", 0, docs=600)
+    train(parse_config(_flags(tmp_path, a)))
+    out = capsys.readouterr().out
+    assert out.count('WARNING: Please specify --split when using --data-path. Using legacy default value of '
+                     '"969, 30, 1"') == 1
+
+
+def test_a_part_rounding_to_no_document_is_one_line(tmp_path, capsys):
+    a = _dataset(tmp_path / "a", 0, docs=75)
+    train(parse_config(_flags(tmp_path, a)))
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "is empty" in x]
+    assert line == (f"--split 969, 30, 1: the test part of {a} is empty (75 documents, range [75, 75)); "
+                    "the test part is built without it")
+
+
+def test_zero_weight_is_refused_naming_the_prefix(tmp_path):
+    a, b = _dataset(tmp_path / "a", 0), _dataset(tmp_path / "b", 1)
+    with pytest.raises(ConfigError, match=f"--data-path: weight '0' of '{b}' is zero"):
+        parse_config(_flags(tmp_path, "0.7", a, "0", b)).validate(1)
+
+
+def test_validation_window_moves_on_and_wraps():
+    from megatron_lc.training.trainer import validation_window
+
+    assert [validation_window(k, 4, 10) for k in range(5)] == [0, 4, 0, 4, 0]
+    assert [validation_window(k, 4, 3) for k in range(3)] == [0, 0, 0]  # fewer samples than one window
+
+
+def test_evaluations_read_eval_iters_global_batches_moving_on_then_test_once(tmp_path, monkeypatch):
+    """--eval-iters 2 with --global-batch-size 4 (micro 2): 8 samples per evaluation, the next 8 each
+    time; the test part once at the end, as Megatron."""
+    from megatron_lc.training import trainer
+
+    loaders = []
+
+    class Recording(trainer.MicroBatchLoader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            loaders.append(self)
+
+    monkeypatch.setattr(trainer, "MicroBatchLoader", Recording)
+    a = _dataset(tmp_path / "a", 0, docs=600)
+    history = train(parse_config(_flags(tmp_path, a) + ["--split", "80,10,10", "--eval-interval", "1",
+                                                         "--eval-iters", "2", "--micro-batch-size", "2",
+                                                         "--global-batch-size", "4"]))
+    valid, test = loaders[1:4], loaders[4:]
+    assert [loader.consumed_samples for loader in valid] == [8, 16, 24]
+    assert len(test) == 1 and test[0].consumed_samples == 8 and test[0].samples is not valid[0].samples
+    assert "test_loss" in history[-1] and all("test_loss" not in m for m in history[:-1])
+    assert len({m["val_loss"] for m in history}) == 3
+
+
+def test_test_data_path_is_evaluated_at_the_end(tmp_path):
+    a, b = _dataset(tmp_path / "a", 0, docs=600), _dataset(tmp_path / "b", 1)
+    history = train(parse_config(_flags(tmp_path, a) + ["--split", "100,0,0", "--test-data-path", b]))
+    assert "test_loss" in history[-1]

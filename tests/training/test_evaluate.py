@@ -79,3 +79,22 @@ def test_ids_beyond_the_vocabulary_are_refused_in_one_line_as_training_does(trai
     out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and "wide" in lines[0] and "60000" in lines[0], out.stderr
+
+
+def test_a_blend_and_a_split_part_are_evaluated_as_training_reads_them(trained):
+    """The blend syntax of training; --split picks one part, by default the validation part."""
+    from megatron_lc.data.sources import build_datasets
+    from megatron_lc.evaluate import build_parser, evaluation_source
+
+    data = str(trained / "data")
+    args = build_parser().parse_args(["--load", "x", "--data-path", "0.3", data, "0.7", data, "--seq-length", "16",
+                                      "--split", "50,50,0"])
+    source = evaluation_source(args)
+    valid = build_datasets(["0.3", data, "0.7", data], 16, 0, split="50,50,0", shuffle=False).valid
+    assert len(source) == len(valid) and all(source.locate(i) == valid.locate(i) for i in range(len(valid)))
+    out = _evaluate(trained, "--seq-length", "16", "--split", "50,50,0", "--split-part", "valid")
+    blend = _evaluate(trained, "--seq-length", "16", "--split", "50,50,0")
+    assert out.returncode == 0 and blend.returncode == 0, out.stderr[-2000:] + blend.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == json.loads(blend.stdout.strip().splitlines()[-1])
+    empty = _evaluate(trained, "--seq-length", "16", "--split", "100,0,0", "--split-part", "test")
+    assert empty.returncode == 2 and "the test part is empty" in empty.stderr
