@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import resource
@@ -20,9 +21,12 @@ import torch.distributed as dist
 
 from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.config import ConfigError, TrainConfig
+from megatron_lc.data.blending import normalize
+from megatron_lc.data.index_cache import dataset_fingerprint
+from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
-from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
+from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets, parse_data_path, parse_split
 from megatron_lc.data.tokenizers import build_tokenizer
 from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
 from megatron_lc.models.llama import build_model, count_parameters
@@ -193,7 +197,7 @@ def build_run(cfg: TrainConfig) -> Run:
                                                                    launch.rank)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg), offload,
-               _loader(train_source, cfg, pstate, eod), valid_source, eod, accumulation, test_source)
+               _loader(train_source, cfg, pstate, eod), valid_source, eod, accumulation, test_source=test_source)
 
 
 def _autocast(run: Run):
@@ -293,13 +297,38 @@ def train_one_step(run: Run, step: int) -> dict:
 
 
 def _data_settings(cfg: TrainConfig, pstate: ParallelState) -> dict:
-    """What fixes which tokens a step reads: a resume must see the same (the position is counted in samples)."""
+    """What fixes which tokens a step reads: a resume must see the same (the position is counted in samples).
+
+    Datasets are named by their content (`data_identity`), not by the path typed: a copy moved to local
+    NVMe, an absolute path for a relative one or `70 A 30 B` for `0.7 A 0.3 B` resume; other data behind
+    the same path does not."""
     d = cfg.data
-    return {"--data-path": d.data_path, "--split": d.split, "--train-data-path": d.train_data_path,
-            "--seq-length": d.seq_length, "--seed": cfg.train.seed,
+    return {"--data-path": data_identity(d.data_path, "--data-path"),
+            "--train-data-path": data_identity(d.train_data_path, "--train-data-path"),
+            "--split": _normalised_split(d.split), "--seq-length": d.seq_length, "--seed": cfg.train.seed,
             "--no-shuffle": d.no_shuffle, "--reset-position-ids": d.reset_position_ids,
             "--eod-mask-loss": d.eod_mask_loss,
             "--global-batch-size": global_batch_size(cfg, pstate.dp_size)}
+
+
+def data_identity(values: list[str], flag: str) -> list[dict]:
+    """Each dataset of a --data-path blend by its content (sequences, documents, the .idx digest the index
+    cache computes, the .bin's size) with its weight as Megatron normalises it; no path."""
+    if not values:
+        return []
+    pairs = parse_data_path(values, flag)
+    weights = normalize([w for w, _ in pairs]) if pairs[0][0] is not None else [None] * len(pairs)
+    identities = []
+    for weight, (_, prefix) in zip(weights, pairs):
+        fingerprint, dataset = dataset_fingerprint(prefix), IndexedDataset(prefix)
+        identities.append({"weight": None if weight is None else round(weight, 12),
+                           "sequences": len(dataset), "documents": len(dataset.document_indices) - 1,
+                           "bin_bytes": fingerprint["bin"]["size"], "idx_digest": fingerprint["idx_digest"]})
+    return identities
+
+
+def _normalised_split(split: str | None) -> list[float] | None:
+    return None if split is None else [round(x, 12) for x in parse_split(split)]
 
 
 def _checkpoint_extra(run: Run) -> dict:
@@ -326,12 +355,41 @@ def resumed_schedule(meta: dict, cfg: TrainConfig, current: LRSchedule, path) ->
                       "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
 
 
-def check_data_settings(meta: dict, cfg: TrainConfig, pstate: ParallelState, path) -> None:
-    """Refuse to continue a data stream under other settings (it would re-read or skip data)."""
-    diff = _differences(meta.get("data_settings", {}), _data_settings(cfg, pstate))
-    if diff:
-        raise ConfigError(f"checkpoint {path} read its data with other settings ({diff}): restore them to "
-                          "resume, or pass --finetune to start a new run from its weights")
+def check_data_settings(meta: dict, cfg: TrainConfig, pstate: ParallelState, path) -> str:
+    """Refuse to continue a data stream under other settings (it would re-read or skip data), unless
+    --override-data-settings asks to; returns what differs ('' when nothing does)."""
+    saved, current = meta.get("data_settings", {}), _data_settings(cfg, pstate)
+    differing = [k for k, v in current.items() if k in saved and _comparable(saved[k]) != _comparable(v)]
+    if not differing:
+        return ""
+    diff = "; ".join(_describe_difference(k, saved[k], current[k], cfg) for k in differing)
+    if cfg.checkpoint.override_data_settings:
+        return diff
+    raise ConfigError(f"checkpoint {path} read its data with other settings ({diff}): restore them to resume, "
+                      "pass --override-data-settings to continue (optimizer, step and data position kept), or "
+                      "--finetune to start a new run from its weights")
+
+
+def _comparable(value):
+    """JSON round trip: a checkpoint's lists and a run's tuples compare equal."""
+    return json.loads(json.dumps(value))
+
+
+def _describe_difference(flag: str, saved, current, cfg: TrainConfig) -> str:
+    """One difference for people: a dataset named by its prefix now, the first field that differs."""
+    if flag not in ("--data-path", "--train-data-path") or not (isinstance(saved, list) and isinstance(current, list)):
+        return f"{flag} {saved} in the checkpoint, {current} now"
+    if len(saved) != len(current):
+        return f"{flag}: {len(saved)} datasets in the checkpoint, {len(current)} now"
+    values = cfg.data.data_path if flag == "--data-path" else cfg.data.train_data_path
+    prefixes = [prefix for _, prefix in parse_data_path(values, flag)]
+    i = next(i for i, (a, b) in enumerate(zip(saved, current)) if _comparable(a) != _comparable(b))
+    return f"{flag} {prefixes[i]}: {_first_field(saved[i], current[i])}"
+
+
+def _first_field(saved: dict, current: dict) -> str:
+    key = next(k for k in current if saved.get(k) != current.get(k))
+    return f"{key} {saved.get(key)} in the checkpoint, {current.get(key)} now"
 
 
 def apply_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
@@ -372,7 +430,9 @@ def resume(run: Run) -> int:
         checkpointing.load_model_weights(path, run.model)
         _say(run, f"loaded weights from {path}; training starts at step 0")
         return 0
-    check_data_settings(meta, run.cfg, run.pstate, path)
+    overridden = check_data_settings(meta, run.cfg, run.pstate, path)
+    if overridden:
+        _say(run, f"--override-data-settings: continuing {path} with other data settings ({overridden})")
     run.schedule = resumed_schedule(meta, run.cfg, run.schedule, path)
     checkpointing.load_checkpoint(path, run.model, None if c.no_load_optim else run.optimizer)
     run.loader.load_state_dict(meta["data"])

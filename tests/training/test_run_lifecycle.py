@@ -2,15 +2,18 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lc.training import checkpointing
 from megatron_lc.training.logging import format_duration
 from megatron_lc.training.trainer import train
@@ -271,7 +274,7 @@ def test_broken_presets_are_one_line_errors_naming_the_file(tmp_path, text, mess
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--eval-interval", "1", "--split", "98,2,0"], "--eval-interval with --mock-data"),
+    (["--eval-interval", "1", "--split", "98,2,0"], "--eval-interval 1 needs validation data"),
     (["--use-checkpoint-args"], "--use-checkpoint-args reads the checkpoint in --load"),
 ])
 def test_validation_and_checkpoint_flags_without_what_they_read_are_refused(tmp_path, flags, message):
@@ -289,3 +292,40 @@ def test_each_rank_saves_and_restores_its_own_generators(tmp_path):
     torch.manual_seed(12345)
     assert checkpointing.load_rng_state(path, 0) and torch.get_rng_state().tolist() == saved["torch"]
     assert not checkpointing.load_rng_state(path, 1)  # a rank the checkpoint did not have
+
+
+def _write_dataset(prefix: Path, seed: int, documents: int = 40) -> None:
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16) as builder:
+        for _ in range(documents):
+            builder.add_item(rng.integers(1, 500, size=int(rng.integers(20, 60))))
+            builder.end_document()
+        builder.finalize(f"{prefix}.idx")
+
+
+def test_resume_compares_data_by_content_not_by_path(tmp_path, monkeypatch):
+    """A moved copy with its weights written otherwise resumes exactly; other data behind the same path is
+    refused in one line; --override-data-settings continues deliberately, keeping the step."""
+    for name, seed in (("a", 0), ("b", 1)):
+        _write_dataset(tmp_path / name, seed)
+    data = [a for a in BASE if a != "--mock-data"] + ["--split", "100,0,0", "--train-iters", "4"]
+    blend = ["--data-path", "0.7", str(tmp_path / "a"), "0.3", str(tmp_path / "b")]
+    whole = train(parse_config(data + blend + ["--log-dir", str(tmp_path / "w")]))
+    ckpt = str(tmp_path / "ckpt")
+    train(parse_config(data + blend + ["--save", ckpt, "--exit-interval", "2", "--log-dir", str(tmp_path / "x")]))
+    moved = tmp_path / "nvme"
+    moved.mkdir()
+    for name in ("a", "b"):
+        for ext in (".bin", ".idx"):
+            shutil.copy(tmp_path / f"{name}{ext}", moved / f"{name}{ext}")
+    monkeypatch.chdir(moved)  # relative prefixes, weights as percentages
+    rest = train(parse_config(data + ["--data-path", "70", "a", "30", "b", "--load", ckpt,
+                                      "--log-dir", str(tmp_path / "r")]))
+    assert [m["step"] for m in rest] == [3, 4]
+    assert [m["loss"] for m in rest] == pytest.approx([m["loss"] for m in whole[2:]], rel=1e-6)
+    _write_dataset(moved / "a", 7)  # other data behind the same path
+    with pytest.raises(ConfigError, match=r"--data-path a: .* in the checkpoint, .* now.*--override-data-settings"):
+        train(parse_config(data + ["--data-path", "70", "a", "30", "b", "--load", ckpt]))
+    overridden = train(parse_config(data + ["--data-path", "70", "a", "30", "b", "--load", ckpt,
+                                            "--override-data-settings", "--log-dir", str(tmp_path / "o")]))
+    assert [m["step"] for m in overridden] == [3, 4]
