@@ -198,11 +198,8 @@ def planned_kernel_name(kernel: str, device: str, dtype: torch.dtype = torch.bfl
 
 
 @contextlib.contextmanager
-def registered_kernel_models(name_buffer: NameBuffer) -> Iterator[None]:
-    """Make the CUDA kernel stand-ins selectable by name (and the memory-efficient operators allocation
-    models) while the context is open."""
-    added = {PLANNED_PREFIX + name: build(name_buffer) for name, build in CUDA_KERNEL_MODELS.items()}
-    kernels.KERNELS.update(added)
+def efficient_ops_modelled(name_buffer: NameBuffer) -> Iterator[None]:
+    """The memory-efficient operators replaced by their allocation models while the context is open."""
     models = efficient_op_models(name_buffer)
     replaced = {role: kernels.TORCH_OPS[role] for role in models}
     kernels.TORCH_OPS.update(models)
@@ -210,6 +207,18 @@ def registered_kernel_models(name_buffer: NameBuffer) -> Iterator[None]:
         yield
     finally:
         kernels.TORCH_OPS.update(replaced)
+
+
+@contextlib.contextmanager
+def registered_kernel_models(name_buffer: NameBuffer) -> Iterator[None]:
+    """Make the CUDA kernel stand-ins selectable by name (and the memory-efficient operators allocation
+    models) while the context is open."""
+    added = {PLANNED_PREFIX + name: build(name_buffer) for name, build in CUDA_KERNEL_MODELS.items()}
+    kernels.KERNELS.update(added)
+    try:
+        with efficient_ops_modelled(name_buffer):
+            yield
+    finally:
         for name in added:
             kernels.KERNELS.pop(name, None)
 

@@ -340,18 +340,6 @@ def peak_bytes_of(fn, device: str):
     return value, sum(peak["Total"] for peak in tracker.get_tracker_snapshot("peak").values())
 
 
-@contextlib.contextmanager
-def efficient_op_models():
-    """The planner's allocation models in place of the memory-efficient operators (planning/standins.py)."""
-    models = standins.efficient_op_models(lambda tensor, label: None)
-    saved = {role: kernels.TORCH_OPS[role] for role in models}
-    kernels.TORCH_OPS.update(models)
-    try:
-        yield
-    finally:
-        kernels.TORCH_OPS.update(saved)
-
-
 def case_efficient_workspace(s: Sizes) -> dict:
     """The memory-efficient backward on packed fp32 documents: its peak bytes against the planner's model of
     the same calls (dq, dk, dv, our wrapper's copies, delta and the fp32 dq workspace of each call)."""
@@ -370,7 +358,7 @@ def case_efficient_workspace(s: Sizes) -> dict:
     out, lse, state = kernel.forward(q, k, v, cu)
     _, measured = peak_bytes_of(lambda: kernel.backward(dout, q, k, v, out, lse, cu, state=state), s.device)
     model_state = state if name == "sdpa_efficient" else (None, None)
-    with efficient_op_models():
+    with standins.efficient_ops_modelled(lambda tensor, label: None):  # the planner's models of the operators
         _, modelled = peak_bytes_of(lambda: kernels.KERNELS["sdpa_efficient"].backward(
             dout, q, k, v, out, lse, cu, state=model_state), s.device)
     return {**shape, "kernel": name, "measured_backward_peak_bytes": measured,
