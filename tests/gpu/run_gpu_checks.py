@@ -31,7 +31,6 @@ Every case is sized to the card it finds, or skipped with the reason recorded.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import json
