@@ -3,7 +3,8 @@
 For each configuration: the planner's predicted step (`--machine local`: this machine's rates,
 measured once and cached, shared by the run's processes) beside the median measured step of
 a short CPU run on the same flags (torchrun, gloo, one thread per process, steps after the
-first). Prints a markdown table and writes it as JSON with --json-out.
+first). The cached local rates are dropped first, so that each configuration's shapes are measured
+as the machine is now. Prints a markdown table and writes it as JSON with --json-out.
 
     python bench/bench_time_model.py [--steps 4] [--json-out FILE]
 """
@@ -76,9 +77,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="configuration names to run")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    from megatron_lc.planning.timing import calibrate_local
+    from megatron_lc.planning.timing import LOCAL_CACHE
 
-    print(f"calibrated now: {calibrate_local(refresh=True)}", flush=True)  # the rates of the machine as it is now
+    LOCAL_CACHE.unlink(missing_ok=True)  # each configuration's rates measured now, at its own shapes
     rows = []
     print("| configuration | processes | predicted step | measured step | predicted / measured |")
     print("| --- | ---: | ---: | ---: | ---: |")

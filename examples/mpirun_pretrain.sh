@@ -13,6 +13,7 @@ mpirun -np "$NP" --hostfile "$HOSTFILE" --bind-to none -x PATH -x LD_LIBRARY_PAT
     python -m megatron_lc.train \
     --model llama3-8b --bf16 \
     --data-path "$DATA_PATH" --tokenizer-type TikTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
+    --reset-attention-mask \
     --seq-length 5242880 --context-parallel-size 8 --cp-impl untied_ulysses \
     --recompute-granularity full --offload-activations --tiled-mlp --tiled-loss \
     --train-iters 1000 --lr 1e-5 --min-lr 1e-6 --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" \

@@ -26,6 +26,7 @@ DATA_ARGS=(
     --data-path "$DATA_PATH"
     --tokenizer-type TikTokenizer
     --tokenizer-model "$TOKENIZER_MODEL"
+    --reset-attention-mask          # attend within each document (Megatron's default attends across EODs)
     --seq-length 5242880            # 5 x 2^20 tokens; divisible by cp
     --micro-batch-size 1
 )

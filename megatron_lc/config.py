@@ -128,6 +128,8 @@ class DataArgs:
                                                "(default micro x dp; more means gradient accumulation)")
     no_shuffle: bool = flag(False, "read documents in stream order")
     reset_position_ids: bool = flag(False, "restart positions at each document")
+    reset_attention_mask: bool = flag(False, "attend within each document only (default: a sample attends "
+                                             "across its end-of-document tokens as one sequence, as Megatron-LM)")
     eod_mask_loss: bool = flag(False, "do not train on predicting the token after an end-of-document")
 
 

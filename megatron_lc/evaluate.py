@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     p.add_argument("--num-samples", type=int, default=None, help="samples to evaluate (default: all whole samples)")
     p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--reset-position-ids", action="store_true", help="restart positions at each document")
+    p.add_argument("--reset-attention-mask", action="store_true",
+                   help="attend within each document only (default: across end-of-document tokens, as Megatron-LM)")
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--cp-impl", default="ulysses", choices=("ulysses", "untied_ulysses"))
     p.add_argument("--cp-comm-type", default="a2a", choices=CP_COMM_TYPES, help="as for megatron_lc.train")
@@ -94,7 +97,9 @@ def evaluate(args) -> dict:
     checkpointing.load_model_weights(path, model)
     model.eval()
     loader = MicroBatchLoader(source, args.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
-                              pstate.cp_size, num_samples=total - total % per_step, cp_ring=layout.ring_size)
+                              pstate.cp_size, reset_position_ids=args.reset_position_ids,
+                              reset_attention_mask=args.reset_attention_mask, num_samples=total - total % per_step,
+                              cp_ring=layout.ring_size)
     return _loss_over(loader, model, pstate, devices.accelerator, args)
 
 

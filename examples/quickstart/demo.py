@@ -144,7 +144,8 @@ def main() -> None:
     train_flags = [
         "--model", "debug", *tok, "--data-path", str(work / "train_text_document"),
         "--split", "100,0,0", "--valid-data-path", str(work / "valid_text_document"), "--seq-length", str(args.seq_length),
-        "--micro-batch-size", "2", "--train-iters", str(args.train_iters), "--lr", "3e-3", "--min-lr", "3e-4",
+        "--reset-attention-mask", "--micro-batch-size", "2", "--train-iters", str(args.train_iters),
+        "--lr", "3e-3", "--min-lr", "3e-4",
         "--lr-warmup-iters", "5", "--weight-decay", "0.0", "--context-parallel-size", "2",
         "--cp-impl", "untied_ulysses", "--recompute-granularity", "full", "--offload-activations",
         "--tiled-mlp", "--tiled-loss", "--save", str(ckpt), "--save-interval", str(args.train_iters // 2),
@@ -157,12 +158,13 @@ def main() -> None:
     print(f"loss: step 1 {losses[0]:.3f} -> step {args.train_iters} {losses[-1]:.3f}")
 
     print(run([py, "-m", "megatron_lc.evaluate", "--load", str(ckpt), "--data-path",
-               str(work / "valid_text_document"), "--seq-length", str(args.seq_length),
+               str(work / "valid_text_document"), "--seq-length", str(args.seq_length), "--reset-attention-mask",
                "--loss-by-position", "4", "--device", "cpu"]))
     probe = write_repeat_probe(work, work / "spm.model", args.seq_length)
     out = run([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
                "-m", "megatron_lc.evaluate", "--load", str(ckpt), "--data-path", str(probe), "--seq-length",
-               str(args.seq_length), "--context-parallel-size", "2", "--cp-impl", "untied_ulysses",
+               str(args.seq_length), "--reset-attention-mask", "--context-parallel-size", "2",
+               "--cp-impl", "untied_ulysses",
                "--loss-by-position", str(args.seq_length // PROBE_HALF), "--device", "cpu"])
     result = json.loads(out.strip().splitlines()[-1])
     loss = probe_losses(result, args.seq_length)

@@ -19,8 +19,9 @@ from megatron_lc.data.samples import Sample, SampleSource, cp_ranges
 
 @dataclass
 class Batch:
-    """A micro-batch: int64 tensors of shape `[B, S/cp]`, and the document boundaries of
-    the whole flattened batch, `(0, ..., S, ..., B*S)` (sample `b` offset by `b*S`)."""
+    """A micro-batch: int64 tensors of shape `[B, S/cp]`, and the boundaries of the attention
+    segments of the whole flattened batch, `(0, ..., S, ..., B*S)` (sample `b` offset by `b*S`):
+    each document of a sample with `reset_attention_mask`, else each whole sample (Megatron's default)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -29,7 +30,7 @@ class Batch:
 
     @property
     def max_seqlen(self) -> int:
-        """Length of the longest document piece in the batch."""
+        """Length of the longest attention segment in the batch."""
         return int(np.diff(self.cu_seqlens).max())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
@@ -38,11 +39,13 @@ class Batch:
         return Batch(move(self.input_ids), move(self.labels), move(self.position_ids), self.cu_seqlens)
 
 
-def collate(samples: Sequence[Sample], seq_length: int) -> Batch:
-    """Stack samples into a batch; offset each sample's boundaries by its place in it."""
+def collate(samples: Sequence[Sample], seq_length: int, reset_attention_mask: bool = False) -> Batch:
+    """Stack samples into a batch; attention segments are each sample's documents (`reset_attention_mask`)
+    or each whole sample, attending across its end-of-document tokens as Megatron does without the flag."""
     cu_seqlens = [0]
     for b, sample in enumerate(samples):
-        cu_seqlens.extend(b * seq_length + boundary for boundary in sample.cu_seqlens[1:])
+        boundaries = sample.cu_seqlens[1:] if reset_attention_mask else (seq_length,)
+        cu_seqlens.extend(b * seq_length + boundary for boundary in boundaries)
     stack = lambda name: torch.from_numpy(np.stack([getattr(s, name) for s in samples]))  # noqa: E731
     return Batch(stack("input_ids"), stack("labels"), stack("position_ids"), tuple(cu_seqlens))
 
@@ -63,6 +66,7 @@ class MicroBatchLoader:
         cp_rank: int = 0,
         cp_size: int = 1,
         reset_position_ids: bool = False,
+        reset_attention_mask: bool = False,
         eod_mask_loss: bool = False,
         eod_token: int | None = None,
         num_samples: int | None = None,
@@ -80,6 +84,7 @@ class MicroBatchLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.cp_rank, self.cp_size, self.cp_ring = cp_rank, cp_size, cp_ring
         self.reset_position_ids = reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
         self.eod_mask_loss = eod_mask_loss
         self.eod_token = eod_token
         self.num_samples = num_samples
@@ -97,7 +102,8 @@ class MicroBatchLoader:
         if self.num_samples is not None and self.consumed_samples + self.samples_per_step > self.num_samples:
             raise StopIteration
         first = self.consumed_samples + self.dp_rank * self.micro_batch_size
-        batch = collate([self._sample(first + b) for b in range(self.micro_batch_size)], self.samples.seq_length)
+        batch = collate([self._sample(first + b) for b in range(self.micro_batch_size)], self.samples.seq_length,
+                        self.reset_attention_mask)
         self.consumed_samples += self.samples_per_step
         return batch
 

@@ -313,7 +313,8 @@ class TimeModel:
         """The model of `machine` (a planning.estimate.Machine): its node's published rates, or for `local`
         this machine's measured ones shared by `num_gpus` processes."""
         if machine.node == "local":
-            return TimeModel(calibrate_local(processes=machine.num_gpus), machine.gpus_per_node, "cpu")
+            shapes = CalibrationShapes.of(cfg)
+            return TimeModel(calibrate_local(processes=machine.num_gpus, shapes=shapes), machine.gpus_per_node, "cpu")
         impl = machine.flash_impl(cfg.parallel.flash_attention_impl)
         family = attention_family(cfg, machine.flash_attn, impl)  # the node's GPUs, whatever was traced
         return TimeModel(RATES[machine.node], machine.gpus_per_node, family)
@@ -346,18 +347,53 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
 LOCAL_CACHE = Path.home() / ".cache" / "megatron_lc" / "local_rates.json"
 
 
+@dataclass(frozen=True)
+class CalibrationShapes:
+    """The shapes a configuration's step runs at, capped so that a calibration takes seconds: a CPU's rates
+    depend on them (a 2048 x 512 x 2048 GEMM and a 4096-token attention run at different rates)."""
+
+    tokens: int = 2048
+    """Rows of every GEMM: a micro-batch's tokens on one rank (capped at 8,192)."""
+    hidden: int = 512
+    ffn: int = 2048
+    vocab: int = 2048
+    qkv: int = 768
+    """Columns of the fused q/k/v projection: (heads + 2 kv heads) x head dim."""
+    attention_width: int = 512
+    """Rows of the output projection: heads x head dim."""
+    attention_tokens: int = 2048
+    """Tokens one attention call sees (a whole sample, or a ring chunk; capped at 4,096)."""
+    heads: int = 4
+    """Heads one rank attends (all, over the all-to-all size)."""
+    head_dim: int = 64
+
+    @staticmethod
+    def of(cfg: TrainConfig) -> "CalibrationShapes":
+        c, layout = cfg.model_config(), cfg.context_layout()
+        S, cp = cfg.data.seq_length, cfg.parallel.context_parallel_size
+        return CalibrationShapes(
+            tokens=min(cfg.data.micro_batch_size * S // cp, 8192), hidden=c.hidden_size, ffn=c.ffn_hidden_size,
+            vocab=c.vocab_size, qkv=(c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels,
+            attention_width=c.num_attention_heads * c.kv_channels,
+            attention_tokens=min(S // layout.ring_size, 4096),
+            heads=max(1, c.num_attention_heads // layout.a2a_size), head_dim=c.kv_channels)
+
+    def key(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+
 def calibrate_local(threads: int = 1, cache: Path | None = LOCAL_CACHE, processes: int = 1,
-                    refresh: bool = False) -> Rates:
-    """This machine's rates for one process of `threads` threads, measured once (a few seconds) and cached.
+                    refresh: bool = False, shapes: CalibrationShapes = CalibrationShapes()) -> Rates:
+    """This machine's rates at `shapes` for one process of `threads` threads, measured once (seconds) and cached.
 
     `processes` running at once share the machine's cores: each gets cores / (processes x threads)
     of what one measured (at most all of it)."""
     import torch
 
-    key = f"threads={threads} torch={torch.__version__}"
+    key = f"threads={threads} torch={torch.__version__} {shapes.key()}"
     measured = None if refresh else _read_cache(cache, key)
     if measured is None:
-        measured = _measure_local(threads)
+        measured = _measure_local(threads, shapes)
         _write_cache(cache, key, measured)
     cores = os.cpu_count() or 1
     rates = Rates("local", measured["gemm_flops"], {"cpu": measured["attention_fwd_flops"]},
@@ -397,8 +433,9 @@ def _best_time(fn, repeats: int = 5) -> float:
     return best
 
 
-def _measure_local(threads: int) -> dict:
-    """GEMM, CPU flash attention, copy and in-process exchange rates of this machine."""
+def _measure_local(threads: int, shapes: CalibrationShapes) -> dict:
+    """GEMM (a layer's projections, MLP and the output head at the step's shapes), CPU flash attention,
+    copy and in-process exchange rates of this machine."""
     import torch
 
     from megatron_lc.attention.kernels import KERNELS
@@ -406,15 +443,20 @@ def _measure_local(threads: int) -> dict:
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(2048, 512), torch.randn(512, 2048)
-        gemm = 2 * 2048 * 512 * 2048 / _best_time(lambda: torch.mm(a, b))
-        T, H, d = 2048, 4, 64
-        q, k, v = (torch.randn(T, H, d) for _ in range(3))
-        kernel, cu = KERNELS["cpu_flash"], (0, T)
+        T, h = shapes.tokens, shapes.hidden
+        products = [(h, shapes.qkv), (shapes.attention_width, h), (h, shapes.ffn), (h, shapes.ffn),
+                    (shapes.ffn, h), (h, shapes.vocab)]  # q/k/v, o, gate, up, down, output head
+        operands = [(torch.randn(T, k), torch.randn(k, n)) for k, n in products]
+        flops = sum(2 * T * k * n for k, n in products)
+        gemm = flops / _best_time(lambda: [torch.mm(a, b) for a, b in operands], repeats=3)
+        S, H, d = shapes.attention_tokens, shapes.heads, shapes.head_dim
+        q, k, v = (torch.randn(S, H, d) for _ in range(3))
+        kernel, cu = KERNELS["cpu_flash"], (0, S)
         out, lse, state = kernel.forward(q, k, v, cu)
-        flops = 2 * T * T * d * H
-        fwd = flops / _best_time(lambda: kernel.forward(q, k, v, cu))
-        bwd = FA2_BACKWARD_WORK * flops / _best_time(lambda: kernel.backward(out, q, k, v, out, lse, cu, state=state))
+        attention = 2 * S * S * d * H
+        fwd = attention / _best_time(lambda: kernel.forward(q, k, v, cu), repeats=3)
+        bwd = FA2_BACKWARD_WORK * attention / _best_time(
+            lambda: kernel.backward(out, q, k, v, out, lse, cu, state=state), repeats=3)
         src = torch.randn(16 << 20 // 4)
         dst = torch.empty_like(src)
         copy = src.numel() * 4 / _best_time(lambda: dst.copy_(src))

@@ -158,7 +158,8 @@ class Run:
 def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) -> MicroBatchLoader:
     d = cfg.data
     return MicroBatchLoader(source, d.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
-                            pstate.cp_size, reset_position_ids=d.reset_position_ids, eod_mask_loss=d.eod_mask_loss,
+                            pstate.cp_size, reset_position_ids=d.reset_position_ids,
+                            reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
                             eod_token=eod, cp_ring=pstate.context_layout.ring_size)
 
 

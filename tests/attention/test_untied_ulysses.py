@@ -31,7 +31,7 @@ from megatron_lc.models.llama import get_config
 from megatron_lc.models.llama.parallelize import ParallelizeOptions
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from tests.helpers import run_distributed
-from tests.parallel.test_fsdp_ulysses_exactness import BATCH, check_against_reference
+from tests.parallel.test_fsdp_ulysses_exactness import BATCH, ONE_SEGMENT, check_against_reference
 
 CPU = torch.device("cpu")
 
@@ -147,13 +147,13 @@ DIRECT_CASES = {
 
 EVERYTHING = {"recompute_granularity": "full", "offload_activations": True, "mlp_tiles": 3, "loss_tiles": 5}
 
-# (name, cp, num_query_groups, heads per stage, memory stack) for the whole model under FSDP.
+# (name, cp, num_query_groups, heads per stage, memory stack, batch) for the whole model under FSDP.
 MODEL_CASES = [
-    ("cp2-U2", 2, 2, 2, {}),
-    ("cp2-U4-everything", 2, 2, 4, EVERYTHING),
-    ("cp4-U4-kv2", 4, 2, 4, {}),
-    ("cp4-U8-kv1", 4, 1, 8, {}),
-    ("cp4-U4-kv1-everything", 4, 1, 4, EVERYTHING),
+    ("cp2-U2", 2, 2, 2, {}, BATCH),
+    ("cp2-U4-everything", 2, 2, 4, EVERYTHING, BATCH),
+    ("cp4-U4-kv2", 4, 2, 4, {}, BATCH),
+    ("cp4-U8-kv1-one-segment", 4, 1, 8, {}, ONE_SEGMENT),
+    ("cp4-U4-kv1-everything", 4, 1, 4, EVERYTHING, BATCH),
 ]
 
 
@@ -204,10 +204,10 @@ def _run_all(rank, world):
         pstate = ParallelState(ParallelDims(world_size=world, cp=cp))
         for case in cases:
             _named(f"direct cp{cp} {case}", _check_direct, pstate, case)
-    for name, cp, kv_heads, stage_heads, stack in MODEL_CASES:
+    for name, cp, kv_heads, stage_heads, stack, batch in MODEL_CASES:
         config = dataclasses.replace(get_config("debug"), num_query_groups=kv_heads)
         opts = ParallelizeOptions(cp_impl="untied_ulysses", heads_per_stage=stage_heads, **stack)
-        _named(f"model {name}", check_against_reference, rank, world, config, cp, opts, BATCH)
+        _named(f"model {name}", check_against_reference, rank, world, config, cp, opts, batch)
 
 
 def _named(name, fn, *args):

@@ -28,8 +28,9 @@ def test_dp_ranks_take_consecutive_disjoint_samples_of_each_step(samples):
             np.testing.assert_array_equal(batch.input_ids.numpy(), expected)
 
 
-def test_batch_has_local_tensors_and_boundaries_of_the_flattened_batch(samples):
-    loader = MicroBatchLoader(samples, micro_batch_size=3, cp_rank=1, cp_size=4, reset_position_ids=True)
+def test_batch_has_local_tensors_and_document_boundaries_of_the_flattened_batch_with_reset_attention_mask(samples):
+    loader = MicroBatchLoader(samples, micro_batch_size=3, cp_rank=1, cp_size=4, reset_position_ids=True,
+                              reset_attention_mask=True)
     batch = next(loader)
     for tensor in (batch.input_ids, batch.labels, batch.position_ids):
         assert tensor.dtype == torch.int64 and tensor.shape == (3, SEQ_LENGTH // 4)
@@ -39,6 +40,14 @@ def test_batch_has_local_tensors_and_boundaries_of_the_flattened_batch(samples):
     assert batch.cu_seqlens == tuple(expected) and batch.cu_seqlens[-1] == 3 * SEQ_LENGTH
     assert batch.max_seqlen == max(np.diff(expected))
     np.testing.assert_array_equal(batch.labels[2].numpy(), samples.get(2, cp_rank=1, cp_size=4).labels)
+
+
+def test_without_reset_attention_mask_each_sample_is_one_attention_segment_across_its_documents(samples):
+    batch = next(MicroBatchLoader(samples, micro_batch_size=3, cp_rank=1, cp_size=4, reset_position_ids=True))
+    assert sum(len(samples.get(b).cu_seqlens) - 1 for b in range(3)) > 3  # the samples do hold several documents
+    assert batch.cu_seqlens == (0, SEQ_LENGTH, 2 * SEQ_LENGTH, 3 * SEQ_LENGTH) and batch.max_seqlen == SEQ_LENGTH
+    per_document = samples.get(1, cp_rank=1, cp_size=4, reset_position_ids=True).position_ids
+    np.testing.assert_array_equal(batch.position_ids[1].numpy(), per_document)  # positions reset all the same
 
 
 def test_resumed_loader_yields_exactly_what_the_uninterrupted_one_does(samples):

@@ -77,11 +77,15 @@ def check_against_reference(rank, world, config, cp, opts, batch_args, steps=2, 
 
 
 BATCH = dict(num_samples=2, seq_length=64, vocab=512, seed=1, num_docs=3, ignore_fraction=0.4)
+"""Three documents per sample, each its own attention segment (`--reset-attention-mask`)."""
+ONE_SEGMENT = dict(BATCH, num_docs=1)
+"""Each sample one attention segment across its documents (Megatron's default, without the flag)."""
 
 
-@pytest.mark.parametrize("world, cp", [(2, 2), (4, 4), (4, 2)], ids=["dp1-cp2", "dp1-cp4", "dp2-cp2"])
-def test_fsdp_ulysses_matches_single_process(world, cp):
-    run_distributed(check_against_reference, world, get_config("debug"), cp, ParallelizeOptions(), BATCH)
+@pytest.mark.parametrize("world, cp, batch", [(2, 2, BATCH), (4, 4, ONE_SEGMENT), (4, 2, BATCH)],
+                         ids=["dp1-cp2-per-document", "dp1-cp4-one-segment", "dp2-cp2-per-document"])
+def test_fsdp_ulysses_matches_single_process(world, cp, batch):
+    run_distributed(check_against_reference, world, get_config("debug"), cp, ParallelizeOptions(), batch)
 
 
 def test_gqa_with_more_cp_ranks_than_kv_heads_matches_single_process():

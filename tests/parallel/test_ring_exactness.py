@@ -11,7 +11,7 @@ from megatron_lc.models.llama import get_config
 from megatron_lc.models.llama.parallelize import ParallelizeOptions
 from megatron_lc.training.trainer import train
 from tests.helpers import run_distributed
-from tests.parallel.test_fsdp_ulysses_exactness import BATCH, check_against_reference
+from tests.parallel.test_fsdp_ulysses_exactness import BATCH, ONE_SEGMENT, check_against_reference
 from tests.training.test_trainer import BASE, _losses, _torchrun
 
 DEBUG = get_config("debug")  # 8 heads, 2 kv heads
@@ -25,15 +25,17 @@ def test_all_to_all_pairs_inside_a_ring_of_two_match_single_process(cp_impl):
 
 
 def test_ring_over_four_ranks_with_gqa_and_fewer_heads_than_ranks_matches_single_process():
-    """p2p cp 4 with 2 query heads and 1 kv head: Ulysses would refuse it (heads < cp)."""
+    """p2p cp 4 with 2 query heads and 1 kv head: Ulysses would refuse it (heads < cp); each sample one
+    attention segment (the ring with packed documents: the data-parallel case below)."""
     config = dataclasses.replace(DEBUG, num_attention_heads=2, num_query_groups=1, kv_channels=32)
-    run_distributed(check_against_reference, 4, config, 4, ParallelizeOptions(), BATCH, 2, 4)
+    run_distributed(check_against_reference, 4, config, 4, ParallelizeOptions(), ONE_SEGMENT, 2, 4)
 
 
 def test_gqa_replicated_across_the_all_to_all_inside_a_ring_matches_single_process():
-    """a2a+p2p 2 x 2 with one kv head: replicated over the pair, travelling the ring at its own count."""
+    """a2a+p2p 2 x 2 with one kv head: replicated over the pair, travelling the ring at its own count;
+    each sample one attention segment."""
     config = dataclasses.replace(DEBUG, num_query_groups=1)
-    run_distributed(check_against_reference, 4, config, 4, ParallelizeOptions(), BATCH, 2, 2)
+    run_distributed(check_against_reference, 4, config, 4, ParallelizeOptions(), ONE_SEGMENT, 2, 2)
 
 
 def test_ring_with_data_parallel_and_the_full_memory_stack_matches_single_process():
@@ -42,8 +44,9 @@ def test_ring_with_data_parallel_and_the_full_memory_stack_matches_single_proces
 
 
 def test_untied_stages_in_a_ring_with_the_full_memory_stack_match_single_process():
+    """Each sample one attention segment (the untied pairs with packed documents: the all-to-all test above)."""
     stack = dataclasses.replace(STACK, cp_impl="untied_ulysses", heads_per_stage=4)
-    run_distributed(check_against_reference, 4, DEBUG, 4, stack, BATCH, 2, 2)
+    run_distributed(check_against_reference, 4, DEBUG, 4, stack, ONE_SEGMENT, 2, 2)
 
 
 @pytest.mark.parametrize("flags, message", [

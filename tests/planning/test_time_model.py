@@ -84,7 +84,7 @@ def test_mfu_counts_three_passes_of_the_model_and_no_recompute():
 def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, monkeypatch):
     calls = []
 
-    def measure(threads):
+    def measure(threads, shapes):
         calls.append(threads)
         return {"gemm_flops": 1e10, "attention_fwd_flops": 2e9, "attention_bwd_flops": 1e9, "copy_bytes": 1e9,
                 "a2a_bytes": 3e8, "launch_s": 1e-5}
@@ -98,6 +98,23 @@ def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, 
     assert one.gemm_flops == 1e10 and four.gemm_flops == pytest.approx(0.5e10)  # 4 processes on 2 cores
     timing.calibrate_local(cache=cache, refresh=True)
     assert calls == [1, 1]
+    timing.calibrate_local(cache=cache, shapes=timing.CalibrationShapes(tokens=4096))  # other shapes: measured
+    assert calls == [1, 1, 1]
+
+
+def test_local_rates_are_measured_at_the_configurations_own_shapes(monkeypatch):
+    seen = []
+    monkeypatch.setattr(timing, "calibrate_local", lambda processes=1, shapes=None, **_: seen.append(shapes) or H100)
+    planner, cfg = estimate_memory.parse(["--model", "debug", "--seq-length", "4096", "--context-parallel-size", "2",
+                                          "--num-gpus", "2", "--machine", "local", "--hidden-size", "512",
+                                          "--ffn-hidden-size", "2048", "--vocab-size", "8000"])
+    timing.TimeModel.for_machine(estimate_memory.machine_of(planner, cfg), cfg)
+    c = cfg.model_config()
+    assert seen == [timing.CalibrationShapes(
+        tokens=2048, hidden=512, ffn=2048, vocab=8000,
+        qkv=(c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels,
+        attention_width=c.num_attention_heads * c.kv_channels, attention_tokens=4096,
+        heads=c.num_attention_heads // 2, head_dim=c.kv_channels)]
 
 
 def test_planner_json_carries_the_time_and_the_report_shows_fa2_and_fa3(capsys):

@@ -55,6 +55,46 @@ def test_context_parallel_evaluation_equals_one_process(trained, layout):
                                                                         rel=1e-5)
 
 
+def test_attention_crosses_documents_unless_reset_attention_mask_both_as_transformers_computes(trained, tmp_path):
+    """Megatron's default attends across a sample's end-of-document tokens; `--reset-attention-mask` attends
+    within each document. Each equals transformers' loss on the same tokens (one forward per sample, or per
+    document), and the two differ."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    from megatron_lc.data.indexed_dataset import IndexedDataset
+    from megatron_lc.data.samples import LongSequenceSamples
+    from megatron_lc.models.llama.conversion import checkpoint_to_hf
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        checkpoint_to_hf(str(trained / "ckpt"), str(tmp_path / "hf"), dtype=torch.float32),
+        torch_dtype=torch.float32).eval()
+    samples = [LongSequenceSamples(IndexedDataset(trained / "data"), 64, seed=0, shuffle=False).get(i)
+               for i in range(4)]
+    assert sum(len(sample.cu_seqlens) - 1 for sample in samples) > 4  # samples span documents
+
+    def transformers_loss(per_document: bool) -> float:
+        total, count = 0.0, 0
+        for sample in samples:
+            bounds = sample.cu_seqlens if per_document else (0, 64)
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                with torch.no_grad():
+                    logits = hf(torch.from_numpy(sample.input_ids[a:b])[None],
+                                position_ids=torch.arange(a, b)[None]).logits[0]
+                total += F.cross_entropy(logits, torch.from_numpy(sample.labels[a:b]), reduction="sum").item()
+                count += b - a
+        return total / count
+
+    for per_document in (False, True):
+        run = _evaluate(trained, "--seq-length", "64", "--num-samples", "4",
+                        *(["--reset-attention-mask"] if per_document else []))
+        assert run.returncode == 0, run.stderr[-2000:]
+        loss = json.loads(run.stdout.strip().splitlines()[-1])["loss"]
+        assert loss == pytest.approx(transformers_loss(per_document), rel=1e-5)
+        assert loss != pytest.approx(transformers_loss(not per_document), rel=1e-4)
+
+
 def test_sequence_longer_than_the_data_is_refused_not_reported_as_zero_loss(trained):
     out = _evaluate(trained, "--seq-length", "65536")
     assert out.returncode == 2 and "Traceback" not in out.stderr
