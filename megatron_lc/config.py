@@ -331,7 +331,7 @@ class TrainConfig:
         """Samples per optimizer step (--global-batch-size, default micro-batch x data-parallel size)."""
         return self.data.global_batch_size or self.data.micro_batch_size * (world_size // self.parallel.context_parallel_size)
 
-    def resolved(self, world_size: int) -> "TrainConfig":
+    def resolved(self, world_size: int) -> TrainConfig:
         """This config with what other flags imply filled in, as Megatron-LM fills it: --train-iters from
         --train-samples (or 10), --data-path from --data-args-path, the per-split paths from
         --per-split-data-args-path. Idempotent; run after `validate`."""

@@ -155,7 +155,7 @@ class WorkerLoader:
     def consumed_samples(self) -> int:
         return self.loader.consumed_samples
 
-    def __iter__(self) -> "WorkerLoader":
+    def __iter__(self) -> WorkerLoader:
         return self
 
     def __next__(self) -> Batch:

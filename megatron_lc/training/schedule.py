@@ -98,7 +98,7 @@ class LRSchedule:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, saved: dict, current: "LRSchedule") -> "LRSchedule":
+    def from_dict(cls, saved: dict, current: LRSchedule) -> LRSchedule:
         """A checkpoint's schedule; settings it does not record (older checkpoints) are `current`'s."""
         known = {f.name for f in dataclasses.fields(cls)}
         return dataclasses.replace(current, **{k: v for k, v in saved.items() if k in known})

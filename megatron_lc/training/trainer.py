@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.config import ConfigError, TrainConfig
@@ -39,8 +40,6 @@ from megatron_lc.parallel_state import (
     init_distributed,
     warm_up_collectives,
 )
-from torch.distributed.tensor import DTensor
-
 from megatron_lc.training import checkpointing
 from megatron_lc.training.save_lock import SaveLock, acquire_save_lock
 from megatron_lc.training.logging import MetricsLogger, default_log_dir, validation_ppl
@@ -610,7 +609,7 @@ def _train_run(run: Run) -> list[dict]:
             since_log.append(metrics["step_time_s"])
             metrics.update(elapsed_s=time.monotonic() - began, eta_s=_eta_s(step_times, cfg.train.train_iters - step))
             if g.eval_interval and step % g.eval_interval == 0:
-                metrics.update(validate(run, step // g.eval_interval - 1))
+                metrics.update(run_validation(run, step // g.eval_interval - 1))
             if step == cfg.train.train_iters and run.test_source is not None and g.eval_iters >= 1:
                 metrics["test_loss"] = evaluate(run, g.eval_iters, run.test_source)  # once, as Megatron
             console = ("val_loss" in metrics or step % g.log_interval == 0
@@ -648,7 +647,7 @@ def _close_loader(loader) -> None:
         loader.close()
 
 
-def validate(run: Run, evaluation: int) -> dict:
+def run_validation(run: Run, evaluation: int) -> dict:
     """The `evaluation`-th validation (from 0): --eval-iters global batches from where the previous one
     stopped, or with --full-validation the whole validation part from its first sample."""
     g = run.cfg.logging
