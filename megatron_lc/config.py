@@ -52,6 +52,14 @@ class ModelArgs:
     use_rope_scaling: bool = flag(False, "Llama 3.x rotary scaling (factor --rope-scaling-factor, default 8)")
     rope_scaling_factor: float | None = flag(None, "Llama 3.x rotary scaling factor (with --use-rope-scaling, or "
                                                    "for a flavour that scales)")
+    make_vocab_size_divisible_by: int = flag(1, "pad the vocabulary (the tokenizer's, --vocab-size or the "
+                                             "flavour's) up to a multiple of this, as Megatron-LM: the pad rows "
+                                             "are embedding and output rows no token uses (Megatron-LM's default "
+                                             "is 128; 1 leaves it as it is)")
+    attention_dropout: float = flag(0.0, "dropout on the attention probabilities: only 0 (LLaMA trains without "
+                                         "dropout; Megatron-LM's default is 0.1)")
+    hidden_dropout: float = flag(0.0, "dropout on the residual branches: only 0 (LLaMA trains without dropout; "
+                                      "Megatron-LM's default is 0.1)")
     checkpoint_model: dict | None = field(default=None, metadata={
         "cli": False, "help": "the whole model config of the checkpoint in --load (--use-checkpoint-args)"})
 
@@ -79,6 +87,8 @@ class ParallelArgs:
                                      "capability 9.0 when flash_attn_interface imports, FA4 on 10.0 when "
                                      "flash_attn.cute imports, else torch's own), default, fa3, fa4",
                                      choices=("auto", "default", "fa3", "fa4"))
+    distributed_timeout_minutes: int = flag(10, "timeout of the process group's collectives, in minutes "
+                                                "(init_process_group's timeout, as Megatron-LM)")
     fsdp_cpu_offload: bool = flag(False, "keep sharded parameters, gradients and optimizer state in host memory")
     no_reshard_after_forward: bool = flag(False, "keep gathered parameters between forward and backward")
     tensor_model_parallel_size: int = flag(1, "Megatron-LM's tensor parallelism: only 1 (FSDP2 + context "
@@ -96,6 +106,12 @@ class MemoryArgs:
     recompute_granularity: str = flag("none", "activation checkpointing: none, full (keep block inputs only), "
                                       "selective (keep attention, recompute the MLP half)",
                                       choices=("none", "full", "selective"))
+    recompute_method: str | None = flag(None, "with --recompute-granularity full, which blocks are checkpointed: "
+                                        "block (the first --recompute-num-layers blocks, the rest keep all their "
+                                        "activations) or uniform (groups of --recompute-num-layers blocks; only 1 "
+                                        "here, each block its own group); default every block",
+                                        choices=(None, "uniform", "block"))
+    recompute_num_layers: int | None = flag(None, "blocks per group (uniform) or blocks checkpointed (block)")
     offload_activations: bool = flag(False, "keep checkpointed block inputs in host memory (needs full recompute)")
     offload_keep_last: int = flag(1, "last layers whose block inputs stay on the accelerator")
     no_offload_prefetch: bool = flag(False, "bring an offloaded block input back only when its own layer's backward "
@@ -113,6 +129,11 @@ class DataArgs:
     split: str | None = flag(None, "train,valid,test weights carving every --data-path prefix by document, "
                                    "e.g. 969,30,1 (default with --data-path: 969, 30, 1 and a warning, as "
                                    "Megatron-LM)")
+    data_args_path: str | None = flag(None, "a file holding --data-path's words (whitespace-separated: PREFIX ... "
+                                            "or W1 PREFIX1 ...), for blends too long for a command line")
+    per_split_data_args_path: str | None = flag(None, "a JSON file {\"train\": ..., \"valid\": ..., \"test\": "
+                                                      "...}, each a string or list of --train-data-path's words "
+                                                      "(valid and test may be null)")
     train_data_path: list[str] = flag_list("training blend, uncut (replaces --data-path's train part)")
     valid_data_path: list[str] = flag_list("validation blend, uncut (replaces --data-path's valid part)")
     test_data_path: list[str] = flag_list("test blend, uncut (replaces --data-path's test part)")
@@ -127,6 +148,9 @@ class DataArgs:
     global_batch_size: int | None = flag(None, "samples per step over all data-parallel ranks "
                                                "(default micro x dp; more means gradient accumulation)")
     no_shuffle: bool = flag(False, "read documents in stream order")
+    num_workers: int = flag(0, "worker processes reading micro-batches ahead of the step (torch DataLoader "
+                               "workers, as Megatron-LM; 0 reads them in the training process; Megatron-LM's "
+                               "default is 2)")
     reset_position_ids: bool = flag(False, "restart positions at each document")
     reset_attention_mask: bool = flag(False, "attend within each document only (default: a sample attends "
                                              "across its end-of-document tokens as one sequence, as Megatron-LM)")
@@ -141,8 +165,13 @@ class OptimArgs:
                                choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
     lr_decay_iters: int | None = flag(None, "steps over which the rate decays to --min-lr (default --train-iters)")
     lr_warmup_iters: int = flag(0, "linear warmup steps")
-    lr_warmup_fraction: float | None = flag(None, "warmup as a fraction of --lr-decay-iters (instead of "
-                                            "--lr-warmup-iters)")
+    lr_warmup_fraction: float | None = flag(None, "warmup as a fraction of --lr-decay-iters or --lr-decay-samples "
+                                            "(instead of --lr-warmup-iters or --lr-warmup-samples)")
+    lr_warmup_init: float = flag(0.0, "the rate warmup starts from (rising linearly to --lr)")
+    lr_decay_samples: int | None = flag(None, "with --train-samples: samples over which the rate decays to --min-lr "
+                                        "(default --train-samples)")
+    lr_warmup_samples: int = flag(0, "with --train-samples: samples of linear warmup")
+    lr_wsd_decay_samples: int | None = flag(None, "with --train-samples and WSD: samples of the final decay")
     lr_wsd_decay_iters: int | None = flag(None, "WSD: steps of the final decay (the rate is constant before)")
     lr_wsd_decay_style: str = flag("linear", "WSD: shape of the final decay", choices=("linear", "cosine"))
     override_opt_param_scheduler: bool = flag(False, "on resume, take the learning-rate schedule from the command "
@@ -150,7 +179,13 @@ class OptimArgs:
     use_checkpoint_opt_param_scheduler: bool = flag(False, "on resume, take the learning-rate schedule from the "
                                                     "checkpoint, whatever the command line says",
                                                     flag_name="--use-checkpoint-opt_param-scheduler")
-    weight_decay: float = flag(0.1, "AdamW weight decay")
+    weight_decay: float = flag(0.1, "AdamW weight decay (with --weight-decay-incr-style constant)")
+    start_weight_decay: float | None = flag(None, "weight decay at step 1 (with --weight-decay-incr-style linear or "
+                                            "cosine)")
+    end_weight_decay: float | None = flag(None, "weight decay at the end of training (with "
+                                          "--weight-decay-incr-style linear or cosine)")
+    weight_decay_incr_style: str = flag("constant", "how the weight decay goes from --start-weight-decay to "
+                                        "--end-weight-decay over training", choices=("constant", "linear", "cosine"))
     adam_beta1: float = flag(0.9, "AdamW beta1")
     adam_beta2: float = flag(0.95, "AdamW beta2")
     adam_eps: float = flag(1e-8, "AdamW epsilon")
@@ -159,7 +194,10 @@ class OptimArgs:
 
 @dataclass
 class TrainArgs:
-    train_iters: int = flag(10, "optimizer steps")
+    train_iters: int | None = flag(None, "optimizer steps (default 10, or --train-samples // global batch)")
+    train_samples: int | None = flag(None, "samples to train on, instead of --train-iters: --train-samples // "
+                                     "--global-batch-size steps, the schedule counted in samples (--lr-*-samples)")
+    skip_train: bool = flag(False, "no training: load --load, evaluate the validation and test parts, exit")
     bf16: bool = flag(False, "bf16 compute with fp32 master weights and fp32 gradient reduction (fp32 without it)")
     device: str = flag("auto", "accelerator", choices=("auto", "cuda", "cpu"))
     seed: int = flag(1234, "seed of weights and data order")
@@ -183,6 +221,13 @@ class CheckpointArgs:
                           "data position)")
     no_load_optim: bool = flag(False, "on resume, do not load the optimizer state")
     no_load_rng: bool = flag(False, "on resume, do not load the random-number generator state")
+    no_save_optim: bool = flag(False, "save checkpoints without the optimizer state (a resume from one starts a "
+                               "fresh optimizer, as --no-load-optim)")
+    no_save_rng: bool = flag(False, "save checkpoints without the random-number generator state (a resume from one "
+                             "does not restore it, as --no-load-rng)")
+    exit_on_missing_checkpoint: bool = flag(False, "with --load: stop (exit status 2) instead of starting from "
+                                            "scratch when it holds no checkpoint")
+    ckpt_step: int | None = flag(None, "load the checkpoint of this step from --load (iter_N), not the newest")
     use_checkpoint_args: bool = flag(False, "take the model's shape (--num-layers, --hidden-size, ...) from the "
                                      "checkpoint in --load")
     save_interval: int | None = flag(None, "save every N steps (and at the end)")
@@ -195,7 +240,13 @@ class LoggingArgs:
     log_interval: int = flag(1, "steps between log lines")
     log_dir: str | None = flag(None, "where metrics.jsonl goes (default: a new directory under runs/)")
     tensorboard_dir: str | None = flag(None, "tensorboard event files (default: none)")
+    tensorboard_log_interval: int = flag(1, "steps between tensorboard (and wandb) records")
+    log_throughput: bool = flag(False, "put Megatron-LM's throughput per GPU (TFLOP/s/GPU) on the console line")
+    log_params_norm: bool = flag(False, "compute the L2 norm of all parameters at each logged step (console "
+                                 "'params norm', tensorboard 'params-norm')")
     eval_interval: int | None = flag(None, "validation every N steps")
+    full_validation: bool = flag(False, "each evaluation reads the whole validation part once (instead of "
+                                 "--eval-iters batches)")
     eval_iters: int = flag(2, "global batches per evaluation (Megatron's iterations); the test part, when there is one, "
                                  "is evaluated once at the end of training over as many")
     wandb_project: str | None = flag(None, "Weights & Biases project to log to (needs the wandb package)")
@@ -221,8 +272,16 @@ class TrainConfig:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
 
-    def model_config(self, vocab_size: int | None = None):
-        """The LlamaConfig of the run: the flavour with the overrides applied."""
+    def model_config(self, vocab_size: int | None = None, padded: bool = True):
+        """The LlamaConfig of the run: the flavour with the overrides applied, its vocabulary padded to a
+        multiple of --make-vocab-size-divisible-by (unless `padded` is False: the ids the data may hold)."""
+        config = self._unpadded_model_config(vocab_size)
+        multiple = self.model.make_vocab_size_divisible_by
+        if not padded or multiple <= 1 or config.vocab_size % multiple == 0:
+            return config
+        return dataclasses.replace(config, vocab_size=padded_vocab_size(config.vocab_size, multiple))
+
+    def _unpadded_model_config(self, vocab_size: int | None):
         from megatron_lc.models.llama import FLAVOURS, get_config
         from megatron_lc.models.llama.zoo import config_from_dict, rope_scaling_from_flags
 
@@ -252,11 +311,47 @@ class TrainConfig:
         dtype = torch.bfloat16 if self.train.bf16 else torch.float32
         return ParallelizeOptions(
             cp_impl=par.cp_impl, seq_length=self.data.seq_length, attention_kernel=par.attention_kernel, heads_per_stage=par.untied_heads_per_stage,
-            recompute_granularity=mem.recompute_granularity, offload_activations=mem.offload_activations,
+            recompute_granularity=mem.recompute_granularity, recompute_layers=(self.recomputed_layers(c.num_layers)
+                                                                     if mem.recompute_method == "block" else None),
+            offload_activations=mem.offload_activations,
             offload_keep_last=mem.offload_keep_last, offload_prefetch=not mem.no_offload_prefetch,
             mlp_tiles=plan.mlp_tiles if mem.tiled_mlp else None, loss_tiles=plan.loss_tiles if mem.tiled_loss else None,
             param_dtype=dtype, reduce_dtype=torch.float32, reshard_after_forward=not par.no_reshard_after_forward, fsdp_cpu_offload=par.fsdp_cpu_offload,
         )
+
+    def recomputed_layers(self, num_layers: int) -> int:
+        """Blocks checkpointed under --recompute-granularity full: the first --recompute-num-layers with
+        --recompute-method block, else all of them (0 without full recompute)."""
+        mem = self.memory
+        if mem.recompute_granularity != "full":
+            return 0
+        if mem.recompute_method == "block":
+            return min(mem.recompute_num_layers, num_layers)
+        return num_layers
+
+    def global_batch(self, world_size: int) -> int:
+        """Samples per optimizer step (--global-batch-size, default micro-batch x data-parallel size)."""
+        return self.data.global_batch_size or self.data.micro_batch_size * (world_size // self.parallel.context_parallel_size)
+
+    def resolved(self, world_size: int) -> TrainConfig:
+        """This config with what other flags imply filled in, as Megatron-LM fills it: --train-iters from
+        --train-samples (or 10), --data-path from --data-args-path, the per-split paths from
+        --per-split-data-args-path. Idempotent; run after `validate`."""
+        t, d = self.train, self.data
+        train = t
+        if t.train_iters is None:
+            iters = t.train_samples // self.global_batch(world_size) if t.train_samples else 10
+            train = dataclasses.replace(t, train_iters=iters)
+        data = d
+        if d.data_args_path:
+            data = dataclasses.replace(data, data_path=read_data_args(d.data_args_path), data_args_path=None)
+        if d.per_split_data_args_path:
+            parts = read_per_split_data_args(d.per_split_data_args_path)
+            data = dataclasses.replace(data, per_split_data_args_path=None, train_data_path=parts["train"],
+                                       valid_data_path=parts["valid"], test_data_path=parts["test"])
+        if train is t and data is d:
+            return self
+        return dataclasses.replace(self, train=train, data=data)
 
     def context_layout(self):
         """The two levels of context parallelism (`megatron_lc.context_layout`) the flags ask for."""
@@ -268,16 +363,50 @@ class TrainConfig:
 
     def validate(self, world_size: int) -> None:
         """Every impossible combination, with the reason and the fix, before any GPU time is spent."""
-        checks = (self._check_data, self._check_parallel, self._check_memory, self._check_model,
-                  self._check_run, self._check_schedule, self._check_checkpoint,
-                  self._check_megatron_flags, self._check_environment)
+        checks = ("_check_data", "_check_parallel", "_check_memory", "_check_model", "_check_run",
+                  "_check_schedule", "_check_checkpoint", "_check_megatron_flags", "_check_environment")
         try:
+            self._check_flag_sources()
+            resolved = self.resolved(world_size)
             for check in checks:
-                check(world_size)
+                getattr(resolved, check)(world_size)
         except ConfigError:
             raise
         except (ValueError, OSError, ImportError) as e:  # a missing file or package named by the check
             raise ConfigError(str(e)) from e
+
+    def _check_flag_sources(self) -> None:
+        """Flags that give one setting two ways (Megatron-LM asserts the same)."""
+        t, o, d = self.train, self.optim, self.data
+        if t.train_samples is not None:
+            if t.train_iters is not None:
+                raise ConfigError(f"--train-samples {t.train_samples} and --train-iters {t.train_iters}: give one")
+            if t.train_samples < 1:
+                raise ConfigError(f"--train-samples {t.train_samples}: nothing to train; give at least 1")
+            for name, value in (("--lr-decay-iters", o.lr_decay_iters), ("--lr-wsd-decay-iters", o.lr_wsd_decay_iters),
+                                ("--lr-warmup-iters", o.lr_warmup_iters or None)):
+                if value is not None:
+                    raise ConfigError(f"{name} {value} with --train-samples: the schedule counts samples; give "
+                                      f"{name.replace('-iters', '-samples')}")
+        else:
+            for name, value in (("--lr-decay-samples", o.lr_decay_samples),
+                                ("--lr-wsd-decay-samples", o.lr_wsd_decay_samples),
+                                ("--lr-warmup-samples", o.lr_warmup_samples or None)):
+                if value is not None:
+                    raise ConfigError(f"{name} {value} counts samples: it needs --train-samples (or give "
+                                      f"{name.replace('-samples', '-iters')})")
+        if o.lr_warmup_fraction is not None and o.lr_warmup_samples:
+            raise ConfigError(f"--lr-warmup-fraction {o.lr_warmup_fraction} and --lr-warmup-samples "
+                              f"{o.lr_warmup_samples}: give one")
+        if d.data_args_path and d.data_path:
+            raise ConfigError(f"--data-args-path {d.data_args_path} holds --data-path's words: give one of the two")
+        if d.per_split_data_args_path and (d.train_data_path or d.valid_data_path or d.test_data_path):
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path} holds --train-data-path, "
+                              "--valid-data-path and --test-data-path: give it or them")
+        if d.per_split_data_args_path and (d.data_path or d.data_args_path):
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path} and "
+                              f"{'--data-path' if d.data_path else '--data-args-path'}: give the blend per split or "
+                              "one blend cut by --split, not both")
 
     def _check_data(self, world_size: int) -> None:
         d = self.data
@@ -286,6 +415,8 @@ class TrainConfig:
         if d.seq_length < 1 or d.micro_batch_size < 1:
             raise ValueError(f"--seq-length {d.seq_length} and --micro-batch-size {d.micro_batch_size} must be >= 1")
         validate_data_flags(d.data_path, d.split, d.train_data_path, d.valid_data_path, d.test_data_path)
+        if d.num_workers < 0:
+            raise ConfigError(f"--num-workers {d.num_workers} must be >= 0 (0 reads in the training process)")
 
     def _check_parallel(self, world_size: int) -> None:
         p, d = self.parallel, self.data
@@ -326,10 +457,34 @@ class TrainConfig:
             check_untied_shapes(c.num_attention_heads, c.num_query_groups, a2a, p.untied_heads_per_stage or a2a)
 
     def _check_memory(self, world_size: int) -> None:
+        mem = self.memory
+        if mem.recompute_method is not None or mem.recompute_num_layers is not None:
+            if mem.recompute_granularity != "full":
+                raise ConfigError(f"--recompute-method {mem.recompute_method} / --recompute-num-layers "
+                                  f"{mem.recompute_num_layers} choose the blocks of --recompute-granularity full "
+                                  f"(given: {mem.recompute_granularity})")
+            if mem.recompute_method is None or mem.recompute_num_layers is None:
+                raise ConfigError("--recompute-method and --recompute-num-layers go together: give both (without "
+                                  "them, --recompute-granularity full checkpoints every block)")
+            layers = self.model_config().num_layers
+            if not 1 <= mem.recompute_num_layers <= layers:
+                raise ConfigError(f"--recompute-num-layers {mem.recompute_num_layers} must be in 1..{layers} "
+                                  "(--num-layers)")
+            if mem.recompute_method == "uniform" and mem.recompute_num_layers != 1:
+                raise ConfigError(f"--recompute-method uniform --recompute-num-layers {mem.recompute_num_layers}: "
+                                  "checkpointing here is per block (each block one FSDP and offload unit that keeps "
+                                  "its own input), so groups of several blocks are not; give 1, or --recompute-method "
+                                  "block to checkpoint only the first N")
         self.parallelize_options().validate()
 
     def _check_model(self, world_size: int) -> None:
-        d = self.data
+        d, m = self.data, self.model
+        for name, value in (("--attention-dropout", m.attention_dropout), ("--hidden-dropout", m.hidden_dropout)):
+            if value != 0:
+                raise ConfigError(f"{name} {value}: training here is without dropout, as LLaMA is trained; give 0 "
+                                  "(the default here)")
+        if m.make_vocab_size_divisible_by < 1:
+            raise ConfigError(f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} must be >= 1")
         if d.tokenizer_type:
             from megatron_lc.data.tokenizers import build_tokenizer
 
@@ -348,17 +503,42 @@ class TrainConfig:
         if o.lr_warmup_fraction is not None and (o.lr_warmup_iters or not 0 <= o.lr_warmup_fraction <= 1):
             raise ConfigError(f"--lr-warmup-fraction {o.lr_warmup_fraction}: a fraction in [0, 1], and not "
                               "together with --lr-warmup-iters")
+        if o.weight_decay_incr_style == "constant":
+            if o.start_weight_decay is not None or o.end_weight_decay is not None:
+                raise ConfigError(f"--start-weight-decay {o.start_weight_decay} / --end-weight-decay "
+                                  f"{o.end_weight_decay} need --weight-decay-incr-style linear or cosine (constant "
+                                  "uses --weight-decay)")
+        elif o.start_weight_decay is None or o.end_weight_decay is None:
+            raise ConfigError(f"--weight-decay-incr-style {o.weight_decay_incr_style} goes from --start-weight-decay "
+                              "to --end-weight-decay: give both")
+        for name, value in (("--weight-decay", o.weight_decay), ("--start-weight-decay", o.start_weight_decay),
+                            ("--end-weight-decay", o.end_weight_decay), ("--lr-warmup-init", o.lr_warmup_init)):
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} {value} must be >= 0")
         if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
             raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict "
                               "each other: give one")
         from megatron_lc.training.schedule import schedule_from_config
 
-        schedule_from_config(self)  # decay, warmup and WSD iterations consistent
+        schedule_from_config(self, world_size)  # decay, warmup and WSD iterations consistent
 
     def _check_run(self, world_size: int) -> None:
         t, g = self.train, self.logging
         if t.train_iters < 1:
+            if t.train_samples is not None:
+                raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch "
+                                  f"({self.global_batch(world_size)} samples): nothing to train")
             raise ConfigError(f"--train-iters {t.train_iters}: nothing to train; give at least 1")
+        if g.tensorboard_log_interval < 1:
+            raise ConfigError(f"--tensorboard-log-interval {g.tensorboard_log_interval} must be >= 1")
+        if self.parallel.distributed_timeout_minutes <= 0:
+            raise ConfigError(f"--distributed-timeout-minutes {self.parallel.distributed_timeout_minutes} must be > 0")
+        if t.skip_train and not (self.data.data_path or self.data.valid_data_path or self.data.test_data_path):
+            raise ConfigError("--skip-train evaluates the validation and test parts: give --data-path (cut by --split) "
+                              "or --valid-data-path / --test-data-path")
+        if g.full_validation and not self.data.valid_data_path and not self.data.data_path:
+            raise ConfigError("--full-validation reads the whole validation part: give --data-path (cut by --split) "
+                              "or --valid-data-path")
         if g.log_interval < 1:
             raise ConfigError(f"--log-interval {g.log_interval} must be >= 1")
         if g.eval_interval is not None and (g.eval_interval < 1 or g.eval_iters < 1):
@@ -375,9 +555,15 @@ class TrainConfig:
     def _check_checkpoint(self, world_size: int) -> None:
         c = self.checkpoint
         for name, on in (("--finetune", c.finetune), ("--use-checkpoint-args", c.use_checkpoint_args),
-                         ("--no-load-optim", c.no_load_optim), ("--no-load-rng", c.no_load_rng)):
+                         ("--no-load-optim", c.no_load_optim), ("--no-load-rng", c.no_load_rng),
+                         ("--exit-on-missing-checkpoint", c.exit_on_missing_checkpoint),
+                         ("--ckpt-step", c.ckpt_step is not None)):
             if on and not c.load:
                 raise ConfigError(f"{name} reads the checkpoint in --load: give --load DIR")
+        if c.load and (c.ckpt_step is not None or c.exit_on_missing_checkpoint):
+            from megatron_lc.training.checkpointing import checkpoint_to_load
+
+            checkpoint_to_load(c.load, c.ckpt_step, c.exit_on_missing_checkpoint)  # refuses a missing one
         if c.keep_last_checkpoints < 0:
             raise ConfigError(f"--keep-last-checkpoints {c.keep_last_checkpoints}: 0 keeps all, N > 0 the newest N")
         if c.save:
@@ -427,6 +613,56 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """The vocabulary rounded up to a multiple of `multiple` (Megatron-LM's _vocab_size_with_padding, one
+    tensor-parallel rank)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def _read_text(path: str, flag_name: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{flag_name} {path}: cannot be read ({e.strerror or e})") from e
+
+
+def read_data_args(path: str) -> list[str]:
+    """--data-args-path: the file's whitespace-separated words are --data-path's (Megatron-LM's format)."""
+    words = _read_text(path, "--data-args-path").split()
+    if not words:
+        raise ConfigError(f"--data-args-path {path}: the file is empty; it holds --data-path's words")
+    return words
+
+
+def read_per_split_data_args(path: str) -> dict[str, list[str]]:
+    """--per-split-data-args-path: Megatron-LM's JSON object with keys train, valid and test, each a string of
+    whitespace-separated words or a list of them (a blend as --train-data-path takes it); null: none."""
+    import json
+
+    try:
+        data = json.loads(_read_text(path, "--per-split-data-args-path"))
+    except ValueError as e:
+        raise ConfigError(f"--per-split-data-args-path {path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict) or "train" not in data or set(data) - {"train", "valid", "test"}:
+        raise ConfigError(f"--per-split-data-args-path {path}: expected an object with keys train, valid, test "
+                          f"(got {sorted(data) if isinstance(data, dict) else type(data).__name__})")
+    parts = {}
+    for key in ("train", "valid", "test"):
+        value = data.get(key)
+        if value is None:
+            parts[key] = []
+        elif isinstance(value, str):
+            parts[key] = value.split()
+        elif isinstance(value, list) and all(isinstance(w, (str, int, float)) for w in value):
+            parts[key] = [str(w) for w in value]
+        else:
+            raise ConfigError(f"--per-split-data-args-path {path}: {key} must be a string or a list of words, got "
+                              f"{value!r}")
+    if not parts["train"]:
+        raise ConfigError(f"--per-split-data-args-path {path}: train is empty")
+    return parts
 
 
 # --- command line ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ there are no module-level process groups. The world is laid out as a mesh
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -290,14 +291,18 @@ def process_group_options(accelerator: torch.device | None, backend: str | None 
 
 
 def init_distributed(accelerator: torch.device | None = None, backend: str | None = None,
-                     env: Mapping[str, str] = os.environ) -> LaunchInfo:
+                     env: Mapping[str, str] = os.environ, timeout_minutes: float | None = None) -> LaunchInfo:
     """Initialise the default process group from the launcher's environment (no-op for one process).
 
     Call it after `torch.cuda.set_device(accelerator)`: the backend follows the accelerator.
+    `timeout_minutes` (--distributed-timeout-minutes) is the process group's timeout; None: torch's default.
     """
     launch = detect_launch(env)
     if launch.world_size == 1 or dist.is_initialized():
         return launch
+    options = process_group_options(accelerator, backend)
+    if timeout_minutes is not None:
+        options["timeout"] = datetime.timedelta(minutes=timeout_minutes)
     dist.init_process_group(init_method=_rendezvous_address(launch, env), rank=launch.rank,
-                            world_size=launch.world_size, **process_group_options(accelerator, backend))
+                            world_size=launch.world_size, **options)
     return launch

@@ -101,11 +101,15 @@ class MicroBatchLoader:
     def __next__(self) -> Batch:
         if self.num_samples is not None and self.consumed_samples + self.samples_per_step > self.num_samples:
             raise StopIteration
-        first = self.consumed_samples + self.dp_rank * self.micro_batch_size
-        batch = collate([self._sample(first + b) for b in range(self.micro_batch_size)], self.samples.seq_length,
-                        self.reset_attention_mask)
+        batch = self.micro_batch(self.consumed_samples // self.samples_per_step)
         self.consumed_samples += self.samples_per_step
         return batch
+
+    def micro_batch(self, step: int) -> Batch:
+        """This rank's micro-batch of step `step` (its samples from `step * micro_batch_size * dp_size`)."""
+        first = step * self.samples_per_step + self.dp_rank * self.micro_batch_size
+        return collate([self._sample(first + b) for b in range(self.micro_batch_size)], self.samples.seq_length,
+                       self.reset_attention_mask)
 
     def _sample(self, index: int) -> Sample:
         return self.samples.get(index, self.cp_rank, self.cp_size, self.reset_position_ids, self.eod_mask_loss,
@@ -124,3 +128,68 @@ class MicroBatchLoader:
                 f"= {self.samples_per_step}; resume with the batch layout the state was saved with"
             )
         self.consumed_samples = consumed
+
+
+class _MicroBatches(torch.utils.data.Dataset):
+    """Micro-batch `k` of a loader's rank (its samples from `k * micro_batch_size * dp_size`), by index."""
+
+    def __init__(self, loader: MicroBatchLoader) -> None:
+        self.loader = loader
+
+    def __getitem__(self, k: int) -> Batch:
+        return self.loader.micro_batch(k)
+
+
+def _identity(batch):
+    return batch
+
+
+class WorkerLoader:
+    """A MicroBatchLoader whose micro-batches are read by `num_workers` worker processes of a torch
+    DataLoader ahead of the step (Megatron-LM's --num-workers). The same batches in the same order; the
+    state counts the batches handed out, not those read ahead, so a checkpoint resumes exactly."""
+
+    def __init__(self, loader: MicroBatchLoader, num_workers: int) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.loader, self.num_workers = loader, num_workers
+        self._iterator = None
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.loader.samples_per_step
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.loader.consumed_samples
+
+    def __iter__(self) -> WorkerLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        lo = self.loader
+        if lo.num_samples is not None and lo.consumed_samples + lo.samples_per_step > lo.num_samples:
+            raise StopIteration
+        if self._iterator is None:
+            import itertools
+            import multiprocessing
+
+            start = lo.consumed_samples // lo.samples_per_step
+            context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+            self._iterator = iter(torch.utils.data.DataLoader(
+                _MicroBatches(lo), batch_size=None, sampler=itertools.count(start), num_workers=self.num_workers,
+                collate_fn=_identity, multiprocessing_context=context))
+        batch = next(self._iterator)
+        lo.consumed_samples += lo.samples_per_step
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loader.load_state_dict(state)
+        self._iterator = None  # read again from the new position
+
+    def close(self) -> None:
+        """Stop the worker processes."""
+        self._iterator = None

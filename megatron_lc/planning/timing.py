@@ -169,10 +169,12 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     full, selective = mem.recompute_granularity == "full", mem.recompute_granularity == "selective"
     untied = cp > 1 and par.cp_impl == "untied_ulysses" and layout.a2a_size > 1
     mlp_tiles = cfg.parallelize_options().mlp_tiles
-    recompute = L * (layer_gemm if full else mlp if selective else 0)
+    R = cfg.recomputed_layers(L)  # blocks checkpointed under full recompute (--recompute-method block: the first N)
+    recompute = R * layer_gemm if full else L * mlp if selective else 0
     recompute += L * qkv if untied else 0  # its backward projects q, k, v again
     recompute += L * 4 * T * h * f if mlp_tiles else 0  # gate and up again, tile by tile
-    a2a = _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full) * L
+    a2a = (_a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full) * R
+           + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, False) * (L - R))
     ring_fwd = ring_bwd = 0.0
     if layout.ring_size > 1:
         kv = T * 2 * max(Hkv, 1) * d * item
@@ -182,7 +184,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     shards = num_gpus // par.data_parallel_replicate
     share = (shards - 1) / shards if shards > 1 else 0.0
     fsdp = (params_layer * item * share, params_layer * 4 * share)
-    offloaded = max(0, L - mem.offload_keep_last) if mem.offload_activations else 0
+    offloaded = max(0, R - mem.offload_keep_last) if mem.offload_activations else 0
     loss_tiles = cfg.parallelize_options().loss_tiles or 0
     stages = (H // _stage_width(cfg, layout.a2a_size)) if untied else (1 if layout.a2a_size > 1 else 0)
     passes = 3 if full else 2
@@ -195,7 +197,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     layer_bytes = T * item * (10 * h + 2 * (H + Hkv) * d + 3 * f + 2 * (2 * H + 2 * Hkv) * d)
     passes_fwd = 2 if full else 1
     elementwise = L * layer_bytes * (passes_fwd + 2) + 6 * T * V * 4
-    return Work(L * layer_gemm + head_gemm, recompute, L * attention, L * attention if full else 0.0,
+    return Work(L * layer_gemm + head_gemm, recompute, L * attention, R * attention if full else 0.0,
                 L * attention * FA2_BACKWARD_WORK, a2a, ring_fwd * L * (2 if full else 1), ring_bwd * L, fsdp,
                 T * h * item, offloaded,
                 L, launches, elementwise, 28 * total_params / max(shards, 1),

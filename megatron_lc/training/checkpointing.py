@@ -164,6 +164,27 @@ def newest_intact_checkpoint(root: str | Path) -> tuple[Path, dict] | None:
     return None
 
 
+def checkpoint_to_load(root: str | Path, step: int | None = None, required: bool = False) -> tuple[Path, dict] | None:
+    """The checkpoint --load takes and its verified meta: the one of `step` (--ckpt-step; refused when it is
+    missing or damaged, never another), else the newest intact one; None when there is none, or a ConfigError
+    with `required` (--exit-on-missing-checkpoint)."""
+    root = Path(root)
+    if step is not None:
+        candidates = [p for p in (checkpoint_dir(root, step), root) if (p / META).exists()
+                      and (p != root or _recorded_step(root) == step)]
+        if not candidates:
+            raise ConfigError(f"--ckpt-step {step}: no checkpoint of step {step} in --load {root} "
+                              f"({checkpoint_dir(root, step).name} is not there)")
+        try:
+            return candidates[0], verify_checkpoint(candidates[0])
+        except DamagedCheckpointError as e:
+            raise ConfigError(f"--ckpt-step {step}: the checkpoint is damaged ({e})") from e
+    found = newest_intact_checkpoint(root)
+    if found is None and required:
+        raise ConfigError(f"--exit-on-missing-checkpoint: --load {root} holds no checkpoint (a typo in the path?)")
+    return found
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The path of `newest_intact_checkpoint(root)`, or None."""
     found = newest_intact_checkpoint(root)
@@ -200,19 +221,27 @@ def state_bytes(model, optimizer) -> int:
 
 
 def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, keep_last: int = 0,
-                    run_id: str | None = None) -> Path:
+                    run_id: str | None = None, save_optimizer: bool = True, save_rng: bool = True) -> Path:
     """Write model (+ optimizer, when given) shards and meta.json atomically; keep_last > 0 keeps the newest N.
 
     Without an optimizer the checkpoint is weights-only (`weights_only` in meta.json): a
     run loading it starts training at step 0 from these weights (e.g. converted from HF).
+    With an optimizer but `save_optimizer` False (--no-save-optim), or `save_rng` False
+    (--no-save-rng), the run's checkpoint lacks that state (`optimizer_saved` / `rng_saved`
+    false in meta.json): a resume from it starts a fresh optimizer, or keeps its generators.
     """
-    check_free_space(root, state_bytes(model, optimizer))
+    kept = optimizer if save_optimizer else None
+    check_free_space(root, state_bytes(model, kept))
     state = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
-    else:
+    if kept is not None:
+        state["optim"] = get_optimizer_state_dict(model, kept)
+    elif optimizer is None:
         extra = {**extra, "weights_only": True}
-    return save_state(root, step, state, extra, keep_last, run_id=run_id)
+    else:
+        extra = {**extra, "optimizer_saved": False}
+    if not save_rng:
+        extra = {**extra, "rng_saved": False}
+    return save_state(root, step, state, extra, keep_last, run_id=run_id, save_rng=save_rng)
 
 
 def _size_text(n: float) -> str:
@@ -330,7 +359,7 @@ def _describe_write_error(root: Path, e: BaseException) -> str | None:
 
 def save_state(root: str | Path, step: int, state: dict, extra: dict, keep_last: int = 0,
                planner: dcp.SavePlanner | None = None, run_id: str | None = None,
-               move_marker_back: bool = True) -> Path:
+               move_marker_back: bool = True, save_rng: bool = True) -> Path:
     """The DCP write behind save_checkpoint: `state` as shards, then meta.json, marker and pruning.
 
     `planner` may produce each tensor only when it is written (streaming conversion). Then every
@@ -350,7 +379,8 @@ def save_state(root: str | Path, step: int, state: dict, extra: dict, keep_last:
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=planner is None)
         writer.fs = _RecordingFileSystem()
         dcp.save(state, storage_writer=writer, planner=planner)
-        (tmp / rng_file_name(_rank())).write_text(json.dumps(rng_state()))  # each rank's own generators
+        if save_rng:
+            (tmp / rng_file_name(_rank())).write_text(json.dumps(rng_state()))  # each rank's own generators
     except (OSError, CheckpointException) as e:
         error, failure = _describe_write_error(root, e), e
     error = _first_error(error or (f"--save {root}: rank {_rank()} failed to write {tmp}" if failure else None))

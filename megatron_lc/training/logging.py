@@ -45,25 +45,32 @@ class MetricsLogger:
 
             self._wandb = wandb_module.init(project=project, name=name, config=config, dir=str(self.log_dir))
 
-    def log(self, metrics: dict) -> None:
+    def log(self, metrics: dict, console: bool = True, tensorboard: bool = True) -> None:
+        """`console`: the progress line and metrics.jsonl (--log-interval); `tensorboard`: the training
+        scalars to tensorboard and wandb (--tensorboard-log-interval). Validation scalars go to tensorboard
+        whenever there are some, as Megatron-LM writes them at each evaluation."""
         if not self.enabled:
             return
         if "val_loss" in metrics:
             metrics = {**metrics, "val_ppl": validation_ppl(metrics["val_loss"])}
-        self._jsonl.write(json.dumps(metrics) + "\n")
-        if self._tb is not None:
-            self._tensorboard(metrics)
-        if self._wandb is not None:
+        if self._tb is not None and (tensorboard or "val_loss" in metrics):
+            self._tensorboard(metrics, train_scalars=tensorboard)
+        if self._wandb is not None and tensorboard:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+        if not console:
+            return
+        self._jsonl.write(json.dumps(metrics) + "\n")
         print(self._progress_line(metrics), flush=True)
         if "val_loss" in metrics:
             print(f"validation at step {metrics['step']} | lm loss {metrics['val_loss']:.6E} | "
                   f"lm loss PPL {metrics['val_ppl']:.6E}", flush=True)
 
-    def _tensorboard(self, metrics: dict) -> None:
+    def _tensorboard(self, metrics: dict, train_scalars: bool = True) -> None:
         step = metrics["step"]
-        for key, value in metrics.items():
-            if key not in ("step", "val_loss", "val_ppl") and isinstance(value, (int, float)):
+        for key, value in metrics.items() if train_scalars else ():
+            if key == "params_norm":  # Megatron-LM's name
+                self._tb.add_scalar("params-norm", value, step)
+            elif key not in ("step", "val_loss", "val_ppl") and isinstance(value, (int, float)):
                 self._tb.add_scalar(f"train/{key}", value, step)
         if "val_loss" in metrics:  # Megatron-LM's names, so its dashboards read these runs
             self._tb.add_scalar("lm loss validation", metrics["val_loss"], step)
@@ -75,8 +82,12 @@ class MetricsLogger:
         if "val_loss" in m:
             parts.append(f"val {m['val_loss']:.4f}")
         parts += [f"lr {m['lr']:.2e}", f"grad_norm {m['grad_norm']:.3f}", f"{m['tokens_per_s']:,.0f} tok/s"]
+        if "throughput_tflops_per_gpu" in m:  # --log-throughput, Megatron-LM's words
+            parts.append(f"throughput per GPU (TFLOP/s/GPU): {m['throughput_tflops_per_gpu']:.1f}")
         if m.get("tflops_per_gpu"):
             parts.append(f"{m['tflops_per_gpu']:.0f} TFLOP/s ({m['mfu']:.0%} MFU)")
+        if "params_norm" in m:  # --log-params-norm
+            parts.append(f"params norm: {m['params_norm']:.3f}")
         parts.append(f"peak {m['peak_memory_gib']:.2f} GiB")
         if m.get("host_offload_gib"):
             parts.append(f"host {m['host_offload_gib']:.2f} GiB")

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.config import ConfigError, TrainConfig
 from megatron_lc.data.blending import normalize
 from megatron_lc.data.index_cache import dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset
-from megatron_lc.data.loader import MicroBatchLoader
+from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets, parse_data_path, parse_split
 from megatron_lc.data.tokenizers import build_tokenizer
@@ -41,7 +42,7 @@ from megatron_lc.parallel_state import (
 )
 from megatron_lc.training import checkpointing
 from megatron_lc.training.save_lock import SaveLock, acquire_save_lock
-from megatron_lc.training.logging import MetricsLogger, default_log_dir
+from megatron_lc.training.logging import MetricsLogger, default_log_dir, validation_ppl
 from megatron_lc.training.optim import build_optimizer
 from megatron_lc.training.schedule import LRSchedule, schedule_from_config
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
@@ -91,10 +92,13 @@ def data_sizes(cfg: TrainConfig, dp_size: int) -> dict[str, int]:
     """Samples asked of each part, as Megatron-LM's trainer asks: every training step's, every
     evaluation's (`(train_iters // eval_interval + 1) * eval_iters` global batches) and one
     test evaluation's."""
-    batch, g = global_batch_size(cfg, dp_size), cfg.logging
-    evaluations = cfg.train.train_iters // g.eval_interval + 1 if g.eval_interval else 1
-    return {"train": cfg.train.train_iters * batch, "valid": evaluations * g.eval_iters * batch,
-            "test": g.eval_iters * batch}
+    batch, g, t = global_batch_size(cfg, dp_size), cfg.logging, cfg.train
+    evaluations = t.train_iters // g.eval_interval + 1 if g.eval_interval and not t.skip_train else 1
+    sizes = {"train": t.train_samples or t.train_iters * batch, "valid": evaluations * g.eval_iters * batch,
+             "test": g.eval_iters * batch}
+    if g.full_validation:
+        del sizes["valid"]  # one epoch of the validation part, as Megatron-LM builds it for --full-validation
+    return sizes
 
 
 def build_sample_sources(
@@ -143,7 +147,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     schedule: LRSchedule
     offload: object | None
-    loader: MicroBatchLoader
+    loader: MicroBatchLoader | WorkerLoader
     valid_source: SampleSource | None
     eod_token: int | None
     accumulation: int
@@ -155,18 +159,21 @@ class Run:
         return self.launch.rank == 0
 
 
-def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) -> MicroBatchLoader:
+def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) -> MicroBatchLoader | WorkerLoader:
+    """This rank's micro-batches of `source`; read ahead by --num-workers worker processes when it is > 0."""
     d = cfg.data
-    return MicroBatchLoader(source, d.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
-                            pstate.cp_size, reset_position_ids=d.reset_position_ids,
-                            reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
-                            eod_token=eod, cp_ring=pstate.context_layout.ring_size)
+    loader = MicroBatchLoader(source, d.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
+                              pstate.cp_size, reset_position_ids=d.reset_position_ids,
+                              reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
+                              eod_token=eod, cp_ring=pstate.context_layout.ring_size)
+    return WorkerLoader(loader, d.num_workers) if d.num_workers > 0 else loader
 
 
 def build_run(cfg: TrainConfig) -> Run:
     """Validate, initialise processes, build the sharded model, optimizer and data."""
     launch = detect_launch()
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
+    cfg = cfg.resolved(launch.world_size)  # --train-samples, --data-args-path, ... filled in
     set_allocator_defaults()
     devices = resolve_devices(cfg.train.device, launch.local_rank)
     if devices.is_cuda:
@@ -174,7 +181,7 @@ def build_run(cfg: TrainConfig) -> Run:
         impl = activate_flash_impl(cfg.parallel.flash_attention_impl, devices.accelerator)  # before any attention
         if launch.rank == 0 and impl != "default":
             print(f"attention: {impl.upper()} behind torch's flash kernels (--flash-attention-impl)", flush=True)
-    init_distributed(devices.accelerator)
+    init_distributed(devices.accelerator, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     p = cfg.parallel
     pstate = ParallelState(ParallelDims(launch.world_size, cp=p.context_parallel_size,
                                         dp_replicate=p.data_parallel_replicate,
@@ -182,7 +189,8 @@ def build_run(cfg: TrainConfig) -> Run:
     warmed_up_collectives(pstate, devices, launch.rank)
     tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model) if cfg.data.tokenizer_type else None
     eod = tokenizer.eod if tokenizer else None
-    model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)
+    model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)  # padded (--make-vocab-...)
+    data_vocab = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None, padded=False).vocab_size
     opts = cfg.parallelize_options()
     model = build_model(model_config, device="meta", dtype=torch.float32)  # fp32 master weights, also with --bf16
     offload = parallelize_llama(model, pstate, opts, devices)
@@ -194,10 +202,9 @@ def build_run(cfg: TrainConfig) -> Run:
     o = cfg.optim
     optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                                 eps=o.adam_eps)
-    train_source, valid_source, test_source = build_sample_sources(cfg, model_config.vocab_size, pstate.dp_size,
-                                                                   launch.rank)
+    train_source, valid_source, test_source = build_sample_sources(cfg, data_vocab, pstate.dp_size, launch.rank)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
-    return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg), offload,
+    return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg, launch.world_size), offload,
                _loader(train_source, cfg, pstate, eod), valid_source, eod, accumulation, test_source=test_source)
 
 
@@ -205,12 +212,34 @@ def _autocast(run: Run):
     return step_autocast(run.cfg.train.bf16, run.pstate, run.devices.accelerator.type)
 
 
+def megatron_flops(c, samples: int, seq_length: int) -> float:
+    """FLOPs of one step over `samples` samples of `seq_length` tokens, as Megatron-LM's
+    num_floating_point_operations counts them for a dense GQA SwiGLU model: 3 (forward, two backward
+    GEMMs) x 2 (multiply-add) x, per token, the q/k/v/o projections, the SwiGLU MLP (3 matrices) of every
+    layer and the logits (the padded vocabulary), plus the causal attention (half of the S x S scores, QK^T
+    and PV) of each whole sample."""
+    q, kv, h = c.kv_channels * c.num_attention_heads, c.kv_channels * c.num_query_groups, c.hidden_size
+    tokens = samples * seq_length
+    per_token = 3 * 2 * (h * c.ffn_hidden_size * 3 * c.num_layers + (h * (q + 2 * kv) + q * h) * c.num_layers
+                         + h * c.vocab_size)
+    attention = samples * seq_length * seq_length * (3 * 2 * q / 2 * 2) * c.num_layers
+    return tokens * per_token + attention
+
+
 def step_flops(run: Run, tokens: int) -> float:
-    """Model FLOPs of one step: 6 x matmul parameters x tokens + causal attention."""
-    c = run.model.config
-    matmul_params = count_parameters(run.model) - c.vocab_size * c.hidden_size * (0 if c.tie_embeddings else 1)
-    attention = 6 * c.num_layers * c.num_attention_heads * c.kv_channels * run.cfg.data.seq_length * tokens
-    return 6 * matmul_params * tokens + attention
+    """Model FLOPs of one step over `tokens` tokens (whole samples), as Megatron-LM counts them."""
+    S = run.cfg.data.seq_length
+    return megatron_flops(run.model.config, tokens // S, S)
+
+
+def params_norm(model: torch.nn.Module) -> float:
+    """L2 norm of all parameters (the fp32 master weights, every shard; a tied matrix once), as
+    Megatron-LM's calc_params_l2_norm for --log-params-norm."""
+    params = list(dict.fromkeys(model.parameters()))
+    total = torch.nn.utils.get_total_norm([p.detach() for p in params], norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    return float(total)
 
 
 def _peak_memory_gib(run: Run) -> float:
@@ -236,16 +265,27 @@ def validation_window(evaluation: int, per_evaluation: int, available: int) -> i
     return (evaluation % windows) * per_evaluation
 
 
-def evaluate(run: Run, iters: int, source: SampleSource | None = None, first_sample: int = 0) -> float:
+def full_validation_rounds(run: Run, source: SampleSource) -> int:
+    """Micro-batch rounds (one micro-batch on every data-parallel rank) that read `source` once
+    (--full-validation): every whole round; fewer than micro-batch x data-parallel samples are left over."""
+    per_round = run.cfg.data.micro_batch_size * run.pstate.dp_size
+    if len(source) < per_round:
+        raise ConfigError(f"--full-validation: the validation part holds {len(source)} samples, fewer than one "
+                          f"micro-batch on each data-parallel rank ({per_round})")
+    return len(source) // per_round
+
+
+def evaluate(run: Run, iters: int, source: SampleSource | None = None, first_sample: int = 0,
+             rounds: int | None = None) -> float:
     """Mean loss over `iters` global batches (Megatron's --eval-iters) of `source` (default the
-    validation part) from `first_sample`, in stream order."""
+    validation part) from `first_sample`, in stream order; `rounds` micro-batch rounds instead when given."""
     loader = _loader(source or run.valid_source, run.cfg, run.pstate, run.eod_token)
     loader.load_state_dict({"consumed_samples": first_sample})
     loss_sum = torch.zeros((), device=run.devices.accelerator)
     count = torch.zeros((), device=run.devices.accelerator)
     run.model.eval()
     with torch.no_grad(), _autocast(run):
-        for _ in range(iters * run.accumulation):
+        for _ in range(iters * run.accumulation if rounds is None else rounds):
             mb = next(loader).to(run.devices.accelerator)
             s, _ = run.model(mb.input_ids, mb.position_ids, mb.labels, mb.cu_seqlens)
             loss_sum += s.float()
@@ -275,9 +315,11 @@ def _check_finite(step: int, loss: float, grad_norm: float, skip: bool) -> bool:
 def train_one_step(run: Run, step: int) -> dict:
     start = time.perf_counter()
     micro_batches = [next(run.loader) for _ in range(run.accumulation)]
-    lr = run.schedule(step - 1)
+    lr, weight_decay = run.schedule(step - 1), run.schedule.weight_decay(step - 1)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
+        if weight_decay is not None:
+            group["weight_decay"] = weight_decay
     finite = lambda r: _check_finite(step, r.loss.item(), r.grad_norm.item(), run.cfg.train.skip_nonfinite)  # noqa: E731
     with _autocast(run):
         result = train_step(run.model, run.optimizer, micro_batches, run.pstate, run.devices.accelerator,
@@ -289,6 +331,8 @@ def train_one_step(run: Run, step: int) -> dict:
     mfu = _mfu(run, flops_per_gpu)
     metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / elapsed,
                "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(run)}
+    if weight_decay is not None and run.schedule.wd_incr_style != "constant":
+        metrics["weight_decay"] = weight_decay
     if mfu is not None:
         metrics.update(tflops_per_gpu=flops_per_gpu / 1e12, mfu=mfu)
     if run.offload is not None:
@@ -347,7 +391,7 @@ def resumed_schedule(meta: dict, cfg: TrainConfig, current: LRSchedule, path) ->
     """The schedule to continue with: the checkpoint's and the command line's must agree unless a flag chooses."""
     if "schedule" not in meta or cfg.optim.override_opt_param_scheduler:
         return current
-    saved = LRSchedule(**meta["schedule"])
+    saved = LRSchedule.from_dict(meta["schedule"], current)
     if saved == current or cfg.optim.use_checkpoint_opt_param_scheduler:
         return saved
     diff = _differences(saved.to_dict(), current.to_dict())
@@ -398,7 +442,7 @@ def apply_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
     (a converted checkpoint records no flags, only the config)."""
     if not cfg.checkpoint.load:
         raise ConfigError("--use-checkpoint-args reads the checkpoint in --load: give --load DIR")
-    found = checkpointing.newest_intact_checkpoint(cfg.checkpoint.load)
+    found = checkpointing.checkpoint_to_load(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
     if found is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {cfg.checkpoint.load}")
     path, meta = found
@@ -421,7 +465,7 @@ def resume(run: Run) -> int:
     c = run.cfg.checkpoint
     if not c.load:
         return 0
-    found = checkpointing.newest_intact_checkpoint(c.load)
+    found = checkpointing.checkpoint_to_load(c.load, c.ckpt_step, required=c.exit_on_missing_checkpoint)
     if found is None:
         _say(run, f"--load {c.load}: no checkpoint there yet; training starts from scratch")
         return 0
@@ -431,13 +475,23 @@ def resume(run: Run) -> int:
         checkpointing.load_model_weights(path, run.model)
         _say(run, f"loaded weights from {path}; training starts at step 0")
         return 0
+    if run.cfg.train.skip_train:  # evaluation only: the weights (Megatron-LM turns on --no-load-optim too)
+        checkpointing.load_model_weights(path, run.model)
+        _say(run, f"loaded weights from {path} (step {meta['step']})")
+        return int(meta["step"])
     overridden = check_data_settings(meta, run.cfg, run.pstate, path)
     if overridden:
         _say(run, f"--override-data-settings: continuing {path} with other data settings ({overridden})")
     run.schedule = resumed_schedule(meta, run.cfg, run.schedule, path)
-    checkpointing.load_checkpoint(path, run.model, None if c.no_load_optim else run.optimizer)
+    has_optim, has_rng = meta.get("optimizer_saved", True), meta.get("rng_saved", True)
+    if not has_optim and not c.no_load_optim:  # Megatron-LM loads such a checkpoint as with --no-load-optim
+        _say(run, f"{path} holds no optimizer state (saved with --no-save-optim): a fresh optimizer, as with "
+                  "--no-load-optim")
+    if not has_rng and not c.no_load_rng:
+        _say(run, f"{path} holds no generator states (saved with --no-save-rng): not restored, as with --no-load-rng")
+    checkpointing.load_checkpoint(path, run.model, run.optimizer if has_optim and not c.no_load_optim else None)
     run.loader.load_state_dict(meta["data"])
-    if not c.no_load_rng and meta.get("world_size") == run.launch.world_size:  # rank r's state is rank r's
+    if has_rng and not c.no_load_rng and meta.get("world_size") == run.launch.world_size:  # rank r's is rank r's
         checkpointing.load_rng_state(path, run.launch.rank)
     _say(run, f"resumed from {path} at step {meta['step']}")
     return int(meta["step"])
@@ -446,7 +500,8 @@ def resume(run: Run) -> int:
 def save(run: Run, step: int) -> None:
     c = run.cfg.checkpoint
     path = checkpointing.save_checkpoint(c.save, step, run.model, run.optimizer, _checkpoint_extra(run),
-                                         keep_last=c.keep_last_checkpoints, run_id=run.save_lock.run_id)
+                                         keep_last=c.keep_last_checkpoints, run_id=run.save_lock.run_id,
+                                         save_optimizer=not c.no_save_optim, save_rng=not c.no_save_rng)
     _say(run, f"saved {path}")
 
 
@@ -532,32 +587,44 @@ def _train_run(run: Run) -> list[dict]:
     """The loop of `train` once --save is locked."""
     cfg = run.cfg
     start = resume(run)
+    if cfg.train.skip_train:
+        return [skip_train(run, start)]
     if start >= cfg.train.train_iters:
         _say(run, f"the checkpoint is at step {start}, --train-iters is {cfg.train.train_iters}: nothing left to do")
         return []
-    log_dir = cfg.logging.log_dir or str(default_log_dir())
-    logger = MetricsLogger(log_dir, cfg.logging.tensorboard_dir, cfg.train.train_iters, run.is_logging_rank,
-                           validation_ppl_to_tensorboard=cfg.logging.log_validation_ppl_to_tensorboard, wandb=(cfg.logging.wandb_project, cfg.logging.wandb_exp_name, cfg.to_dict()))
+    g = cfg.logging
+    log_dir = g.log_dir or str(default_log_dir())
+    logger = MetricsLogger(log_dir, g.tensorboard_dir, cfg.train.train_iters, run.is_logging_rank,
+                           validation_ppl_to_tensorboard=g.log_validation_ppl_to_tensorboard,
+                           wandb=(g.wandb_project, g.wandb_exp_name, cfg.to_dict()))
     n = count_parameters(run.model)
     _say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
               f"seq {cfg.data.seq_length} | metrics in {log_dir}/metrics.jsonl")
     stop = StopRequest(cfg, run.devices.accelerator)
     history, step_times, began = [], [], time.monotonic()
+    since_log = []  # step times since the last console line (Megatron-LM's interval time)
     try:
         for step in range(start + 1, cfg.train.train_iters + 1):
             metrics = train_one_step(run, step)
             step_times.append(metrics["step_time_s"])
+            since_log.append(metrics["step_time_s"])
             metrics.update(elapsed_s=time.monotonic() - began, eta_s=_eta_s(step_times, cfg.train.train_iters - step))
-            if cfg.logging.eval_interval and step % cfg.logging.eval_interval == 0:
-                per_evaluation = cfg.logging.eval_iters * global_batch_size(cfg, run.pstate.dp_size)
-                first = validation_window(step // cfg.logging.eval_interval - 1, per_evaluation,
-                                          len(run.valid_source))
-                metrics["val_loss"] = evaluate(run, cfg.logging.eval_iters, run.valid_source, first)
-            if step == cfg.train.train_iters and run.test_source is not None and cfg.logging.eval_iters >= 1:
-                metrics["test_loss"] = evaluate(run, cfg.logging.eval_iters, run.test_source)  # once, as Megatron
-            if ("val_loss" in metrics or step % cfg.logging.log_interval == 0
-                    or step in (start + 1, cfg.train.train_iters)):  # every evaluation is logged at its step
-                logger.log(metrics)
+            if g.eval_interval and step % g.eval_interval == 0:
+                metrics.update(run_validation(run, step // g.eval_interval - 1))
+            if step == cfg.train.train_iters and run.test_source is not None and g.eval_iters >= 1:
+                metrics["test_loss"] = evaluate(run, g.eval_iters, run.test_source)  # once, as Megatron
+            console = ("val_loss" in metrics or step % g.log_interval == 0
+                       or step in (start + 1, cfg.train.train_iters))  # every evaluation is logged at its step
+            tensorboard = step % g.tensorboard_log_interval == 0
+            if g.log_params_norm and (console or tensorboard):
+                metrics["params_norm"] = params_norm(run.model)
+            if g.log_throughput and console:
+                tokens = global_batch_size(cfg, run.pstate.dp_size) * cfg.data.seq_length
+                seconds = sum(since_log) / len(since_log)  # per step, over the steps since the last line
+                metrics["throughput_tflops_per_gpu"] = step_flops(run, tokens) / (seconds * 1e12 * run.launch.world_size)
+            if console:
+                since_log = []
+            logger.log(metrics, console=console, tensorboard=tensorboard)
             history.append(metrics)
             c = cfg.checkpoint
             exiting = bool(cfg.train.exit_interval) and step % cfg.train.exit_interval == 0
@@ -572,4 +639,41 @@ def _train_run(run: Run) -> list[dict]:
     finally:
         stop.close()
         logger.close()
+        _close_loader(run.loader)
     return history
+
+
+def _close_loader(loader) -> None:
+    if isinstance(loader, WorkerLoader):
+        loader.close()
+
+
+def run_validation(run: Run, evaluation: int) -> dict:
+    """The `evaluation`-th validation (from 0): --eval-iters global batches from where the previous one
+    stopped, or with --full-validation the whole validation part from its first sample."""
+    g = run.cfg.logging
+    if g.full_validation:
+        return {"val_loss": evaluate(run, 0, run.valid_source, 0, rounds=full_validation_rounds(run, run.valid_source))}
+    per_evaluation = g.eval_iters * global_batch_size(run.cfg, run.pstate.dp_size)
+    first = validation_window(evaluation, per_evaluation, len(run.valid_source))
+    return {"val_loss": evaluate(run, g.eval_iters, run.valid_source, first)}
+
+
+def skip_train(run: Run, step: int) -> dict:
+    """--skip-train: evaluate the validation part (from its first sample, --eval-iters batches or the whole of
+    it with --full-validation) and the test part at the loaded step, print them, write nothing (as Megatron-LM,
+    which does not write tensorboard then either); returns the results."""
+    g, result = run.cfg.logging, {"step": step}
+    _say(run, f"skipping training (--skip-train): evaluating the weights of step {step}")
+    if run.valid_source is not None and (g.full_validation or g.eval_iters >= 1):
+        rounds = full_validation_rounds(run, run.valid_source) if g.full_validation else None
+        result["val_loss"] = evaluate(run, g.eval_iters, run.valid_source, 0, rounds=rounds)
+        _say(run, f"validation at step {step} | lm loss {result['val_loss']:.6E} | "
+                  f"lm loss PPL {validation_ppl(result['val_loss']):.6E}")
+    if run.test_source is not None and g.eval_iters >= 1:
+        result["test_loss"] = evaluate(run, g.eval_iters, run.test_source)
+        _say(run, f"test at step {step} | lm loss {result['test_loss']:.6E} | "
+                  f"lm loss PPL {validation_ppl(result['test_loss']):.6E}")
+    if len(result) == 1:
+        raise ConfigError("--skip-train: nothing to evaluate (no validation or test part, or --eval-iters 0)")
+    return result

@@ -44,7 +44,7 @@ def test_wsd_holds_the_peak_then_decays_over_its_last_iterations():
 
 def test_warmup_fraction_and_decay_iters():
     s = _schedule("--lr-warmup-fraction", "0.25", "--lr-decay-iters", "8")
-    assert s == LRSchedule(1.0, 0.1, 2, 8, "cosine", 0, "linear")
+    assert s == LRSchedule(1.0, 0.1, 2, 8, "cosine", 0, "linear", start_wd=0.1, end_wd=0.1, wd_incr_iters=10)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -37,6 +37,9 @@ class ParallelizeOptions:
     """Untied Ulysses heads per stage (a multiple of cp); None: cp."""
     recompute_granularity: str = "none"
     """none | full | selective."""
+    recompute_layers: int | None = None
+    """With full recompute: the first this many blocks are checkpointed, the rest keep their activations
+    (--recompute-method block); None: every block."""
     offload_activations: bool = False
     """Keep the checkpointed block inputs in host memory (needs full recompute)."""
     offload_keep_last: int = 1
@@ -62,6 +65,8 @@ class ParallelizeOptions:
         if self.offload_activations and self.recompute_granularity != "full":
             raise ValueError("--offload-activations offloads the checkpointed block inputs: "
                              "it needs --recompute-granularity full")
+        if self.recompute_layers is not None and (self.recompute_granularity != "full" or self.recompute_layers < 0):
+            raise ValueError(f"recompute_layers {self.recompute_layers}: a block count >= 0 of full recompute")
         if not self.offload_prefetch and not self.offload_activations:
             raise ValueError("--no-offload-prefetch changes how offloaded block inputs come back: "
                              "it needs --offload-activations")
@@ -79,12 +84,15 @@ def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: Par
 
 def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: Devices) -> OffloadScheduler | None:
     offload = None
-    if opts.offload_activations:
-        offload = OffloadScheduler(model.config.num_layers, keep_last=opts.offload_keep_last,
+    L = model.config.num_layers
+    checkpointed = L if opts.recompute_layers is None else min(opts.recompute_layers, L)
+    if opts.offload_activations and checkpointed:  # the checkpointed blocks' inputs: the first `checkpointed`
+        offload = OffloadScheduler(checkpointed, keep_last=opts.offload_keep_last,
                                    accelerator=devices.accelerator, host=devices.host, prefetch=opts.offload_prefetch)
-    for layer in model.layers:
-        layer.memory.recompute = opts.recompute_granularity
-        layer.memory.offload = offload
+    for i, layer in enumerate(model.layers):
+        full_block = opts.recompute_granularity == "full"
+        layer.memory.recompute = opts.recompute_granularity if not full_block or i < checkpointed else "none"
+        layer.memory.offload = offload if layer.memory.recompute == "full" else None
         layer.mlp.num_tiles = opts.mlp_tiles
     model.head.loss_tiles = opts.loss_tiles
     return offload

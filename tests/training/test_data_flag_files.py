@@ -1,0 +1,83 @@
+"""--data-args-path, --per-split-data-args-path (Megatron-LM's file formats) and --num-workers, through the trainer."""
+
+import json
+
+import numpy as np
+import pytest
+
+from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
+from megatron_lc.training.trainer import train
+
+MODEL = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "2",
+         "--num-query-groups", "1", "--vocab-size", "128", "--device", "cpu", "--seq-length", "16", "--lr", "3e-3",
+         "--train-iters", "3"]
+
+
+def _dataset(prefix, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16) as builder:
+        for length in rng.integers(10, 40, size=20):
+            builder.add_item(rng.integers(1, 128, size=length))
+            builder.end_document()
+        builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def _losses(tmp_path, name, *flags):
+    return [m["loss"] for m in train(parse_config(MODEL + ["--log-dir", str(tmp_path / name), *flags]))]
+
+
+def test_data_args_file_trains_exactly_as_the_same_words_on_the_command_line(tmp_path):
+    a, b = _dataset(tmp_path / "a", 0), _dataset(tmp_path / "b", 1)
+    (tmp_path / "blend.txt").write_text(f"0.6 {a}\n0.4\n{b}\n")
+    inline = _losses(tmp_path, "inline", "--data-path", "0.6", a, "0.4", b)
+    from_file = _losses(tmp_path, "file", "--data-args-path", str(tmp_path / "blend.txt"))
+    assert from_file == inline
+
+
+def test_per_split_file_takes_strings_or_lists_as_megatron_reads_them(tmp_path):
+    a, b = _dataset(tmp_path / "a", 0), _dataset(tmp_path / "b", 1)
+    (tmp_path / "splits.json").write_text(json.dumps({"train": f"0.5 {a} 0.5 {b}", "valid": [b], "test": None}))
+    inline = train(parse_config(MODEL + ["--train-data-path", "0.5", a, "0.5", b, "--valid-data-path", b,
+                                         "--eval-interval", "3", "--log-dir", str(tmp_path / "i")]))
+    from_file = train(parse_config(MODEL + ["--per-split-data-args-path", str(tmp_path / "splits.json"),
+                                            "--eval-interval", "3", "--log-dir", str(tmp_path / "f")]))
+    assert [m["loss"] for m in from_file] == [m["loss"] for m in inline]
+    assert from_file[-1]["val_loss"] == inline[-1]["val_loss"]
+
+
+@pytest.mark.parametrize("content, flags, message", [
+    ("{", ["--per-split-data-args-path"], "not valid JSON"),
+    ('{"train": "x", "validation": "y"}', ["--per-split-data-args-path"], "expected an object with keys train, valid"),
+    ('{"train": {"a": 1}}', ["--per-split-data-args-path"], "train must be a string or a list"),
+    ("", ["--data-args-path"], "the file is empty"),
+])
+def test_a_data_args_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, content, flags, message):
+    path = tmp_path / "args"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=rf"^{flags[0]} {path}: {message}"):
+        parse_config(MODEL + [*flags, str(path)]).validate(1)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        parse_config(MODEL + [flags[0], str(tmp_path / "missing")]).validate(1)
+
+
+def test_data_args_file_and_data_path_together_are_refused(tmp_path):
+    a = _dataset(tmp_path / "a", 0)
+    (tmp_path / "blend.txt").write_text(a)
+    with pytest.raises(ConfigError, match="holds --data-path's words: give one of the two"):
+        parse_config(MODEL + ["--data-path", a, "--data-args-path", str(tmp_path / "blend.txt")]).validate(1)
+
+
+def test_worker_processes_read_the_same_batches_and_resume_exactly(tmp_path):
+    a = _dataset(tmp_path / "a", 0)
+    data = ["--data-path", a, "--train-iters", "4"]
+    plain = _losses(tmp_path, "plain", *data)
+    workers = _losses(tmp_path, "workers", *data, "--num-workers", "2")
+    assert workers == plain
+    first = _losses(tmp_path, "first", *data, "--num-workers", "2", "--save", str(tmp_path / "c"),
+                    "--exit-interval", "2")
+    rest = _losses(tmp_path, "rest", *data, "--num-workers", "2", "--load", str(tmp_path / "c"))
+    assert first + rest == pytest.approx(plain, rel=1e-6)
+    with pytest.raises(ConfigError, match="--num-workers -1 must be >= 0"):
+        parse_config(MODEL + data + ["--num-workers", "-1"]).validate(1)

@@ -1,0 +1,51 @@
+"""--recompute-method / --recompute-num-layers with --recompute-granularity full, through the trainer."""
+
+import pytest
+
+from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.training.trainer import build_run, train_one_step
+
+BASE = ["--mock-data", "--seq-length", "16", "--num-layers", "3", "--hidden-size", "32", "--ffn-hidden-size", "64",
+        "--num-attention-heads", "2", "--num-query-groups", "1", "--vocab-size", "64", "--device", "cpu",
+        "--train-iters", "2", "--lr", "3e-3"]
+FULL = ["--recompute-granularity", "full"]
+
+
+def _losses(run) -> list[float]:
+    return [train_one_step(run, step)["loss"] for step in (1, 2)]
+
+
+def test_block_checkpoints_the_first_n_blocks_only_and_trains_the_same():
+    plain = build_run(parse_config(BASE))
+    block = build_run(parse_config(BASE + FULL + ["--recompute-method", "block", "--recompute-num-layers", "2"]))
+    assert [layer.memory.recompute for layer in block.model.layers] == ["full", "full", "none"]
+    assert _losses(block) == pytest.approx(_losses(plain), rel=1e-6)
+
+
+def test_uniform_groups_of_one_and_full_alone_checkpoint_every_block():
+    for extra in ([], ["--recompute-method", "uniform", "--recompute-num-layers", "1"]):
+        run = build_run(parse_config(BASE + FULL + extra))
+        assert [layer.memory.recompute for layer in run.model.layers] == ["full"] * 3
+
+
+def test_block_with_offload_offloads_only_the_checkpointed_blocks():
+    run = build_run(parse_config(BASE + FULL + ["--recompute-method", "block", "--recompute-num-layers", "2",
+                                                "--offload-activations", "--offload-keep-last", "0"]))
+    layers = run.model.layers
+    assert layers[2].memory.offload is None and layers[0].memory.offload is run.offload
+    assert run.offload.should_offload(0) and run.offload.should_offload(1)
+    plain = build_run(parse_config(BASE))
+    assert _losses(run) == pytest.approx(_losses(plain), rel=1e-6)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (FULL + ["--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     "--recompute-method uniform --recompute-num-layers 2: checkpointing here is per block"),
+    (["--recompute-method", "block", "--recompute-num-layers", "1"], "choose the blocks of --recompute-granularity full"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], "given: selective"),
+    (FULL + ["--recompute-method", "block"], "--recompute-method and --recompute-num-layers go together"),
+    (FULL + ["--recompute-method", "block", "--recompute-num-layers", "4"], "--recompute-num-layers 4 must be in 1..3"),
+])
+def test_recompute_method_flags_that_cannot_work_are_one_line_before_any_work(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(BASE + flags).validate(world_size=1)
