@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -32,6 +31,7 @@ from megatron_lc.data.corpus import (
     Document,
     InputProblems,
     InvalidInputError,
+    ProblemCount,
     ReadOptions,
     expand_inputs,
     read_documents,
@@ -43,6 +43,7 @@ from megatron_lc.data.indexed_dataset import (
     merge_datasets,
     optimal_dtype,
 )
+from megatron_lc.data.partition_manifest import input_identity, path_digest, verified_summary, write_manifest
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 # Documents go to workers in groups of about this many characters: large enough to
@@ -418,30 +419,153 @@ def _input_size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
 
-def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessSummary:
-    """Each group of files in its own process, then the parts merged in input order."""
+@dataclass(frozen=True)
+class PartitionPlan:
+    """One partition of a `--partitions` run: its files, where it writes, and what must have made it."""
+
+    index: int
+    count: int
+    files: tuple[str, ...]
+    prefixes: tuple[str, ...]
+    manifest: str
+    producer: dict
+
+    @property
+    def outputs(self) -> list[str]:
+        return [path for prefix in self.prefixes for path in (bin_path(prefix), idx_path(prefix))]
+
+    @property
+    def label(self) -> str:
+        return f"partition {self.index + 1} of {self.count}"
+
+
+def partition_work_dir(options: PreprocessOptions) -> str:
+    """Where a `--partitions` run keeps its finished partitions until the merge: next to the output, named by
+    the output prefix, so a rerun of the same command finds them."""
+    prefix = os.path.abspath(options.output_prefix)
+    return os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}.partitions")
+
+
+def tokenizer_identity(options: PreprocessOptions) -> dict:
+    """The tokenizer by type and by the digest of its files (a retrained model at the same path differs)."""
+    model = options.tokenizer_model
+    return {"type": options.tokenizer_type, "model": path_digest(model) if model else None}
+
+
+def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: str) -> dict:
+    """Everything a partition's bytes depend on, named by flag: reused only when all of it is the same."""
+    return {
+        "--tokenizer-type/--tokenizer-model": tokenizer_identity(options),
+        "--json-keys": list(options.json_keys),
+        "--append-eod": options.append_eod,
+        "--prepend-bos": options.prepend_bos,
+        "--split": options.split,
+        "--skip-invalid": options.skip_invalid,
+        "--max-document-chars": options.max_document_chars,
+        "token dtype": dtype,
+        "input files (path, size, modification time)": input_identity(files),
+    }
+
+
+def plan_partitions(files: list[str], options: PreprocessOptions, work_dir: str) -> list[PartitionPlan]:
+    """The partitions of `files` (consecutive groups of similar size) and what each must be made by."""
     groups = split_contiguous(files, options.partitions)
-    final_prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
-    work_dir = tempfile.mkdtemp(prefix=".partitions-", dir=os.path.dirname(os.path.abspath(final_prefixes[0])))
+    dtype = _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model)).dtype
+    return [
+        PartitionPlan(i, len(groups), tuple(group), tuple(os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys),
+                      os.path.join(work_dir, f"{i}.manifest.json"), partition_producer(options, group, dtype))
+        for i, group in enumerate(groups)
+    ]
+
+
+def summary_record(summary: PreprocessSummary, keys: Sequence[str]) -> dict:
+    """A partition's summary as JSON for its manifest (tokens by key)."""
+    problems = {reason: [entry.count, entry.first_location, entry.first_detail]
+                for reason, entry in summary.problems.counts.items()}
+    return {"documents": summary.documents, "tokens": dict(zip(keys, summary.tokens.values(), strict=True)),
+            "problems": problems, "seconds": summary.seconds, "dtype": summary.dtype}
+
+
+def summary_from_record(record: dict, plan: PartitionPlan, keys: Sequence[str]) -> PreprocessSummary:
+    """The summary a manifest recorded, keyed by the partition's prefixes as a fresh run's would be."""
+    problems = InputProblems()
+    for reason, (count, location, detail) in record["problems"].items():
+        problems.counts[reason] = ProblemCount(count, location, detail)
+    tokens = {prefix: record["tokens"][key] for prefix, key in zip(plan.prefixes, keys, strict=True)}
+    return PreprocessSummary(record["documents"], tokens, problems, record["seconds"], record["dtype"])
+
+
+def build_partition(plan: PartitionPlan, options: PreprocessOptions, workers: int) -> PreprocessSummary:
+    """Tokenize one partition, then record it in its manifest (last: a partition without one is unfinished)."""
+    summary = run_partition(plan.files, plan.prefixes, options, workers, plan.index, require_documents=False)
+    write_manifest(plan.manifest, plan.producer, plan.outputs, summary_record(summary, options.json_keys))
+    return summary
+
+
+def reusable_partition(plan: PartitionPlan, keys: Sequence[str]) -> tuple[PreprocessSummary | None, str]:
+    """A finished, verified partition's summary; else None and why it is redone."""
+    record, reason = verified_summary(plan.manifest, plan.producer, plan.outputs)
+    if record is None:
+        return None, reason
     try:
-        part_prefixes = [
-            [os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys] for i in range(len(groups))
-        ]
-        workers_each = max(1, options.workers // len(groups))
-        with ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context()) as executor:
-            futures = [
-                executor.submit(run_partition, group, prefixes, options, workers_each, i, False)
-                for i, (group, prefixes) in enumerate(zip(groups, part_prefixes, strict=True))
-            ]
-            parts = [future.result() for future in futures]
-        summary = _combine(parts, final_prefixes)
-        if summary.documents == 0:
-            raise no_documents_error(options, files, summary.problems)
-        for key_index, final in enumerate(final_prefixes):
-            merge_datasets([prefixes[key_index] for prefixes in part_prefixes], final)
-        return summary
-    finally:
+        return summary_from_record(record, plan, keys), ""
+    except (KeyError, TypeError, ValueError):
+        return None, "its manifest's summary is unreadable"
+
+
+def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessSummary:
+    """Each group of files in its own process, then the parts merged in input order. Finished partitions
+    stay in the work directory until the merge is done: a rerun of a killed run redoes only the others."""
+    final_prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
+    work_dir = partition_work_dir(options)
+    resuming = os.path.isdir(work_dir)
+    os.makedirs(work_dir, exist_ok=True)
+    plans = plan_partitions(files, options, work_dir)
+    parts: dict[int, PreprocessSummary] = {}
+    todo = []
+    for plan in plans:
+        summary, reason = reusable_partition(plan, options.json_keys) if resuming else (None, "")
+        if summary is not None:
+            parts[plan.index] = summary
+        else:
+            todo.append(plan)
+        if resuming:
+            what = "reused: its manifest matches these flags and inputs, and its files their sizes and SHA-256" \
+                if summary is not None else f"redone: {reason}"
+            print(f"preprocess_data: {work_dir}: {plan.label}: {what}", file=sys.stderr, flush=True)
+    try:
+        parts.update(_build_partitions(todo, options))
+    except BaseException:
+        _keep_or_remove(work_dir, plans)
+        raise
+    summary = _combine([parts[plan.index] for plan in plans], final_prefixes)
+    if summary.documents == 0:
         shutil.rmtree(work_dir, ignore_errors=True)
+        raise no_documents_error(options, files, summary.problems)
+    for key_index, final in enumerate(final_prefixes):
+        merge_datasets([plan.prefixes[key_index] for plan in plans], final)
+    shutil.rmtree(work_dir, ignore_errors=True)
+    return summary
+
+
+def _build_partitions(plans: Sequence[PartitionPlan], options: PreprocessOptions) -> dict[int, PreprocessSummary]:
+    """Build `plans` in parallel, one process each (every one finishes even when another fails)."""
+    if not plans:
+        return {}
+    workers_each = max(1, options.workers // len(plans))
+    with ProcessPoolExecutor(len(plans), mp_context=multiprocessing.get_context()) as executor:
+        futures = {plan.index: executor.submit(build_partition, plan, options, workers_each) for plan in plans}
+        return {index: future.result() for index, future in futures.items()}
+
+
+def _keep_or_remove(work_dir: str, plans: Sequence[PartitionPlan]) -> None:
+    """After a failed run: keep the finished partitions for a rerun (saying so), or remove an empty work dir."""
+    finished = [plan.label for plan in plans if os.path.isfile(plan.manifest)]
+    if not finished:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        return
+    print(f"preprocess_data: {work_dir}: kept {len(finished)} finished partition(s) of {len(plans)}: the same "
+          "command again redoes only the others", file=sys.stderr, flush=True)
 
 
 def _combine(parts: Sequence[PreprocessSummary], final_prefixes: Sequence[str]) -> PreprocessSummary:
