@@ -355,17 +355,24 @@ class IndexedDatasetBuilder:
         self.add_tokens(tokens)
         self.end_item()
 
-    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append documents of one sequence each, given back to back (`lengths` sums to
-        `len(tokens)`): one write for many documents."""
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray,
+                      sequences_per_document: np.ndarray | None = None) -> None:
+        """Append sequences given back to back (`lengths` sums to `len(tokens)`), one write for many: each
+        sequence one document, or document `d` the next `sequences_per_document[d]` sequences (0 for a
+        document without any, as Megatron-LM's `add_document` writes one)."""
         self._require_no_open_item("add_documents")
         if int(lengths.sum()) != len(tokens) or (len(lengths) and int(lengths.max()) > np.iinfo(np.int32).max):
             raise ValueError(f"{self.bin_path}: document lengths do not fit the tokens given")
+        if sequences_per_document is None:
+            sequences_per_document = np.ones(len(lengths), dtype=np.int64)
+        if int(sequences_per_document.sum()) != len(lengths):
+            raise ValueError(f"{self.bin_path}: sequences per document do not add up to the sequences given")
         values = self._checked(tokens)
         self._data_file.write(values.astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
         first = len(self._sequence_lengths)
         self._sequence_lengths.frombytes(lengths.astype(np.int64).tobytes())
-        self._document_indices.frombytes(np.arange(first + 1, first + len(lengths) + 1, dtype=np.int64).tobytes())
+        ends = first + np.cumsum(sequences_per_document, dtype=np.int64)
+        self._document_indices.frombytes(ends.tobytes())
 
     def end_document(self) -> None:
         """Mark the sequences added since the last call as one document."""

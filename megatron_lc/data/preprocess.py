@@ -43,6 +43,7 @@ from megatron_lc.data.indexed_dataset import (
     merge_datasets,
     optimal_dtype,
 )
+from megatron_lc.data.sentences import sentence_splitter, split_all
 from megatron_lc.data.partition_manifest import input_identity, path_digest, verified_summary, write_manifest
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
@@ -82,6 +83,14 @@ class PreprocessOptions:
     split: str = "train"
     show_progress: bool = True
     max_document_chars: int | None = None  # None: no limit
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    lang: str = "english"
+
+    @property
+    def level(self) -> str:
+        """Megatron's dataset name level: one sequence per sentence or per document."""
+        return "sentence" if self.split_sentences else "document"
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,9 @@ class EncodeConfig:
     dtype: str
     append_eod: bool
     prepend_bos: bool
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    lang: str = "english"
 
 
 @dataclass
@@ -105,10 +117,16 @@ class Task:
 
 @dataclass(frozen=True)
 class EncodedKey:
-    """One key's documents of a task: their tokens back to back, and each one's length."""
+    """One key's documents of a task: their sequences' tokens back to back, each sequence's length, and
+    each document's number of sequences (None: one each)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
+    sequences_per_document: np.ndarray | None = None
+
+    @property
+    def documents(self) -> int:
+        return len(self.lengths) if self.sequences_per_document is None else len(self.sequences_per_document)
 
 
 @functools.lru_cache(maxsize=4)
@@ -124,9 +142,31 @@ def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]]) -> lis
     suffix = [tokenizer.eod] if config.append_eod else []
     encoded = []
     for key_index in range(len(records[0])):
-        documents = tokenizer.tokenize_batch([record[key_index] for record in records])
-        encoded.append(pack_documents(documents, prefix, suffix, config.dtype))
+        texts = [record[key_index] for record in records]
+        if config.split_sentences:
+            encoded.append(encode_sentences(tokenizer, texts, config, prefix, suffix))
+        else:
+            encoded.append(pack_documents(tokenizer.tokenize_batch(texts), prefix, suffix, config.dtype))
     return encoded
+
+
+def encode_sentences(tokenizer: Tokenizer, texts: Sequence[str], config: EncodeConfig, prefix: list[int],
+                     suffix: list[int]) -> EncodedKey:
+    """Megatron's sentence level: each sentence encoded on its own, one sequence each; sentences without
+    ids dropped; BOS before the first kept sentence and EOD after the last (a document left without ids
+    is a document of no sequence)."""
+    splitter = sentence_splitter(config.lang, config.keep_newlines)
+    sequences: list[list[int]] = []
+    counts = np.zeros(len(texts), dtype=np.int64)
+    for index, sentences in enumerate(split_all(splitter, texts)):
+        kept = [ids for ids in tokenizer.tokenize_batch(sentences) if ids]
+        if kept:
+            kept[0] = prefix + kept[0]
+            kept[-1] = kept[-1] + suffix
+        sequences += kept
+        counts[index] = len(kept)
+    packed = pack_documents(sequences, [], [], config.dtype)
+    return EncodedKey(packed.tokens, packed.lengths, counts)
 
 
 def pack_documents(documents: Sequence[list[int]], prefix: list[int], suffix: list[int], dtype: str) -> EncodedKey:
@@ -190,9 +230,14 @@ class TokenizerPool:
             yield in_flight.popleft().get()
 
 
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    """Megatron's naming: one dataset per JSON key."""
-    return f"{output_prefix}_{key}_document"
+def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
+    """Megatron's naming: one dataset per JSON key, `_sentence` with --split-sentences."""
+    return f"{output_prefix}_{key}_{level}"
+
+
+def dataset_prefixes(options: PreprocessOptions) -> list[str]:
+    """The output prefix of every JSON key's dataset."""
+    return [output_prefix_for(options.output_prefix, key, options.level) for key in options.json_keys]
 
 
 class DatasetWriters:
@@ -217,7 +262,8 @@ class DatasetWriters:
     def write(self, encoded: Sequence[EncodedKey]) -> None:
         """Append one task's documents to every key's dataset, one sequence each."""
         for key_index, key_documents in enumerate(encoded):
-            self.builders[key_index].add_documents(key_documents.tokens, key_documents.lengths)
+            self.builders[key_index].add_documents(key_documents.tokens, key_documents.lengths,
+                                                   key_documents.sequences_per_document)
             self.tokens[key_index] += len(key_documents.tokens)
 
     def finalize(self) -> None:
@@ -350,13 +396,14 @@ def _encode_config(options: PreprocessOptions, tokenizer: Tokenizer) -> EncodeCo
     # reading the ids raises a clear error, before any work, when the tokenizer lacks them
     _ = (tokenizer.eod if options.append_eod else None, tokenizer.bos if options.prepend_bos else None)
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
-    return EncodeConfig(options.tokenizer_type, options.tokenizer_model, dtype, options.append_eod, options.prepend_bos)
+    return EncodeConfig(options.tokenizer_type, options.tokenizer_model, dtype, options.append_eod, options.prepend_bos,
+                        options.split_sentences, options.keep_newlines, options.lang)
 
 
 def no_documents_error(options: PreprocessOptions, files: Sequence[str], problems: InputProblems) -> NoDocumentsError:
     """Why nothing was written, and that an existing dataset is left as it was."""
     keys = " ".join(options.json_keys)
-    prefix = output_prefix_for(options.output_prefix, options.json_keys[0])
+    prefix = dataset_prefixes(options)[0]
     skipped = ", ".join(f"{entry.count} {reason}" for reason, entry in problems.counts.items()) or "none"
     return NoDocumentsError(
         f"no document with text under --json-keys {keys} in {len(files)} input file(s) (skipped: {skipped}); "
@@ -389,7 +436,7 @@ def run_partition(
     ):
         for encoded in pool.map_ordered(tasks):
             writers.write(encoded)
-            progress.add(len(encoded[0].lengths), sum(len(key.tokens) for key in encoded))
+            progress.add(encoded[0].documents, sum(len(key.tokens) for key in encoded))
         if require_documents and progress.documents == 0:
             raise no_documents_error(options, files, problems)  # the writers drop their temporary files
         writers.finalize()
@@ -462,6 +509,8 @@ def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: 
         "--split": options.split,
         "--skip-invalid": options.skip_invalid,
         "--max-document-chars": options.max_document_chars,
+        "--split-sentences/--keep-newlines/--lang": [options.split_sentences, options.keep_newlines,
+                                                     options.lang if options.split_sentences else None],
         "token dtype": dtype,
         "input files (path, size, modification time)": input_identity(files),
     }
@@ -516,7 +565,7 @@ def reusable_partition(plan: PartitionPlan, keys: Sequence[str]) -> tuple[Prepro
 def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessSummary:
     """Each group of files in its own process, then the parts merged in input order. Finished partitions
     stay in the work directory until the merge is done: a rerun of a killed run redoes only the others."""
-    final_prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
+    final_prefixes = dataset_prefixes(options)
     work_dir = partition_work_dir(options)
     resuming = os.path.isdir(work_dir)
     os.makedirs(work_dir, exist_ok=True)
@@ -586,7 +635,7 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
     if options.partitions > 1 and len(files) > 1:
         summary = _run_partitions(files, options)
     else:
-        prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
+        prefixes = dataset_prefixes(options)
         summary = run_partition(files, prefixes, options, options.workers)
     summary.seconds = time.perf_counter() - start
     return summary
@@ -594,7 +643,7 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
 
 def output_files(options: PreprocessOptions) -> set[str]:
     """The absolute paths this run writes."""
-    prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
+    prefixes = dataset_prefixes(options)
     return {os.path.abspath(path) for prefix in prefixes for path in (bin_path(prefix), idx_path(prefix))}
 
 
@@ -632,11 +681,16 @@ def check_options(options: PreprocessOptions) -> None:
         if not input_files(options, announce=False):
             raise ConfigError(f"--input {' '.join(options.inputs)}: no input file (only this run's own output)")
         _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model))
+        if options.split_sentences:
+            sentence_splitter(options.lang, options.keep_newlines)
     except (InvalidInputError, ValueError, OSError) as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(str(error)) from error
     check_writable(os.path.dirname(os.path.abspath(options.output_prefix)), "--output-prefix")
+    if options.keep_newlines and not options.split_sentences:
+        print("preprocess_data: note: --keep-newlines has no effect without --split-sentences (as in Megatron-LM)",
+              file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -667,6 +721,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), tiktoken BPE file"
     )
     group.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="one sequence per sentence (nltk Punkt, as Megatron-LM), written as "
+                       "PREFIX_{key}_sentence.{bin,idx}; documents stay documents in the index")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="with --split-sentences: keep the newlines after a sentence in it")
+    group.add_argument("--lang", default="english", help="Punkt model for --split-sentences (default: english)")
     group.add_argument("--prepend-bos", action="store_true", help="start every document with the BOS token")
     group = parser.add_argument_group("output and runtime")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.{bin,idx}")
@@ -708,6 +768,9 @@ def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
         split=args.split,
         show_progress=not args.no_progress,
         max_document_chars=_max_document_chars(args),
+        split_sentences=args.split_sentences,
+        keep_newlines=args.keep_newlines,
+        lang=args.lang,
     )
 
 
