@@ -45,7 +45,7 @@ from megatron_lc.data.indexed_dataset import (
 )
 from megatron_lc.data.sentences import sentence_splitter, split_all
 from megatron_lc.data.partition_manifest import input_identity, path_digest, verified_summary, write_manifest
-from megatron_lc.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megatron_lc.data.tokenizers import TOKENIZER_TYPES, TokenizeError, Tokenizer, TokenizerSpec
 
 # Documents go to workers in groups of about this many characters: large enough to
 # amortise inter-process transfer, small enough to keep every worker busy.
@@ -73,6 +73,9 @@ class PreprocessOptions:
     output_prefix: str
     tokenizer_type: str
     tokenizer_model: str | None = None
+    vocab_file: str | None = None  # GPT2BPETokenizer's vocab.json
+    merge_file: str | None = None  # GPT2BPETokenizer's merges.txt
+    vocab_size: int | None = None  # NullTokenizer's N
     json_keys: tuple[str, ...] = ("text",)
     workers: int = 1
     partitions: int = 1
@@ -88,6 +91,11 @@ class PreprocessOptions:
     lang: str = "english"
 
     @property
+    def tokenizer(self) -> TokenizerSpec:
+        return TokenizerSpec(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file,
+                             self.vocab_size)
+
+    @property
     def level(self) -> str:
         """Megatron's dataset name level: one sequence per sentence or per document."""
         return "sentence" if self.split_sentences else "document"
@@ -97,8 +105,7 @@ class PreprocessOptions:
 class EncodeConfig:
     """What a worker needs to turn texts into token arrays."""
 
-    tokenizer_type: str
-    tokenizer_model: str | None
+    tokenizer: TokenizerSpec
     dtype: str
     append_eod: bool
     prepend_bos: bool
@@ -112,6 +119,7 @@ class Task:
     """Consecutive records (one text per key each) encoded by one worker call."""
 
     records: list[tuple[str, ...]] = field(default_factory=list)
+    locations: list[str] = field(default_factory=list)
     chars: int = 0
 
 
@@ -130,14 +138,36 @@ class EncodedKey:
 
 
 @functools.lru_cache(maxsize=4)
-def cached_tokenizer(tokenizer_type: str, tokenizer_model: str | None) -> Tokenizer:
+def cached_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     """One tokenizer per worker process, built on its first task."""
-    return build_tokenizer(tokenizer_type, tokenizer_model)
+    return spec.build()
 
 
-def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]]) -> list[EncodedKey]:
-    """Each key's documents, every text encoded whole, with BOS/EOD as configured."""
-    tokenizer = cached_tokenizer(config.tokenizer_type, config.tokenizer_model)
+def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]],
+                locations: Sequence[str] = ()) -> list[EncodedKey]:
+    """Each key's documents, every text encoded whole, with BOS/EOD as configured; text the tokenizer
+    refuses is an `InvalidInputError` naming its record."""
+    try:
+        return _encode_records(config, records)
+    except TokenizeError as error:
+        raise InvalidInputError(_refused_record(config, records, locations, error)) from None
+
+
+def _refused_record(config: EncodeConfig, records: Sequence[tuple[str, ...]], locations: Sequence[str],
+                    error: TokenizeError) -> str:
+    """`file:line: why` for the first record whose text the tokenizer refuses."""
+    tokenizer = cached_tokenizer(config.tokenizer)
+    for location, record in zip(locations, records):
+        for text in record:
+            try:
+                tokenizer.tokenize(text)
+            except TokenizeError as first:
+                return f"{location}: {first}"
+    return str(error)
+
+
+def _encode_records(config: EncodeConfig, records: Sequence[tuple[str, ...]]) -> list[EncodedKey]:
+    tokenizer = cached_tokenizer(config.tokenizer)
     prefix = [tokenizer.bos] if config.prepend_bos else []
     suffix = [tokenizer.eod] if config.append_eod else []
     encoded = []
@@ -189,6 +219,7 @@ def group_documents(documents: Iterable[Document], keys: Sequence[str]) -> Itera
     for document in documents:
         record = tuple(document.texts[key] for key in keys)
         task.records.append(record)
+        task.locations.append(str(document.location))
         task.chars += sum(len(text) for text in record)
         if task.chars >= TASK_CHARS:
             yield task
@@ -219,11 +250,11 @@ class TokenizerPool:
         """Each task's encoding, in task order, a bounded number in flight."""
         if self._pool is None:
             for task in tasks:
-                yield encode_task(self.config, task.records)
+                yield encode_task(self.config, task.records, task.locations)
             return
         in_flight: deque = deque()
         for task in tasks:
-            in_flight.append(self._pool.apply_async(encode_task, (self.config, task.records)))
+            in_flight.append(self._pool.apply_async(encode_task, (self.config, task.records, task.locations)))
             if len(in_flight) >= 2 * self.workers + 2:
                 yield in_flight.popleft().get()
         while in_flight:
@@ -396,7 +427,7 @@ def _encode_config(options: PreprocessOptions, tokenizer: Tokenizer) -> EncodeCo
     # reading the ids raises a clear error, before any work, when the tokenizer lacks them
     _ = (tokenizer.eod if options.append_eod else None, tokenizer.bos if options.prepend_bos else None)
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
-    return EncodeConfig(options.tokenizer_type, options.tokenizer_model, dtype, options.append_eod, options.prepend_bos,
+    return EncodeConfig(options.tokenizer, dtype, options.append_eod, options.prepend_bos,
                         options.split_sentences, options.keep_newlines, options.lang)
 
 
@@ -421,7 +452,7 @@ def run_partition(
 ) -> PreprocessSummary:
     """Tokenize `files` into one dataset per key at `prefixes`; with `require_documents`,
     inputs without any document raise and leave `prefixes` untouched."""
-    config = _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model))
+    config = _encode_config(options, cached_tokenizer(options.tokenizer))
     problems = InputProblems(options.skip_invalid)
     bytes_read = BytesRead()
     read_options = ReadOptions(tuple(options.json_keys), options.split, options.max_document_chars, bytes_read)
@@ -495,8 +526,9 @@ def partition_work_dir(options: PreprocessOptions) -> str:
 
 def tokenizer_identity(options: PreprocessOptions) -> dict:
     """The tokenizer by type and by the digest of its files (a retrained model at the same path differs)."""
-    model = options.tokenizer_model
-    return {"type": options.tokenizer_type, "model": path_digest(model) if model else None}
+    spec = options.tokenizer
+    return {"type": spec.type, "vocab_size": spec.vocab_size,
+            "files": {flag: path_digest(path) for flag, path in spec.files().items()}}
 
 
 def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: str) -> dict:
@@ -519,7 +551,7 @@ def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: 
 def plan_partitions(files: list[str], options: PreprocessOptions, work_dir: str) -> list[PartitionPlan]:
     """The partitions of `files` (consecutive groups of similar size) and what each must be made by."""
     groups = split_contiguous(files, options.partitions)
-    dtype = _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model)).dtype
+    dtype = _encode_config(options, cached_tokenizer(options.tokenizer)).dtype
     return [
         PartitionPlan(i, len(groups), tuple(group), tuple(os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys),
                       os.path.join(work_dir, f"{i}.manifest.json"), partition_producer(options, group, dtype))
@@ -680,7 +712,7 @@ def check_options(options: PreprocessOptions) -> None:
     try:
         if not input_files(options, announce=False):
             raise ConfigError(f"--input {' '.join(options.inputs)}: no input file (only this run's own output)")
-        _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model))
+        _encode_config(options, cached_tokenizer(options.tokenizer))
         if options.split_sentences:
             sentence_splitter(options.lang, options.keep_newlines)
     except (InvalidInputError, ValueError, OSError) as error:
@@ -720,6 +752,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), tiktoken BPE file"
     )
+    group.add_argument("--vocab-file", help="GPT2BPETokenizer: its vocab.json")
+    group.add_argument("--merge-file", help="GPT2BPETokenizer: its merges.txt")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1 in the text, EOD = N")
     group.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     group.add_argument("--split-sentences", action="store_true",
                        help="one sequence per sentence (nltk Punkt, as Megatron-LM), written as "
@@ -758,6 +793,9 @@ def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
         output_prefix=args.output_prefix,
         tokenizer_type=args.tokenizer_type,
         tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
         json_keys=tuple(args.json_keys),
         workers=args.workers,
         partitions=args.partitions,
