@@ -64,12 +64,13 @@ def sentence_splitter(lang: str, keep_newlines: bool) -> Splitter:
     _use_nltk_data_env()
     try:
         splitter = punkt.PunktTokenizer(lang)
-    except (LookupError, ValueError, OSError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    except (LookupError, ValueError, OSError):
+        import nltk.data
+
         raise SentenceSplitError(
-            f"--split-sentences --lang {lang}: nltk's Punkt model for {lang!r} is not installed "
-            f"(tokenizers/punkt_tab/{lang}/ under NLTK_DATA or nltk's data directories: {first}); "
-            "install it with python -m nltk.downloader punkt_tab, or copy it there") from None
+            f"--split-sentences --lang {lang}: nltk's Punkt model for {lang!r} is not installed (looked for "
+            f"tokenizers/punkt_tab/{lang}/ in {', '.join(map(str, nltk.data.path))}); install it with "
+            "python -m nltk.downloader punkt_tab, or copy it into a directory of NLTK_DATA") from None
     if not keep_newlines:
         return splitter
 
