@@ -55,10 +55,11 @@ TASK_CHARS = 256_000
 # can take minutes between multiples of it.
 PROGRESS_SECONDS = 30.0
 
-# Tokenizer memory per character of one document, the largest measured (a tokenizer.json
-# byte-level BPE: a 30 MB document took 4.7 GB; SentencePiece about 47 B): the default
-# --max-document-chars gives each tokenizing process its share of RAM at this rate.
-TOKENIZER_BYTES_PER_CHAR = 160
+# Tokenizer memory per character of one document, the largest measured: a tokenizer.json byte-level BPE,
+# 189 B per character on an 8M-character document (bench/bench_tokenizer_memory.py; SentencePiece 46 B,
+# GPT2BPETokenizer 64 B, tiktoken 11 B): the default --max-document-chars gives each tokenizing process its
+# share of RAM at this rate.
+TOKENIZER_BYTES_PER_CHAR = 190
 
 
 class NoDocumentsError(ValueError):
@@ -531,10 +532,11 @@ def tokenizer_identity(options: PreprocessOptions) -> dict:
             "files": {flag: path_digest(path) for flag, path in spec.files().items()}}
 
 
-def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: str) -> dict:
-    """Everything a partition's bytes depend on, named by flag: reused only when all of it is the same."""
+def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: str, tokenizer: dict) -> dict:
+    """Everything a partition's bytes depend on, named by flag (`tokenizer`: its `tokenizer_identity`):
+    reused only when all of it is the same."""
     return {
-        "--tokenizer-type/--tokenizer-model": tokenizer_identity(options),
+        "tokenizer (--tokenizer-type, its files' SHA-256, --vocab-size)": tokenizer,
         "--json-keys": list(options.json_keys),
         "--append-eod": options.append_eod,
         "--prepend-bos": options.prepend_bos,
@@ -552,9 +554,12 @@ def plan_partitions(files: list[str], options: PreprocessOptions, work_dir: str)
     """The partitions of `files` (consecutive groups of similar size) and what each must be made by."""
     groups = split_contiguous(files, options.partitions)
     dtype = _encode_config(options, cached_tokenizer(options.tokenizer)).dtype
+    tokenizer = tokenizer_identity(options)  # hashed once, not per partition
     return [
-        PartitionPlan(i, len(groups), tuple(group), tuple(os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys),
-                      os.path.join(work_dir, f"{i}.manifest.json"), partition_producer(options, group, dtype))
+        PartitionPlan(i, len(groups), tuple(group),
+                      tuple(os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys),
+                      os.path.join(work_dir, f"{i}.manifest.json"),
+                      partition_producer(options, group, dtype, tokenizer))
         for i, group in enumerate(groups)
     ]
 

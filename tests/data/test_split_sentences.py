@@ -127,8 +127,9 @@ def test_sentence_level_partitions_give_the_same_bytes(nltk_data, write_jsonl, t
     prefix = str(tmp_path / "o")
 
     def go(**more):
-        preprocess(PreprocessOptions(inputs=tuple(map(str, paths)), output_prefix=prefix, tokenizer_type="ByteTokenizer",
-                                     append_eod=True, show_progress=False, split_sentences=True, **more))
+        preprocess(PreprocessOptions(inputs=tuple(map(str, paths)), output_prefix=prefix,
+                                     tokenizer_type="ByteTokenizer", append_eod=True, show_progress=False,
+                                     split_sentences=True, **more))
         return open(f"{prefix}_text_sentence.bin", "rb").read(), open(f"{prefix}_text_sentence.idx", "rb").read()
 
     assert go() == go(partitions=2, workers=2)
