@@ -41,7 +41,9 @@ class ModelArgs:
     num_attention_heads: int | None = flag(None, "override: query heads")
     num_query_groups: int | None = flag(None, "override: key/value heads (GQA)")
     kv_channels: int | None = flag(None, "override: head dimension")
-    vocab_size: int | None = flag(None, "override: vocabulary size (default: the tokenizer's, else the flavour's)")
+    vocab_size: int | None = flag(None, "override: vocabulary size (default: the tokenizer's, else the flavour's); "
+                                        "with --tokenizer-type NullTokenizer the tokenizer's N (EOD = N, "
+                                        "vocabulary N + 1)")
     rotary_base: float | None = flag(None, "override: rotary theta")
     norm_epsilon: float | None = flag(None, "override: RMSNorm epsilon")
     max_position_embeddings: int | None = flag(None, "override: positions recorded in exported configs (rotary "
@@ -143,6 +145,8 @@ class DataArgs:
     tokenizer_type: str | None = flag(None, "tokenizer of the data (for vocab size and generation)",
                                       choices=(None, *TOKENIZER_TYPES))
     tokenizer_model: str | None = flag(None, "tokenizer file or directory")
+    vocab_file: str | None = flag(None, "GPT2BPETokenizer: its vocab.json")
+    merge_file: str | None = flag(None, "GPT2BPETokenizer: its merges.txt")
     seq_length: int = flag(1024, "tokens per sample")
     micro_batch_size: int = flag(1, "samples per rank per forward/backward")
     global_batch_size: int | None = flag(None, "samples per step over all data-parallel ranks "
@@ -272,6 +276,24 @@ class TrainConfig:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
 
+    def tokenizer_spec(self):
+        """The tokenizer the flags name (NullTokenizer's N is --vocab-size), or None without --tokenizer-type."""
+        from megatron_lc.data.tokenizers import TokenizerSpec
+
+        d = self.data
+        if not d.tokenizer_type:
+            return None
+        null = d.tokenizer_type == "NullTokenizer"
+        return TokenizerSpec(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file,
+                             self.model.vocab_size if null else None)
+
+    def vocab_size_override(self) -> int | None:
+        """--vocab-size as the model's vocabulary; with NullTokenizer it is the tokenizer's N, whose
+        vocabulary is N + 1 (EOD = N), as in Megatron-LM."""
+        if self.model.vocab_size is not None and self.data.tokenizer_type == "NullTokenizer":
+            return self.model.vocab_size + 1
+        return self.model.vocab_size
+
     def model_config(self, vocab_size: int | None = None, padded: bool = True):
         """The LlamaConfig of the run: the flavour with the overrides applied, its vocabulary padded to a
         multiple of --make-vocab-size-divisible-by (unless `padded` is False: the ids the data may hold)."""
@@ -294,7 +316,8 @@ class TrainConfig:
         return get_config(m.model, base, num_layers=m.num_layers, hidden_size=m.hidden_size,
                           ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
                           num_query_groups=m.num_query_groups, kv_channels=m.kv_channels,
-                          vocab_size=m.vocab_size or (None if base else vocab_size), rotary_base=m.rotary_base,
+                          vocab_size=self.vocab_size_override() or (None if base else vocab_size),
+                          rotary_base=m.rotary_base,
                           norm_eps=m.norm_epsilon, max_position_embeddings=m.max_position_embeddings,
                           init_std=m.init_method_std, rope_scaling=scaling,
                           tie_embeddings=False if m.untie_embeddings_and_output_weights else None)
@@ -486,10 +509,11 @@ class TrainConfig:
         if m.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} must be >= 1")
         if d.tokenizer_type:
-            from megatron_lc.data.tokenizers import build_tokenizer
-
-            vocab = build_tokenizer(d.tokenizer_type, d.tokenizer_model).vocab_size
-            if self.model.vocab_size is not None and self.model.vocab_size < vocab:
+            try:
+                vocab = self.tokenizer_spec().build().vocab_size
+            except (ValueError, OSError) as error:
+                raise ConfigError(f"--tokenizer-type {d.tokenizer_type}: {error}") from None
+            if self.vocab_size_override() is not None and self.vocab_size_override() < vocab:
                 raise ConfigError(f"--vocab-size {self.model.vocab_size} is smaller than the vocabulary of "
                                   f"--tokenizer-model {d.tokenizer_model} ({vocab} ids)")
         self.model_config()  # validates the flavour and overrides

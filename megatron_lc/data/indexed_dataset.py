@@ -11,7 +11,10 @@ int64[S] byte pointers into the `.bin`, int64[D] document indices (0, then the
 sequence index where each document ends; the last entry is `S`).
 
 Writers never leave a valid-looking `.idx` behind on failure: both files are written
-under temporary names and renamed into place only once complete, `.idx` last.
+under temporary names and renamed into place only once complete, `.idx` last. A
+temporary is named by its writer (`.NAME.HOST-PID-TICKS-UNIQUE.tmp`, see
+`megatron_lc.processes`): a builder starting for a final path removes that path's
+temporaries whose writer is a process of this host that is gone (a killed run's).
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import sys
 import uuid
 from array import array
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
+
+from megatron_lc.processes import Writer
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -256,13 +262,50 @@ class IndexedDataset:
         return os.path.isfile(idx_path(path_prefix)) and os.path.isfile(bin_path(path_prefix))
 
 
+TEMPORARY_SUFFIX = ".tmp"
+
+
 def _temporary_path(final_path: str) -> str:
-    """A fresh file next to `final_path` (the final rename stays on one file system),
-    created with the permissions the final file would get."""
+    """A fresh file next to `final_path` (the final rename stays on one file system), named by its writer,
+    `.NAME.HOST-PID-TICKS-UNIQUE.tmp`, and created with the permissions the final file would get."""
     directory, name = os.path.split(os.path.abspath(final_path))
-    path = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    path = os.path.join(directory, f".{name}.{Writer.this_process().tag}-{uuid.uuid4().hex[:12]}{TEMPORARY_SUFFIX}")
     os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
     return path
+
+
+def temporary_writer(final_path: str, file_name: str) -> Writer | None:
+    """The writer of `file_name` when it is one of `final_path`'s temporaries, else None (another file, or a
+    temporary named before temporaries named their writer)."""
+    head = f".{os.path.basename(final_path)}."
+    if not (file_name.startswith(head) and file_name.endswith(TEMPORARY_SUFFIX)):
+        return None
+    tag, _, unique = file_name[len(head) : -len(TEMPORARY_SUFFIX)].rpartition("-")
+    if not unique.isalnum():
+        return None
+    return Writer.from_tag(tag)
+
+
+def remove_dead_temporaries(final_path: PathLike, say: Callable[[str], None] | None = None) -> list[str]:
+    """Remove the temporaries of `final_path` whose writer is a process of this host that is gone, saying so
+    in one line (to stderr unless `say` is given); the names removed."""
+    final_path = os.path.abspath(os.fspath(final_path))
+    directory = os.path.dirname(final_path)
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    removed = []
+    for file_name in names:
+        writer = temporary_writer(final_path, file_name)
+        if writer is not None and writer.is_dead_here():
+            _remove_quietly(os.path.join(directory, file_name))
+            removed.append(f"{file_name} (pid {writer.pid})")
+    if removed:
+        line = (f"{final_path}: removed {len(removed)} temporary file(s) left by processes of this host that are "
+                f"gone: {', '.join(removed)}")
+        (say or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
+    return removed
 
 
 class IndexedDatasetBuilder:
@@ -277,6 +320,9 @@ class IndexedDatasetBuilder:
         self.bin_path = os.fspath(bin_path)
         self.dtype = np.dtype(dtype)
         dtype_code(self.dtype)  # fail early on dtypes the format lacks
+        remove_dead_temporaries(self.bin_path)
+        if self.bin_path.endswith(".bin"):
+            remove_dead_temporaries(self.bin_path[: -len(".bin")] + ".idx")
         self._bin_tmp_path = _temporary_path(self.bin_path)
         self._data_file = open(self._bin_tmp_path, "wb")
         self._sequence_lengths = array("q")
@@ -309,17 +355,24 @@ class IndexedDatasetBuilder:
         self.add_tokens(tokens)
         self.end_item()
 
-    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append documents of one sequence each, given back to back (`lengths` sums to
-        `len(tokens)`): one write for many documents."""
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray,
+                      sequences_per_document: np.ndarray | None = None) -> None:
+        """Append sequences given back to back (`lengths` sums to `len(tokens)`), one write for many: each
+        sequence one document, or document `d` the next `sequences_per_document[d]` sequences (0 for a
+        document without any, as Megatron-LM's `add_document` writes one)."""
         self._require_no_open_item("add_documents")
         if int(lengths.sum()) != len(tokens) or (len(lengths) and int(lengths.max()) > np.iinfo(np.int32).max):
             raise ValueError(f"{self.bin_path}: document lengths do not fit the tokens given")
+        if sequences_per_document is None:
+            sequences_per_document = np.ones(len(lengths), dtype=np.int64)
+        if int(sequences_per_document.sum()) != len(lengths):
+            raise ValueError(f"{self.bin_path}: sequences per document do not add up to the sequences given")
         values = self._checked(tokens)
         self._data_file.write(values.astype(self.dtype.newbyteorder("<"), copy=False).tobytes())
         first = len(self._sequence_lengths)
         self._sequence_lengths.frombytes(lengths.astype(np.int64).tobytes())
-        self._document_indices.frombytes(np.arange(first + 1, first + len(lengths) + 1, dtype=np.int64).tobytes())
+        ends = first + np.cumsum(sequences_per_document, dtype=np.int64)
+        self._document_indices.frombytes(ends.tobytes())
 
     def end_document(self) -> None:
         """Mark the sequences added since the last call as one document."""

@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -32,6 +31,7 @@ from megatron_lc.data.corpus import (
     Document,
     InputProblems,
     InvalidInputError,
+    ProblemCount,
     ReadOptions,
     expand_inputs,
     read_documents,
@@ -43,7 +43,9 @@ from megatron_lc.data.indexed_dataset import (
     merge_datasets,
     optimal_dtype,
 )
-from megatron_lc.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megatron_lc.data.sentences import sentence_splitter, split_all
+from megatron_lc.data.partition_manifest import input_identity, path_digest, verified_summary, write_manifest
+from megatron_lc.data.tokenizers import TOKENIZER_TYPES, TokenizeError, Tokenizer, TokenizerSpec
 
 # Documents go to workers in groups of about this many characters: large enough to
 # amortise inter-process transfer, small enough to keep every worker busy.
@@ -53,10 +55,11 @@ TASK_CHARS = 256_000
 # can take minutes between multiples of it.
 PROGRESS_SECONDS = 30.0
 
-# Tokenizer memory per character of one document, the largest measured (a tokenizer.json
-# byte-level BPE: a 30 MB document took 4.7 GB; SentencePiece about 47 B): the default
-# --max-document-chars gives each tokenizing process its share of RAM at this rate.
-TOKENIZER_BYTES_PER_CHAR = 160
+# Tokenizer memory per character of one document, the largest measured: a tokenizer.json byte-level BPE,
+# 189 B per character on an 8M-character document (bench/bench_tokenizer_memory.py; SentencePiece 46 B,
+# GPT2BPETokenizer 64 B, tiktoken 11 B): the default --max-document-chars gives each tokenizing process its
+# share of RAM at this rate.
+TOKENIZER_BYTES_PER_CHAR = 190
 
 
 class NoDocumentsError(ValueError):
@@ -71,6 +74,9 @@ class PreprocessOptions:
     output_prefix: str
     tokenizer_type: str
     tokenizer_model: str | None = None
+    vocab_file: str | None = None  # GPT2BPETokenizer's vocab.json
+    merge_file: str | None = None  # GPT2BPETokenizer's merges.txt
+    vocab_size: int | None = None  # NullTokenizer's N
     json_keys: tuple[str, ...] = ("text",)
     workers: int = 1
     partitions: int = 1
@@ -81,17 +87,32 @@ class PreprocessOptions:
     split: str = "train"
     show_progress: bool = True
     max_document_chars: int | None = None  # None: no limit
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    lang: str = "english"
+
+    @property
+    def tokenizer(self) -> TokenizerSpec:
+        return TokenizerSpec(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file,
+                             self.vocab_size)
+
+    @property
+    def level(self) -> str:
+        """Megatron's dataset name level: one sequence per sentence or per document."""
+        return "sentence" if self.split_sentences else "document"
 
 
 @dataclass(frozen=True)
 class EncodeConfig:
     """What a worker needs to turn texts into token arrays."""
 
-    tokenizer_type: str
-    tokenizer_model: str | None
+    tokenizer: TokenizerSpec
     dtype: str
     append_eod: bool
     prepend_bos: bool
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    lang: str = "english"
 
 
 @dataclass
@@ -99,33 +120,84 @@ class Task:
     """Consecutive records (one text per key each) encoded by one worker call."""
 
     records: list[tuple[str, ...]] = field(default_factory=list)
+    locations: list[str] = field(default_factory=list)
     chars: int = 0
 
 
 @dataclass(frozen=True)
 class EncodedKey:
-    """One key's documents of a task: their tokens back to back, and each one's length."""
+    """One key's documents of a task: their sequences' tokens back to back, each sequence's length, and
+    each document's number of sequences (None: one each)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
+    sequences_per_document: np.ndarray | None = None
+
+    @property
+    def documents(self) -> int:
+        return len(self.lengths) if self.sequences_per_document is None else len(self.sequences_per_document)
 
 
 @functools.lru_cache(maxsize=4)
-def cached_tokenizer(tokenizer_type: str, tokenizer_model: str | None) -> Tokenizer:
+def cached_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     """One tokenizer per worker process, built on its first task."""
-    return build_tokenizer(tokenizer_type, tokenizer_model)
+    return spec.build()
 
 
-def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]]) -> list[EncodedKey]:
-    """Each key's documents, every text encoded whole, with BOS/EOD as configured."""
-    tokenizer = cached_tokenizer(config.tokenizer_type, config.tokenizer_model)
+def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]],
+                locations: Sequence[str] = ()) -> list[EncodedKey]:
+    """Each key's documents, every text encoded whole, with BOS/EOD as configured; text the tokenizer
+    refuses is an `InvalidInputError` naming its record."""
+    try:
+        return _encode_records(config, records)
+    except TokenizeError as error:
+        raise InvalidInputError(_refused_record(config, records, locations, error)) from None
+
+
+def _refused_record(config: EncodeConfig, records: Sequence[tuple[str, ...]], locations: Sequence[str],
+                    error: TokenizeError) -> str:
+    """`file:line: why` for the first record whose text the tokenizer refuses."""
+    tokenizer = cached_tokenizer(config.tokenizer)
+    for location, record in zip(locations, records):
+        for text in record:
+            try:
+                tokenizer.tokenize(text)
+            except TokenizeError as first:
+                return f"{location}: {first}"
+    return str(error)
+
+
+def _encode_records(config: EncodeConfig, records: Sequence[tuple[str, ...]]) -> list[EncodedKey]:
+    tokenizer = cached_tokenizer(config.tokenizer)
     prefix = [tokenizer.bos] if config.prepend_bos else []
     suffix = [tokenizer.eod] if config.append_eod else []
     encoded = []
     for key_index in range(len(records[0])):
-        documents = tokenizer.tokenize_batch([record[key_index] for record in records])
-        encoded.append(pack_documents(documents, prefix, suffix, config.dtype))
+        texts = [record[key_index] for record in records]
+        if config.split_sentences:
+            encoded.append(encode_sentences(tokenizer, texts, config, prefix, suffix))
+        else:
+            encoded.append(pack_documents(tokenizer.tokenize_batch(texts), prefix, suffix, config.dtype))
     return encoded
+
+
+def encode_sentences(tokenizer: Tokenizer, texts: Sequence[str], config: EncodeConfig, prefix: list[int],
+                     suffix: list[int]) -> EncodedKey:
+    """Megatron's sentence level: each sentence encoded on its own, one sequence each; sentences without
+    ids dropped; BOS before the first kept sentence and EOD after the last (a document left without ids
+    is a document of no sequence)."""
+    splitter = sentence_splitter(config.lang, config.keep_newlines)
+    sequences: list[list[int]] = []
+    counts = np.zeros(len(texts), dtype=np.int64)
+    for index, sentences in enumerate(split_all(splitter, texts)):
+        kept = [ids for ids in tokenizer.tokenize_batch(sentences) if ids]
+        if kept:
+            kept[0] = prefix + kept[0]
+            kept[-1] = kept[-1] + suffix
+        sequences += kept
+        counts[index] = len(kept)
+    packed = pack_documents(sequences, [], [], config.dtype)
+    return EncodedKey(packed.tokens, packed.lengths, counts)
 
 
 def pack_documents(documents: Sequence[list[int]], prefix: list[int], suffix: list[int], dtype: str) -> EncodedKey:
@@ -148,6 +220,7 @@ def group_documents(documents: Iterable[Document], keys: Sequence[str]) -> Itera
     for document in documents:
         record = tuple(document.texts[key] for key in keys)
         task.records.append(record)
+        task.locations.append(str(document.location))
         task.chars += sum(len(text) for text in record)
         if task.chars >= TASK_CHARS:
             yield task
@@ -178,20 +251,25 @@ class TokenizerPool:
         """Each task's encoding, in task order, a bounded number in flight."""
         if self._pool is None:
             for task in tasks:
-                yield encode_task(self.config, task.records)
+                yield encode_task(self.config, task.records, task.locations)
             return
         in_flight: deque = deque()
         for task in tasks:
-            in_flight.append(self._pool.apply_async(encode_task, (self.config, task.records)))
+            in_flight.append(self._pool.apply_async(encode_task, (self.config, task.records, task.locations)))
             if len(in_flight) >= 2 * self.workers + 2:
                 yield in_flight.popleft().get()
         while in_flight:
             yield in_flight.popleft().get()
 
 
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    """Megatron's naming: one dataset per JSON key."""
-    return f"{output_prefix}_{key}_document"
+def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
+    """Megatron's naming: one dataset per JSON key, `_sentence` with --split-sentences."""
+    return f"{output_prefix}_{key}_{level}"
+
+
+def dataset_prefixes(options: PreprocessOptions) -> list[str]:
+    """The output prefix of every JSON key's dataset."""
+    return [output_prefix_for(options.output_prefix, key, options.level) for key in options.json_keys]
 
 
 class DatasetWriters:
@@ -216,7 +294,8 @@ class DatasetWriters:
     def write(self, encoded: Sequence[EncodedKey]) -> None:
         """Append one task's documents to every key's dataset, one sequence each."""
         for key_index, key_documents in enumerate(encoded):
-            self.builders[key_index].add_documents(key_documents.tokens, key_documents.lengths)
+            self.builders[key_index].add_documents(key_documents.tokens, key_documents.lengths,
+                                                   key_documents.sequences_per_document)
             self.tokens[key_index] += len(key_documents.tokens)
 
     def finalize(self) -> None:
@@ -349,13 +428,14 @@ def _encode_config(options: PreprocessOptions, tokenizer: Tokenizer) -> EncodeCo
     # reading the ids raises a clear error, before any work, when the tokenizer lacks them
     _ = (tokenizer.eod if options.append_eod else None, tokenizer.bos if options.prepend_bos else None)
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
-    return EncodeConfig(options.tokenizer_type, options.tokenizer_model, dtype, options.append_eod, options.prepend_bos)
+    return EncodeConfig(options.tokenizer, dtype, options.append_eod, options.prepend_bos,
+                        options.split_sentences, options.keep_newlines, options.lang)
 
 
 def no_documents_error(options: PreprocessOptions, files: Sequence[str], problems: InputProblems) -> NoDocumentsError:
     """Why nothing was written, and that an existing dataset is left as it was."""
     keys = " ".join(options.json_keys)
-    prefix = output_prefix_for(options.output_prefix, options.json_keys[0])
+    prefix = dataset_prefixes(options)[0]
     skipped = ", ".join(f"{entry.count} {reason}" for reason, entry in problems.counts.items()) or "none"
     return NoDocumentsError(
         f"no document with text under --json-keys {keys} in {len(files)} input file(s) (skipped: {skipped}); "
@@ -373,7 +453,7 @@ def run_partition(
 ) -> PreprocessSummary:
     """Tokenize `files` into one dataset per key at `prefixes`; with `require_documents`,
     inputs without any document raise and leave `prefixes` untouched."""
-    config = _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model))
+    config = _encode_config(options, cached_tokenizer(options.tokenizer))
     problems = InputProblems(options.skip_invalid)
     bytes_read = BytesRead()
     read_options = ReadOptions(tuple(options.json_keys), options.split, options.max_document_chars, bytes_read)
@@ -388,7 +468,7 @@ def run_partition(
     ):
         for encoded in pool.map_ordered(tasks):
             writers.write(encoded)
-            progress.add(len(encoded[0].lengths), sum(len(key.tokens) for key in encoded))
+            progress.add(encoded[0].documents, sum(len(key.tokens) for key in encoded))
         if require_documents and progress.documents == 0:
             raise no_documents_error(options, files, problems)  # the writers drop their temporary files
         writers.finalize()
@@ -418,30 +498,160 @@ def _input_size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
 
 
-def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessSummary:
-    """Each group of files in its own process, then the parts merged in input order."""
+@dataclass(frozen=True)
+class PartitionPlan:
+    """One partition of a `--partitions` run: its files, where it writes, and what must have made it."""
+
+    index: int
+    count: int
+    files: tuple[str, ...]
+    prefixes: tuple[str, ...]
+    manifest: str
+    producer: dict
+
+    @property
+    def outputs(self) -> list[str]:
+        return [path for prefix in self.prefixes for path in (bin_path(prefix), idx_path(prefix))]
+
+    @property
+    def label(self) -> str:
+        return f"partition {self.index + 1} of {self.count}"
+
+
+def partition_work_dir(options: PreprocessOptions) -> str:
+    """Where a `--partitions` run keeps its finished partitions until the merge: next to the output, named by
+    the output prefix, so a rerun of the same command finds them."""
+    prefix = os.path.abspath(options.output_prefix)
+    return os.path.join(os.path.dirname(prefix), f".{os.path.basename(prefix)}.partitions")
+
+
+def tokenizer_identity(options: PreprocessOptions) -> dict:
+    """The tokenizer by type and by the digest of its files (a retrained model at the same path differs)."""
+    spec = options.tokenizer
+    return {"type": spec.type, "vocab_size": spec.vocab_size,
+            "files": {flag: path_digest(path) for flag, path in spec.files().items()}}
+
+
+def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: str, tokenizer: dict) -> dict:
+    """Everything a partition's bytes depend on, named by flag (`tokenizer`: its `tokenizer_identity`):
+    reused only when all of it is the same."""
+    return {
+        "tokenizer (--tokenizer-type, its files' SHA-256, --vocab-size)": tokenizer,
+        "--json-keys": list(options.json_keys),
+        "--append-eod": options.append_eod,
+        "--prepend-bos": options.prepend_bos,
+        "--split": options.split,
+        "--skip-invalid": options.skip_invalid,
+        "--max-document-chars": options.max_document_chars,
+        "--split-sentences/--keep-newlines/--lang": [options.split_sentences, options.keep_newlines,
+                                                     options.lang if options.split_sentences else None],
+        "token dtype": dtype,
+        "input files (path, size, modification time)": input_identity(files),
+    }
+
+
+def plan_partitions(files: list[str], options: PreprocessOptions, work_dir: str) -> list[PartitionPlan]:
+    """The partitions of `files` (consecutive groups of similar size) and what each must be made by."""
     groups = split_contiguous(files, options.partitions)
-    final_prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
-    work_dir = tempfile.mkdtemp(prefix=".partitions-", dir=os.path.dirname(os.path.abspath(final_prefixes[0])))
+    dtype = _encode_config(options, cached_tokenizer(options.tokenizer)).dtype
+    tokenizer = tokenizer_identity(options)  # hashed once, not per partition
+    return [
+        PartitionPlan(i, len(groups), tuple(group),
+                      tuple(os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys),
+                      os.path.join(work_dir, f"{i}.manifest.json"),
+                      partition_producer(options, group, dtype, tokenizer))
+        for i, group in enumerate(groups)
+    ]
+
+
+def summary_record(summary: PreprocessSummary, keys: Sequence[str]) -> dict:
+    """A partition's summary as JSON for its manifest (tokens by key)."""
+    problems = {reason: [entry.count, entry.first_location, entry.first_detail]
+                for reason, entry in summary.problems.counts.items()}
+    return {"documents": summary.documents, "tokens": dict(zip(keys, summary.tokens.values(), strict=True)),
+            "problems": problems, "seconds": summary.seconds, "dtype": summary.dtype}
+
+
+def summary_from_record(record: dict, plan: PartitionPlan, keys: Sequence[str]) -> PreprocessSummary:
+    """The summary a manifest recorded, keyed by the partition's prefixes as a fresh run's would be."""
+    problems = InputProblems()
+    for reason, (count, location, detail) in record["problems"].items():
+        problems.counts[reason] = ProblemCount(count, location, detail)
+    tokens = {prefix: record["tokens"][key] for prefix, key in zip(plan.prefixes, keys, strict=True)}
+    return PreprocessSummary(record["documents"], tokens, problems, record["seconds"], record["dtype"])
+
+
+def build_partition(plan: PartitionPlan, options: PreprocessOptions, workers: int) -> PreprocessSummary:
+    """Tokenize one partition, then record it in its manifest (last: a partition without one is unfinished)."""
+    summary = run_partition(plan.files, plan.prefixes, options, workers, plan.index, require_documents=False)
+    write_manifest(plan.manifest, plan.producer, plan.outputs, summary_record(summary, options.json_keys))
+    return summary
+
+
+def reusable_partition(plan: PartitionPlan, keys: Sequence[str]) -> tuple[PreprocessSummary | None, str]:
+    """A finished, verified partition's summary; else None and why it is redone."""
+    record, reason = verified_summary(plan.manifest, plan.producer, plan.outputs)
+    if record is None:
+        return None, reason
     try:
-        part_prefixes = [
-            [os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys] for i in range(len(groups))
-        ]
-        workers_each = max(1, options.workers // len(groups))
-        with ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context()) as executor:
-            futures = [
-                executor.submit(run_partition, group, prefixes, options, workers_each, i, False)
-                for i, (group, prefixes) in enumerate(zip(groups, part_prefixes, strict=True))
-            ]
-            parts = [future.result() for future in futures]
-        summary = _combine(parts, final_prefixes)
-        if summary.documents == 0:
-            raise no_documents_error(options, files, summary.problems)
-        for key_index, final in enumerate(final_prefixes):
-            merge_datasets([prefixes[key_index] for prefixes in part_prefixes], final)
-        return summary
-    finally:
+        return summary_from_record(record, plan, keys), ""
+    except (KeyError, TypeError, ValueError):
+        return None, "its manifest's summary is unreadable"
+
+
+def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessSummary:
+    """Each group of files in its own process, then the parts merged in input order. Finished partitions
+    stay in the work directory until the merge is done: a rerun of a killed run redoes only the others."""
+    final_prefixes = dataset_prefixes(options)
+    work_dir = partition_work_dir(options)
+    resuming = os.path.isdir(work_dir)
+    os.makedirs(work_dir, exist_ok=True)
+    plans = plan_partitions(files, options, work_dir)
+    parts: dict[int, PreprocessSummary] = {}
+    todo = []
+    for plan in plans:
+        summary, reason = reusable_partition(plan, options.json_keys) if resuming else (None, "")
+        if summary is not None:
+            parts[plan.index] = summary
+        else:
+            todo.append(plan)
+        if resuming:
+            what = "reused: its manifest matches these flags and inputs, and its files their sizes and SHA-256" \
+                if summary is not None else f"redone: {reason}"
+            print(f"preprocess_data: {work_dir}: {plan.label}: {what}", file=sys.stderr, flush=True)
+    try:
+        parts.update(_build_partitions(todo, options))
+    except BaseException:
+        _keep_or_remove(work_dir, plans)
+        raise
+    summary = _combine([parts[plan.index] for plan in plans], final_prefixes)
+    if summary.documents == 0:
         shutil.rmtree(work_dir, ignore_errors=True)
+        raise no_documents_error(options, files, summary.problems)
+    for key_index, final in enumerate(final_prefixes):
+        merge_datasets([plan.prefixes[key_index] for plan in plans], final)
+    shutil.rmtree(work_dir, ignore_errors=True)
+    return summary
+
+
+def _build_partitions(plans: Sequence[PartitionPlan], options: PreprocessOptions) -> dict[int, PreprocessSummary]:
+    """Build `plans` in parallel, one process each (every one finishes even when another fails)."""
+    if not plans:
+        return {}
+    workers_each = max(1, options.workers // len(plans))
+    with ProcessPoolExecutor(len(plans), mp_context=multiprocessing.get_context()) as executor:
+        futures = {plan.index: executor.submit(build_partition, plan, options, workers_each) for plan in plans}
+        return {index: future.result() for index, future in futures.items()}
+
+
+def _keep_or_remove(work_dir: str, plans: Sequence[PartitionPlan]) -> None:
+    """After a failed run: keep the finished partitions for a rerun (saying so), or remove an empty work dir."""
+    finished = [plan.label for plan in plans if os.path.isfile(plan.manifest)]
+    if not finished:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        return
+    print(f"preprocess_data: {work_dir}: kept {len(finished)} finished partition(s) of {len(plans)}: the same "
+          "command again redoes only the others", file=sys.stderr, flush=True)
 
 
 def _combine(parts: Sequence[PreprocessSummary], final_prefixes: Sequence[str]) -> PreprocessSummary:
@@ -462,7 +672,7 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
     if options.partitions > 1 and len(files) > 1:
         summary = _run_partitions(files, options)
     else:
-        prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
+        prefixes = dataset_prefixes(options)
         summary = run_partition(files, prefixes, options, options.workers)
     summary.seconds = time.perf_counter() - start
     return summary
@@ -470,7 +680,7 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
 
 def output_files(options: PreprocessOptions) -> set[str]:
     """The absolute paths this run writes."""
-    prefixes = [output_prefix_for(options.output_prefix, key) for key in options.json_keys]
+    prefixes = dataset_prefixes(options)
     return {os.path.abspath(path) for prefix in prefixes for path in (bin_path(prefix), idx_path(prefix))}
 
 
@@ -507,12 +717,17 @@ def check_options(options: PreprocessOptions) -> None:
     try:
         if not input_files(options, announce=False):
             raise ConfigError(f"--input {' '.join(options.inputs)}: no input file (only this run's own output)")
-        _encode_config(options, cached_tokenizer(options.tokenizer_type, options.tokenizer_model))
+        _encode_config(options, cached_tokenizer(options.tokenizer))
+        if options.split_sentences:
+            sentence_splitter(options.lang, options.keep_newlines)
     except (InvalidInputError, ValueError, OSError) as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(str(error)) from error
     check_writable(os.path.dirname(os.path.abspath(options.output_prefix)), "--output-prefix")
+    if options.keep_newlines and not options.split_sentences:
+        print("preprocess_data: note: --keep-newlines has no effect without --split-sentences (as in Megatron-LM)",
+              file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -542,7 +757,16 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), tiktoken BPE file"
     )
+    group.add_argument("--vocab-file", help="GPT2BPETokenizer: its vocab.json")
+    group.add_argument("--merge-file", help="GPT2BPETokenizer: its merges.txt")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1 in the text, EOD = N")
     group.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="one sequence per sentence (nltk Punkt, as Megatron-LM), written as "
+                       "PREFIX_{key}_sentence.{bin,idx}; documents stay documents in the index")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="with --split-sentences: keep the newlines after a sentence in it")
+    group.add_argument("--lang", default="english", help="Punkt model for --split-sentences (default: english)")
     group.add_argument("--prepend-bos", action="store_true", help="start every document with the BOS token")
     group = parser.add_argument_group("output and runtime")
     group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.{bin,idx}")
@@ -574,6 +798,9 @@ def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
         output_prefix=args.output_prefix,
         tokenizer_type=args.tokenizer_type,
         tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
         json_keys=tuple(args.json_keys),
         workers=args.workers,
         partitions=args.partitions,
@@ -584,6 +811,9 @@ def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
         split=args.split,
         show_progress=not args.no_progress,
         max_document_chars=_max_document_chars(args),
+        split_sentences=args.split_sentences,
+        keep_newlines=args.keep_newlines,
+        lang=args.lang,
     )
 
 

@@ -7,7 +7,9 @@
 Types (Megatron's names): `SentencePieceTokenizer` (a `.model` file),
 `HuggingFaceTokenizer` (a `tokenizer.json` or a directory holding one, or any local
 directory `transformers.AutoTokenizer` loads), `TikTokenizer` (a tiktoken BPE file such
-as Llama 3's `tokenizer.model`), and `ByteTokenizer` (no file: UTF-8 bytes plus BOS/EOD).
+as Llama 3's `tokenizer.model`), `GPT2BPETokenizer` (`vocab_file` vocab.json and `merge_file`
+merges.txt, as Megatron's), `NullTokenizer` (`vocab_size` N: the text is space-separated ids,
+EOD = N, as Megatron's) and `ByteTokenizer` (no file: UTF-8 bytes plus BOS/EOD).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import random
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -287,6 +290,159 @@ class TikTokenizer(Tokenizer):
         return self._encoding.encode_single_token("<|begin_of_text|>")
 
 
+class TokenizeError(ValueError):
+    """Text the tokenizer cannot encode (e.g. a word that is not an integer for NullTokenizer)."""
+
+
+class NullTokenizer(Tokenizer):
+    """Megatron's NullTokenizer: the text is space-separated integer ids (`text.split(' ')`, each `int()`);
+    `--vocab-size N` gives ids 0..N-1, EOD = N and a vocabulary of N + 1, as Megatron's."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"--vocab-size {vocab_size} must be >= 1 for NullTokenizer")
+        self._size = int(vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        words = text.split(" ")
+        try:
+            ids = [int(word) for word in words]
+        except ValueError:
+            index, word = next((i, w) for i, w in enumerate(words) if not _is_int(w))
+            raise TokenizeError(f"NullTokenizer: word {index + 1} ({word[:40]!r}) is not an integer "
+                                "(the text must be ids separated by single spaces)") from None
+        if ids and (min(ids) < 0 or max(ids) > self._size):
+            index, bad = next((i, v) for i, v in enumerate(ids) if not 0 <= v <= self._size)
+            raise TokenizeError(f"NullTokenizer: id {bad} (word {index + 1}) is outside [0, {self._size}] "
+                                f"(--vocab-size {self._size}, EOD = {self._size})")
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size + 1
+
+    @property
+    def eod(self) -> int:
+        return self._size
+
+    @property
+    def bos(self) -> int:
+        raise _missing_special("beginning-of-sequence", "NullTokenizer")
+
+
+def _is_int(word: str) -> bool:
+    try:
+        int(word)
+    except ValueError:
+        return False
+    return True
+
+
+# GPT-2's pre-tokenization pattern (Megatron's gpt2_tokenization, OpenAI's encoder), with the `regex` module.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_EOD = "<|endoftext|>"
+
+
+def read_gpt2_merges(path: str) -> list[tuple[str, str]]:
+    """A GPT-2 `merges.txt` read as Megatron (and transformers' GPT2Tokenizer) read it: the lines of
+    `text.split('\\n')[1:-1]` (the first, a version line, and the last, after the final newline, are
+    dropped), each two symbols in priority order; an empty line is no merge."""
+    with open(path, encoding="utf-8") as stream:
+        lines = stream.read().split("\n")[1:-1]
+    merges = []
+    for number, line in enumerate(lines, start=2):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{number}: a merge is two symbols, this line has {len(parts)} (--merge-file)")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    mapping, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+class GPT2BPETokenizer(Tokenizer):
+    """Megatron's GPT2BPETokenizer from `--vocab-file vocab.json --merge-file merges.txt`: GPT-2's byte-level
+    BPE, EOD = `<|endoftext|>`, vocabulary size = the entries of vocab.json. Words are cut by GPT-2's
+    pattern with the `regex` module (as Megatron's, whose `\\s` differs from other engines' on a few
+    control characters), then each word is merged by the `tokenizers` BPE model built from the same
+    vocabulary and merges (the same lowest-rank-first merges). Text that looks like `<|endoftext|>` is
+    encoded as text, as Megatron's does."""
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        import regex
+        from tokenizers import Tokenizer as RustTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        vocab = self._read_vocab(vocab_file)
+        merges = read_gpt2_merges(merge_file)
+        try:
+            model = models.BPE(vocab, merges)
+        except Exception as error:  # the library's own error type
+            raise ValueError(f"--vocab-file {vocab_file} --merge-file {merge_file}: {error}") from None
+        self._tokenizer = RustTokenizer(model)
+        self._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        self._tokenizer.decoder = decoders.ByteLevel()
+        self._pattern = regex.compile(GPT2_PATTERN)
+        self._size = len(vocab)
+        self._eod = vocab[GPT2_EOD]
+
+    @staticmethod
+    def _read_vocab(path: str) -> dict[str, int]:
+        try:
+            with open(path, encoding="utf-8") as stream:
+                vocab = json.load(stream)
+        except ValueError as error:
+            raise ValueError(f"--vocab-file {path}: not a JSON vocabulary ({error})") from None
+        if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
+            raise ValueError(f"--vocab-file {path}: expected a JSON object of token -> id")
+        if GPT2_EOD not in vocab:
+            raise ValueError(f"--vocab-file {path}: no {GPT2_EOD} entry (Megatron's GPT-2 EOD)")
+        missing = [char for char in _bytes_to_unicode().values() if char not in vocab]
+        if missing:  # Megatron would give such bytes id 0; refuse rather than differ
+            raise ValueError(f"--vocab-file {path}: {len(missing)} of GPT-2's 256 byte symbols are missing "
+                             f"(first {missing[0]!r}): not a byte-level BPE vocabulary")
+        return vocab
+
+    def tokenize(self, text: str) -> list[int]:
+        words = self._pattern.findall(text)
+        if not words:
+            return []
+        return self._tokenizer.encode(words, is_pretokenized=True, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def bos(self) -> int:
+        raise _missing_special("beginning-of-sequence", f"--vocab-file {self.vocab_file} (Megatron's GPT-2 has none)")
+
+
 def _build_huggingface(path: str) -> Tokenizer:
     """A fast tokenizer when a tokenizer.json is there, else whatever transformers loads."""
     if os.path.isfile(path) or os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -302,15 +458,54 @@ _BUILDERS_FROM_FILE = {
     "HuggingFaceTokenizer": _build_huggingface,
     "TikTokenizer": TikTokenizer,
 }
-TOKENIZER_TYPES = (*_BUILDERS_FROM_FILE, "ByteTokenizer")
+TOKENIZER_TYPES = (*_BUILDERS_FROM_FILE, "GPT2BPETokenizer", "NullTokenizer", "ByteTokenizer")
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | None = None) -> Tokenizer:
-    """The tokenizer of Megatron type name `tokenizer_type`, loaded from `tokenizer_model`."""
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A tokenizer as its flags give it (hashable: one cached tokenizer per spec)."""
+
+    type: str
+    model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None
+
+    def build(self) -> Tokenizer:
+        return build_tokenizer(self.type, self.model, vocab_file=self.vocab_file, merge_file=self.merge_file,
+                               vocab_size=self.vocab_size)
+
+    def files(self) -> dict[str, str]:
+        """The files it is read from, by flag."""
+        named = {"--tokenizer-model": self.model, "--vocab-file": self.vocab_file, "--merge-file": self.merge_file}
+        return {flag: path for flag, path in named.items() if path}
+
+
+def _existing(path: str | os.PathLike | None, flag: str, tokenizer_type: str) -> str:
+    if path is None:
+        raise ValueError(f"{tokenizer_type} needs {flag}")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{flag} {path}: not found (for {tokenizer_type})")
+    return path
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | None = None, *,
+                    vocab_file: str | None = None, merge_file: str | None = None,
+                    vocab_size: int | None = None) -> Tokenizer:
+    """The tokenizer of Megatron type name `tokenizer_type`, loaded from `tokenizer_model` (GPT2BPETokenizer:
+    `vocab_file` and `merge_file`; NullTokenizer: `vocab_size`)."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("NullTokenizer needs --vocab-size N (ids 0..N-1, EOD = N)")
+        return NullTokenizer(vocab_size)
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(_existing(vocab_file, "--vocab-file", tokenizer_type),
+                                _existing(merge_file, "--merge-file", tokenizer_type))
     if tokenizer_model is None:
         raise ValueError(f"{tokenizer_type} needs a tokenizer model path (--tokenizer-model)")
     path = os.fspath(tokenizer_model)

@@ -19,30 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_lc.config import ConfigError
+from megatron_lc.processes import process_alive, process_start_ticks
 
 LOCK = ".save.lock"
 TMP_PREFIX = ".tmp_iter_"
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None without /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # fields after the command name, which may hold spaces
-
-
-def process_alive(pid: int, start_ticks: int | None) -> bool:
-    """Whether `pid` is the same process that wrote the lock (a reused pid has another start time)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process: alive
-    current = process_start_ticks(pid)
-    return start_ticks is None or current is None or current == start_ticks
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets, parse_data_path, parse_split
-from megatron_lc.data.tokenizers import build_tokenizer
 from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
 from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
@@ -187,7 +186,8 @@ def build_run(cfg: TrainConfig) -> Run:
                                         dp_replicate=p.data_parallel_replicate,
                                         cp_ring=cfg.context_layout().ring_size), devices.accelerator.type)
     warmed_up_collectives(pstate, devices, launch.rank)
-    tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model) if cfg.data.tokenizer_type else None
+    spec = cfg.tokenizer_spec()
+    tokenizer = spec.build() if spec else None
     eod = tokenizer.eod if tokenizer else None
     model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)  # padded (--make-vocab-...)
     data_vocab = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None, padded=False).vocab_size

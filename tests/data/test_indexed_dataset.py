@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -17,8 +19,10 @@ from megatron_lc.data.indexed_dataset import (
     idx_path,
     merge_datasets,
     optimal_dtype,
+    temporary_writer,
     write_dataset,
 )
+from megatron_lc.processes import Writer, process_start_ticks
 
 
 def test_idx_header_and_arrays_have_megatron_byte_layout(tmp_path):
@@ -204,6 +208,50 @@ def test_unfinished_build_has_no_index_at_the_final_path(tmp_path):
     builder.finalize(idx_path(tmp_path / "new"))
     assert IndexedDataset.exists(tmp_path / "new")
     assert sorted(os.listdir(tmp_path)) == ["new.bin", "new.idx"]
+
+
+def _dead_writer() -> Writer:
+    """A process of this host that has exited: its pid and start time, as its temporaries name it."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        writer = Writer(Writer.this_process().host, child.pid, process_start_ticks(child.pid) or 0)
+    finally:
+        child.kill()
+        child.wait()
+    return writer
+
+
+def test_temporaries_name_their_writer(tmp_path):
+    builder = IndexedDatasetBuilder(bin_path(tmp_path / "d"), dtype=np.uint16)
+    (name,) = os.listdir(tmp_path)
+    assert temporary_writer(str(tmp_path / "d.bin"), name) == Writer.this_process()
+    assert temporary_writer(str(tmp_path / "e.bin"), name) is None  # another path's
+    builder.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_dead_writers_temporaries_are_removed_and_a_live_ones_kept(tmp_path, capsys):
+    dead, live = _dead_writer(), Writer.this_process()
+    other_host = Writer("elsewhere", dead.pid, dead.start_ticks)
+    names = {
+        "dead_bin": f".d.bin.{dead.tag}-0a1b2c3d4e5f.tmp",
+        "dead_idx": f".d.idx.{dead.tag}-0a1b2c3d4e5f.tmp",
+        "live": f".d.bin.{live.tag}-0a1b2c3d4e5f.tmp",
+        "other_host": f".d.bin.{other_host.tag}-0a1b2c3d4e5f.tmp",
+        "other_path": f".e.bin.{dead.tag}-0a1b2c3d4e5f.tmp",
+        "unnamed_writer": ".d.bin.0123456789abcdef0123456789abcdef.tmp",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"partial")
+    write_dataset(tmp_path / "d", [[1, 2, 3]], dtype=np.uint16)
+    left = set(os.listdir(tmp_path))
+    assert names["dead_bin"] not in left and names["dead_idx"] not in left
+    assert {names[k] for k in ("live", "other_host", "other_path", "unnamed_writer")} <= left
+    assert {"d.bin", "d.idx"} <= left
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2  # one line for the .bin's, one for the .idx's
+    assert lines[0].startswith(f"{tmp_path / 'd.bin'}: removed 1 temporary file(s) left by processes of this host")
+    assert f"{names['dead_bin']} (pid {dead.pid})" in lines[0]
 
 
 # --- Megatron-core's own reader and writer ----------------------------------------------

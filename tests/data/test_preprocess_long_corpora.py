@@ -98,9 +98,9 @@ def test_a_document_over_max_document_chars_is_named_with_what_to_do(tmp_path, c
 
 
 def test_the_default_limit_leaves_every_ordinary_document_alone(tmp_path):
-    from megatron_lc.data.preprocess import build_parser, options_from_args
+    from megatron_lc.data.preprocess import TOKENIZER_BYTES_PER_CHAR, build_parser, options_from_args
 
     options = options_from_args(build_parser().parse_args(
         ["--input", "x", "--output-prefix", "o", "--tokenizer-type", "ByteTokenizer", "--workers", "8"]))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert options.max_document_chars == ram // 8 // 160 > 1_000_000
+    assert options.max_document_chars == ram // 8 // TOKENIZER_BYTES_PER_CHAR > 1_000_000

@@ -100,8 +100,8 @@ def test_byte_tokenizer_needs_no_file():
 
 
 def test_unknown_tokenizer_type_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown tokenizer type 'GPT2BPETokenizer'.*SentencePieceTokenizer"):
-        build_tokenizer("GPT2BPETokenizer", "x")
+    with pytest.raises(ValueError, match="unknown tokenizer type 'BertWordPieceCase'.*SentencePieceTokenizer"):
+        build_tokenizer("BertWordPieceCase", "x")
 
 
 def test_missing_tokenizer_model_names_the_path(tmp_path):

@@ -168,6 +168,10 @@ def _token_or_none(getter) -> int | None:
         return None
 
 
+# Tokenizers whose flags are not one model path: the weights are converted, the tokenizer is not written.
+TOKENIZERS_NOT_WRITTEN = ("GPT2BPETokenizer", "NullTokenizer")
+
+
 def save_tokenizer(tokenizer_model: str | None, save: str, tokenizer_type: str | None = None) -> SpecialIds:
     """Write the tokenizer next to the weights in a form transformers loads natively; its special ids.
 
@@ -178,8 +182,8 @@ def save_tokenizer(tokenizer_model: str | None, save: str, tokenizer_type: str |
     from megatron_lc.data.tokenizers import build_tokenizer
 
     tokenizer_type = tokenizer_type or (infer_tokenizer_type(tokenizer_model) if tokenizer_model else None)
-    if tokenizer_type is None:
-        return SpecialIds()
+    if tokenizer_type is None or tokenizer_type in TOKENIZERS_NOT_WRITTEN:
+        return SpecialIds()  # GPT-2 vocab/merges and NullTokenizer: not written (see docs/training.md)
     ours = build_tokenizer(tokenizer_type, tokenizer_model)
     ids = SpecialIds(bos=_token_or_none(lambda: ours.bos), eos=_token_or_none(lambda: ours.eod))
     if tokenizer_type == "ByteTokenizer":
