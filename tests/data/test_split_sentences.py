@@ -13,7 +13,7 @@ from megatron_lc.data.preprocess import PreprocessOptions, main, preprocess
 from megatron_lc.data.sentences import sentence_splitter
 from megatron_lc.data.tokenizers import ByteTokenizer
 
-punkt = pytest.importorskip("nltk.tokenize.punkt")
+import nltk.tokenize.punkt as punkt  # installed by the test extra: these tests run, never skip
 
 # Megatron-LM's CustomLanguageVars period context, as its tools/preprocess_data.py gives it: the reference.
 MEGATRON_KEEP_NEWLINES = r"""
