@@ -43,6 +43,8 @@ class ParallelizeOptions:
     """Last layers whose inputs stay on the accelerator (needed first in backward)."""
     offload_prefetch: bool = True
     """Bring offloaded inputs back one layer ahead of need (False: on demand, one input less resident)."""
+    offload_every_k_layers: int = 1
+    """Sparse offload: only every k-th offloaded layer keeps its input, the others' are recomputed from it."""
     mlp_tiles: int | None = None
     """Sequence tiles of the MLP; None: untiled."""
     loss_tiles: int | None = None
@@ -62,6 +64,11 @@ class ParallelizeOptions:
         if self.offload_activations and self.recompute_granularity != "full":
             raise ValueError("--offload-activations offloads the checkpointed block inputs: "
                              "it needs --recompute-granularity full")
+        if self.offload_every_k_layers < 1:
+            raise ValueError(f"--offload-every-k-layers {self.offload_every_k_layers}: expected an integer >= 1")
+        if self.offload_every_k_layers > 1 and not self.offload_activations:
+            raise ValueError("--offload-every-k-layers keeps every k-th offloaded block input: "
+                             "it needs --offload-activations")
         if not self.offload_prefetch and not self.offload_activations:
             raise ValueError("--no-offload-prefetch changes how offloaded block inputs come back: "
                              "it needs --offload-activations")
@@ -81,7 +88,8 @@ def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: De
     offload = None
     if opts.offload_activations:
         offload = OffloadScheduler(model.config.num_layers, keep_last=opts.offload_keep_last,
-                                   accelerator=devices.accelerator, host=devices.host, prefetch=opts.offload_prefetch)
+                                   accelerator=devices.accelerator, host=devices.host, prefetch=opts.offload_prefetch,
+                                   every_k=opts.offload_every_k_layers)
     for layer in model.layers:
         layer.memory.recompute = opts.recompute_granularity
         layer.memory.offload = offload
