@@ -26,6 +26,24 @@ the caller vouches that the output's gradient is the block's alone
 nobody else holds), that gradient's own buffer is the accumulator: one `[tokens, hidden]`
 gradient travels down the whole network instead of two per block.
 
+Sparse offload (an ``OffloadScheduler`` with ``every_k = k > 1``) keeps only the first input of
+each segment of k offloaded layers. Each block records, in forward, how to run itself again
+(``replay``: its forward under no_grad, with ``replay_params`` making its parameters usable
+outside its own forward: FSDP2 gathers them). The backward of a block j that kept nothing
+fetches its segment's kept input x_s (the host copy stays) and runs blocks s, ..., j-1 forward
+under no_grad to rebuild x_j, dropping each intermediate input as soon as the next exists; then
+it recomputes and backpropagates block j exactly as a block that kept its input. At most one
+block input is resident at a time, as with k = 1, and no autograd graph is kept for the replayed
+blocks. Schedule and cost, for a segment of r layers s..s+r-1 (the backward runs last first):
+layer s+i replays i blocks, so the segment costs r(r-1)/2 block forwards more than k = 1, i.e.
+(k-1)/2 extra block forwards per layer for full segments (0.5 for k = 2, 1.5 for k = 4), and its
+kept input is copied back r times (once per layer, as many host-to-accelerator copies as k = 1
+makes, from one host slot instead of r). With FSDP2, a replayed block's parameters are
+gathered for its replay and sharded again after, except block j-1's: its own backward comes next
+and FSDP would gather them now anyway, so r(r-1)/2 - (r-1) extra all-gathers per segment (none for
+k = 2). The replay is bit-identical to the forward (same ops, same inputs, no randomness), so
+losses and gradients equal those of k = 1 exactly.
+
 RNG state is not saved or restored: LLaMA blocks have no dropout or other randomness,
 so the recompute is deterministic. A block that draws random numbers would recompute
 with different ones.
@@ -34,6 +52,7 @@ with different ones.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -68,9 +87,9 @@ class _CheckpointBlock(torch.autograd.Function):
     """One block, recomputed in backward; saves only the block input (maybe on the host)."""
 
     @staticmethod
-    def forward(ctx, fn, x, offload, layer_idx, _grad_anchor):
+    def forward(ctx, fn, x, offload, layer_idx, replay_params, _grad_anchor):
         ctx.fn = fn
-        _keep_input(ctx, x, offload, layer_idx)
+        _keep_input(ctx, x, offload, layer_idx, _replay(fn, replay_params))
         with torch.no_grad():
             y = fn(x)
         if not isinstance(y, torch.Tensor):
@@ -90,16 +109,16 @@ class _CheckpointBlock(torch.autograd.Function):
             torch.autograd.backward(edge, grad_y)
         grad_x = x.grad if ctx.needs_input_grad[1] else None
         _prefetch_previous(ctx)
-        return None, grad_x, None, None, None
+        return None, grad_x, None, None, None, None
 
 
 class _CheckpointResidualBlock(torch.autograd.Function):
     """A block of residual branches, recomputed in backward; saves only the block input (maybe on the host)."""
 
     @staticmethod
-    def forward(ctx, branches, x, offload, layer_idx, owns_output_grad, _grad_anchor):
+    def forward(ctx, branches, x, offload, layer_idx, owns_output_grad, replay_params, _grad_anchor):
         ctx.branches, ctx.owns_output_grad = branches, owns_output_grad
-        _keep_input(ctx, x, offload, layer_idx)
+        _keep_input(ctx, x, offload, layer_idx, _replay(lambda t: _residual_chain(branches, t), replay_params))
         with torch.no_grad():
             return _residual_chain(branches, x)
 
@@ -129,7 +148,7 @@ class _CheckpointResidualBlock(torch.autograd.Function):
             grad = summed
             del leaf, edge
         _prefetch_previous(ctx)
-        return None, grad if ctx.needs_input_grad[1] else None, None, None, None, None
+        return None, grad if ctx.needs_input_grad[1] else None, None, None, None, None, None
 
 
 def _residual_chain(branches, x: torch.Tensor) -> torch.Tensor:
@@ -158,30 +177,86 @@ def _storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _keep_input(ctx, x: torch.Tensor, offload: OffloadScheduler | None, layer_idx: int) -> None:
-    """Keep the block input for backward (on the host when offloaded) and the autocast state to replay.
+class _Segment:
+    """Sparse offload: one segment's kept input and, in layer order, how to run each of its layers again."""
+
+    def __init__(self, first: int, handle) -> None:
+        self.first, self.handle = first, handle
+        self.replays: list[Callable[[torch.Tensor, bool], torch.Tensor]] = []
+
+
+_OPEN_SEGMENTS: "weakref.WeakKeyDictionary[OffloadScheduler, _Segment]" = weakref.WeakKeyDictionary()
+"""The segment each scheduler's forward is in (the layers after its first record themselves into it)."""
+
+
+def _replay(fn: Callable[[torch.Tensor], torch.Tensor], replay_params) -> Callable[[torch.Tensor, bool], torch.Tensor]:
+    """``fn`` run again outside its forward: ``replay(x, keep)``, its parameters made usable by
+    ``replay_params(keep)`` (a context manager; ``keep``: leave them gathered, its backward is next)."""
+    def replay(x: torch.Tensor, keep: bool) -> torch.Tensor:
+        with replay_params(keep) if replay_params is not None else contextlib.nullcontext():
+            return fn(x)
+    return replay
+
+
+def _keep_input(ctx, x: torch.Tensor, offload: OffloadScheduler | None, layer_idx: int, replay) -> None:
+    """Keep the block input for backward (on the host when offloaded; with sparse offload only at a
+    segment's first layer) and the autocast state to replay.
 
     Offloading starts before the block runs, so the copy overlaps this block's compute."""
-    ctx.offload, ctx.layer_idx = offload, layer_idx
+    ctx.offload, ctx.layer_idx, ctx.segment = offload, layer_idx, None
     ctx.autocast = _autocast_states(x.device)
     ctx.offloaded = offload is not None and offload.should_offload(layer_idx)
-    if ctx.offloaded:
+    if ctx.offloaded and offload.every_k > 1:
+        if offload.keeps_input(layer_idx):
+            ctx.handle = offload.offload(layer_idx, x)
+            _OPEN_SEGMENTS[offload] = _Segment(layer_idx, ctx.handle)
+        segment = _OPEN_SEGMENTS.get(offload)
+        if segment is None or segment.first + len(segment.replays) != layer_idx:
+            raise RuntimeError(f"checkpoint_block: sparse offload needs the layers of a segment in order; layer "
+                               f"{layer_idx} ran without layer {offload.segment_start(layer_idx)} before it")
+        segment.replays.append(replay)
+        ctx.segment = segment
+        if layer_idx + 1 == offload.segment_end(layer_idx):
+            del _OPEN_SEGMENTS[offload]  # complete: only its layers' backward holds it now
+    elif ctx.offloaded:
         ctx.handle = offload.offload(layer_idx, x)
     else:
         ctx.save_for_backward(x)
 
 
 def _restore_input(ctx) -> torch.Tensor:
-    """The block input back on the accelerator."""
+    """The block input back on the accelerator (recomputed from its segment's kept one under sparse offload)."""
+    if ctx.segment is not None:
+        return _recompute_input(ctx)
     if not ctx.offloaded:
         (x,) = ctx.saved_tensors
     elif ctx.handle is None:
-        raise RuntimeError(
-            f"checkpoint_block: layer {ctx.layer_idx}'s offloaded input was consumed by an "
-            "earlier backward (retain_graph is unsupported with offload)"
-        )
+        raise _consumed(ctx.layer_idx)
     else:
         x, ctx.handle = ctx.offload.fetch(ctx.handle), None
+    return x
+
+
+def _consumed(layer_idx: int) -> RuntimeError:
+    return RuntimeError(f"checkpoint_block: layer {layer_idx}'s offloaded input was consumed by an "
+                        "earlier backward (retain_graph is unsupported with offload)")
+
+
+def _recompute_input(ctx) -> torch.Tensor:
+    """Sparse offload: the segment's kept input, fetched (released at the segment's own first layer), run
+    forward through the segment's layers before this one, under no_grad; one input alive at a time."""
+    segment, own = ctx.segment, ctx.layer_idx == ctx.segment.first
+    if segment.handle.host_buffer is None:
+        raise _consumed(segment.first)
+    x = ctx.offload.fetch(segment.handle, keep=not own)
+    if own:
+        ctx.segment = None
+        return x
+    replays = segment.replays[:ctx.layer_idx - segment.first]
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        _replay_autocast(ctx.autocast, stack)
+        for i, replay in enumerate(replays):
+            x = replay(x, i == len(replays) - 1)  # the previous input is dropped here
     return x
 
 
@@ -197,6 +272,7 @@ def checkpoint_block(
     *,
     offload: OffloadScheduler | None = None,
     layer_idx: int = 0,
+    replay_params: Callable[[bool], contextlib.AbstractContextManager] | None = None,
 ) -> torch.Tensor:
     """Run ``fn(x)`` keeping only ``x`` for backward, where the block is recomputed.
 
@@ -205,14 +281,15 @@ def checkpoint_block(
     With ``offload`` given and ``offload.should_offload(layer_idx)``, ``x`` is kept on
     the host instead of the accelerator. Autocast state is replayed in the recompute;
     RNG state is not (see the module docstring). With grad disabled, ``fn(x)`` runs
-    plainly.
+    plainly. ``replay_params(keep)``: a context in which ``fn``'s parameters can be used outside
+    its own forward (sparse offload replays it in a later block's backward); None: they always can.
     """
     if not torch.is_grad_enabled():
         return fn(x)
     # A leaf that requires grad makes the output require grad even when x does not
     # (e.g. the first block on a frozen embedding), so parameter grads are not lost.
     grad_anchor = torch.empty(0, device=x.device, requires_grad=True)
-    return _CheckpointBlock.apply(fn, x, offload, layer_idx, grad_anchor)
+    return _CheckpointBlock.apply(fn, x, offload, layer_idx, replay_params, grad_anchor)
 
 
 def checkpoint_residual_block(
@@ -222,17 +299,19 @@ def checkpoint_residual_block(
     offload: OffloadScheduler | None = None,
     layer_idx: int = 0,
     owns_output_grad: bool = False,
+    replay_params: Callable[[bool], contextlib.AbstractContextManager] | None = None,
 ) -> torch.Tensor:
     """``checkpoint_block`` of the block ``x -> x + b1(x) -> ... `` given as its residual branches.
 
     The same function and gradients as ``checkpoint_block(lambda t: chain(t), x)``; its
     backward adds each branch's input gradient in place (see the module docstring).
     ``owns_output_grad``: the output's gradient reaches this block alone (the output has a
-    single consumer), so its buffer may be accumulated into.
+    single consumer), so its buffer may be accumulated into. ``replay_params``: as for ``checkpoint_block``.
     """
     if not branches:
         raise ValueError("checkpoint_residual_block needs at least one branch")
     if not torch.is_grad_enabled():
         return _residual_chain(branches, x)
     grad_anchor = torch.empty(0, device=x.device, requires_grad=True)
-    return _CheckpointResidualBlock.apply(tuple(branches), x, offload, layer_idx, owns_output_grad, grad_anchor)
+    return _CheckpointResidualBlock.apply(tuple(branches), x, offload, layer_idx, owns_output_grad, replay_params,
+                                         grad_anchor)

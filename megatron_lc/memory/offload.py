@@ -19,6 +19,14 @@ copy back has run.
 
 On any other accelerator (cpu in tests) the same code path runs with plain, synchronous
 copies into the arenas' slots, so the byte accounting is exercised too.
+
+Sparse offload (``every_k`` > 1): the offloaded layers are cut into segments of ``every_k``
+consecutive layers, and only each segment's first layer keeps its input (one host slot per
+segment); the others keep nothing and ``memory/checkpoint.py`` recomputes their input from the
+segment's kept one. Such a kept input is fetched once per layer of its segment: ``fetch(handle,
+keep=True)`` copies it back and leaves the host slot in place, the last (its own layer's) fetch
+releases it. ``prefetch(i)`` brings back the input layer ``i``'s backward starts from: its
+segment's kept one.
 """
 
 from __future__ import annotations
@@ -172,6 +180,8 @@ class OffloadScheduler:
             no memory at the peak); False: fetch each input only when its own layer's
             backward needs it.
         page_locked: page-lock the arenas (default: when the accelerator is cuda and the host cpu).
+        every_k: keep the input of every k-th offloaded layer only (the first of each segment of k);
+            the others are recomputed from it in backward (1: every offloaded layer keeps its input).
     """
 
     def __init__(
@@ -184,12 +194,16 @@ class OffloadScheduler:
         host: torch.device | str = "cpu",
         prefetch: bool = True,
         page_locked: bool | None = None,
+        every_k: int = 1,
     ) -> None:
+        if every_k < 1:
+            raise ValueError(f"every_k must be >= 1, got {every_k}")
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if keep_last < 0 or keep_first < 0:
             raise ValueError(f"keep_last={keep_last} and keep_first={keep_first} must be >= 0")
         self.num_layers, self.keep_last, self.keep_first = num_layers, keep_last, keep_first
+        self.every_k = every_k
         self.prefetch_enabled = prefetch
         self.accelerator, self.host = torch.device(accelerator), torch.device(host)
         self._is_cuda = self.accelerator.type == "cuda"
@@ -210,10 +224,32 @@ class OffloadScheduler:
             raise ValueError(f"layer_idx={layer_idx} outside [0, {self.num_layers})")
         return self.keep_first <= layer_idx < self.num_layers - self.keep_last
 
+    def segment_start(self, layer_idx: int) -> int:
+        """The layer whose kept input ``layer_idx``'s backward starts from: the first of its segment of
+        ``every_k`` offloaded layers (itself outside the offloaded range, or with every_k = 1)."""
+        if not self.should_offload(layer_idx):
+            return layer_idx
+        return self.keep_first + (layer_idx - self.keep_first) // self.every_k * self.every_k
+
+    def segment_end(self, layer_idx: int) -> int:
+        """One past the last layer of ``layer_idx``'s segment."""
+        if not self.should_offload(layer_idx):
+            return layer_idx + 1
+        return min(self.segment_start(layer_idx) + self.every_k, self.num_layers - self.keep_last)
+
+    def keeps_input(self, layer_idx: int) -> bool:
+        """Whether ``layer_idx`` keeps its input (on the host or the accelerator); False: recomputed."""
+        return self.segment_start(layer_idx) == layer_idx
+
     @property
     def offloaded_layers(self) -> int:
-        """Layers whose kept input goes to the host: the slots of each arena."""
+        """Layers in the offloaded range (with sparse offload, only one per segment keeps its input)."""
         return max(0, self.num_layers - self.keep_last - self.keep_first)
+
+    @property
+    def host_slots(self) -> int:
+        """Block inputs on the host at once: one per segment of the offloaded range, the slots of each arena."""
+        return -(-self.offloaded_layers // self.every_k)
 
     @property
     def page_locked_bytes(self) -> int:
@@ -223,7 +259,7 @@ class OffloadScheduler:
     def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Make the arena for block inputs of this shape and dtype now, before the first step needs it."""
         if not self._arenas.get((tuple(shape), dtype)):
-            self._new_arena((tuple(shape), dtype), max(1, self.offloaded_layers))
+            self._new_arena((tuple(shape), dtype), max(1, self.host_slots))
 
     def reset_peak(self) -> None:
         """Restart peak tracking from the bytes in use now (e.g. at each step)."""
@@ -254,7 +290,7 @@ class OffloadScheduler:
         return arena
 
     def _acquire(self, shape: torch.Size, dtype: torch.dtype) -> tuple[HostArena, torch.Tensor]:
-        """A free slot of the (shape, dtype) arena, made on first use with a slot per offloaded layer."""
+        """A free slot of the (shape, dtype) arena, made on first use with a slot per kept offloaded input."""
         key = (tuple(shape), dtype)
         arenas = self._arenas.get(key, [])
         arena = next((a for a in arenas if a.free), None)
@@ -262,7 +298,7 @@ class OffloadScheduler:
             if arenas:  # more tensors of this shape in flight than layers offload: one more slot
                 LOG.warning("offload: more than %d block inputs of shape %s on the host; adding one slot",
                             sum(a.slots for a in arenas), list(shape))
-            arena = self._new_arena(key, 1 if arenas else max(1, self.offloaded_layers))
+            arena = self._new_arena(key, 1 if arenas else max(1, self.host_slots))
         buffer = arena.free.pop()
         self.host_bytes_in_use += _nbytes(buffer)
         self.host_bytes_peak = max(self.host_bytes_peak, self.host_bytes_in_use)
@@ -315,21 +351,26 @@ class OffloadScheduler:
         handle.to_accelerator_done = self._copy_on_side_stream(handle.on_accelerator, buffer)
 
     def prefetch(self, layer_idx: int) -> None:
-        """Start bringing back ``layer_idx``'s offloaded tensors; no-op if it has none or prefetch is off."""
-        if not self.prefetch_enabled:
+        """Start bringing back the offloaded input ``layer_idx``'s backward starts from (its own, or with
+        sparse offload its segment's kept one); no-op if there is none or prefetch is off."""
+        if not self.prefetch_enabled or not 0 <= layer_idx < self.num_layers:
             return
-        for handle in self._pending.get(layer_idx, ()):
+        for handle in self._pending.get(self.segment_start(layer_idx), ()):
             self._start_copy_back(handle)
 
-    def fetch(self, handle: OffloadHandle) -> torch.Tensor:
-        """The offloaded tensor on the accelerator, ready for the compute stream to use."""
+    def fetch(self, handle: OffloadHandle, keep: bool = False) -> torch.Tensor:
+        """The offloaded tensor on the accelerator, ready for the compute stream to use.
+
+        ``keep``: the host copy stays (the handle can be fetched again, e.g. by the next layer of a
+        sparse-offload segment); otherwise its slot goes back to the arena."""
         if handle.host_buffer is None:
             raise RuntimeError(f"offload handle of layer {handle.layer_idx} was already fetched")
         self._start_copy_back(handle)
         if handle.to_accelerator_done is not None:
             torch.cuda.current_stream(self.accelerator).wait_event(handle.to_accelerator_done)
-        self._forget(handle)
-        result, handle.on_accelerator = handle.on_accelerator, None
+        if not keep:
+            self._forget(handle)
+        result, handle.on_accelerator, handle.to_accelerator_done = handle.on_accelerator, None, None
         return result
 
     def _forget(self, handle: OffloadHandle) -> None:

@@ -1,8 +1,8 @@
 """Auto-fit: the fastest memory stack that fits a machine at a given sequence length.
 
 The model, the length, the cp degree, the precision and the machine are given; auto-fit
-chooses the memory stack (recompute granularity, CPU offload and its prefetch, tiled MLP
-and loss with their tile counts, Untied Ulysses and its heads per stage) and answers with
+chooses the memory stack (recompute granularity, CPU offload, its prefetch and how sparse it
+is, tiled MLP and loss with their tile counts, Untied Ulysses and its heads per stage) and answers with
 the flags for `python -m megatron_lc.train`.
 
 **Cost**: each candidate's predicted step time on the machine (`planning/timing.py`: the
@@ -13,15 +13,17 @@ planner). Auto-fit answers with the fastest predicted stack that fits.
 offload (on demand); MLP tiles off < 2 < ... < the default count (about hidden-size
 tokens per tile), halving from the default; loss tiles the same way (default: 1 GiB of
 fp32 logits per tile); attention: Ulysses, or Untied Ulysses with U from the largest valid
-heads per stage below the head count down to cp (with cp > 1). Each list runs from the
-least memory saving to the most.
+heads per stage below the head count down to cp (with cp > 1); with offload, every k-th block
+input kept, k = 1 < 2 < 4 (`--offload-every-k-layers`: host bytes about 1/k, (k-1)/2 block
+forwards more per layer). Each list runs from the least memory saving to the most.
 
 **Search**: an estimate is a fake-tensor trace (seconds at real sizes), so few are made.
 It assumes that, within one attention family (Ulysses; Untied Ulysses at any stage width),
 GPU memory does not grow when any one choice moves up its list; Untied Ulysses' own
 buffers can make it hold more than Ulysses on small models, so the two families are
-searched apart. Host memory depends only on whether block inputs are offloaded, which is
-the same for every offloading candidate. Per family, fastest family first: (1) the
+searched apart. Host memory depends only on whether block inputs are offloaded and on k
+(it falls as k grows), and GPU memory does not grow with k (the replays of sparse offload run
+between block backwards, below their peak). Per family, fastest family first: (1) the
 strongest stack is traced (without offload if the host cannot hold it): if it does not
 fit, nothing in the family does; (2) for each choice, a binary search with every other
 choice at its strongest finds the weakest level that can fit (weaker levels are out);
@@ -55,6 +57,8 @@ from megatron_lc.planning.timing import StepTime, TimeModel
 MODES = (("none", "off"), ("selective", "off"), ("full", "off"), ("full", "prefetch"), ("full", "on_demand"))
 """(recompute granularity, offload) from the least memory saving to the most."""
 DEFAULT_MAX_TRACES = 40
+OFFLOAD_EVERY = (1, 2, 4)
+"""Sparse-offload levels auto-fit tries: every block input kept, every second, every fourth."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ class Candidate:
     """--cp-impl (None without context parallelism: left as configured)."""
     heads_per_stage: int | None
     """--untied-heads-per-stage (Untied Ulysses only)."""
+    offload_every: int = 1
+    """--offload-every-k-layers (with offload only): every k-th block input kept, the rest recomputed."""
 
     def flags(self) -> list[str]:
         """The training flags of this stack (defaults left out)."""
@@ -81,6 +87,8 @@ class Candidate:
             out.append("--offload-activations")
         if self.offload == "on_demand":
             out.append("--no-offload-prefetch")
+        if self.offload != "off" and self.offload_every > 1:
+            out += ["--offload-every-k-layers", str(self.offload_every)]
         if self.mlp_tiles:
             out += ["--tiled-mlp", "--tiled-mlp-tiles", str(self.mlp_tiles)]
         if self.loss_tiles:
@@ -93,7 +101,8 @@ class Candidate:
         """`cfg` with this stack in place of its own."""
         memory = dataclasses.replace(
             cfg.memory, recompute_granularity=self.recompute, offload_activations=self.offload != "off",
-            no_offload_prefetch=self.offload == "on_demand", tiled_mlp=self.mlp_tiles is not None,
+            no_offload_prefetch=self.offload == "on_demand",
+            offload_every_k_layers=self.offload_every if self.offload != "off" else 1, tiled_mlp=self.mlp_tiles is not None,
             tiled_mlp_tiles=self.mlp_tiles, tiled_loss=self.loss_tiles is not None, tiled_loss_tiles=self.loss_tiles)
         parallel = cfg.parallel
         if self.cp_impl is not None:
@@ -102,6 +111,7 @@ class Candidate:
 
 
 MEMORY_FLAGS = {"--recompute-granularity": 1, "--offload-activations": 0, "--no-offload-prefetch": 0,
+                "--offload-every-k-layers": 1,
                 "--tiled-mlp": 0, "--tiled-mlp-tiles": 1, "--tiled-loss": 0, "--tiled-loss-tiles": 1,
                 "--cp-impl": 1, "--untied-heads-per-stage": 1}
 """The flags auto-fit chooses, with the number of values each takes."""
@@ -144,18 +154,28 @@ class SearchSpace:
     """Loss tile counts (None: not tiled)."""
     attention: tuple[tuple[str | None, int | None], ...]
     """(cp_impl, heads_per_stage) levels."""
+    offload_every: tuple[int, ...] = (1,)
+    """Sparse-offload k levels (ascending; they apply to the offloading modes only)."""
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return len(self.modes), len(self.mlp_tiles), len(self.loss_tiles), len(self.attention)
+        return len(self.modes), len(self.mlp_tiles), len(self.loss_tiles), len(self.attention), len(self.offload_every)
+
+    def offloads(self, point: tuple[int, ...]) -> bool:
+        return self.modes[point[0]][1] != "off"
+
+    def canonical(self, point: tuple[int, ...]) -> tuple[int, ...]:
+        """The point itself, or without offload its k level at 1 (k means nothing there)."""
+        return point if self.offloads(point) or point[4] == 0 else (*point[:4], 0)
 
     def candidate(self, point: tuple[int, ...]) -> Candidate:
         (rec, off), mlp, loss, (impl, u) = (self.modes[point[0]], self.mlp_tiles[point[1]],
                                             self.loss_tiles[point[2]], self.attention[point[3]])
-        return Candidate(rec, off, mlp, loss, impl, u)
+        return Candidate(rec, off, mlp, loss, impl, u, self.offload_every[point[4]] if off != "off" else 1)
 
     def points(self) -> list[tuple[int, ...]]:
-        return list(itertools.product(*(range(n) for n in self.sizes)))
+        """Every distinct candidate's point (k levels only with offload)."""
+        return [p for p in itertools.product(*(range(n) for n in self.sizes)) if self.canonical(p) == p]
 
 
 def search_space(cfg: TrainConfig) -> SearchSpace:
@@ -170,8 +190,12 @@ def search_space(cfg: TrainConfig) -> SearchSpace:
         if "untied_ulysses" in CP_IMPLS:
             stages = sorted(valid_heads_per_stage(c.num_attention_heads, c.num_query_groups, a2a), reverse=True)
             attention += [("untied_ulysses", u) for u in stages if u < c.num_attention_heads]
+    offloaded = max(0, c.num_layers - cfg.memory.offload_keep_last)
+    slots = {}  # k levels that change the host slots (a model of few layers has fewer)
+    for k in OFFLOAD_EVERY:
+        slots.setdefault(-(-offloaded // k), k)
     return SearchSpace(MODES, (None, *tile_ladder(plan.mlp_tiles)), (None, *tile_ladder(plan.loss_tiles)),
-                       tuple(attention))
+                       tuple(attention), tuple(slots.values()))
 
 
 # --- the search -----------------------------------------------------------------------------
@@ -223,24 +247,37 @@ class _Knowledge:
         self.family = [impl for impl, _ in space.attention]
         self.gpu_fits: list[tuple[int, ...]] = []
         self.gpu_fails: list[tuple[int, ...]] = []
-        self.offload_host_fits: bool | None = None
+        self.offload_host_fits: dict[int, bool] = {}
+        """By k level: whether the host holds the offloaded inputs (the same for every offloading mode)."""
         self.estimates: dict[tuple[int, ...], Estimate] = {}
 
     def record(self, point: tuple[int, ...], e: Estimate) -> None:
         self.estimates[point] = e
         (self.gpu_fits if e.fits_gpu else self.gpu_fails).append(point)
         if point[0] in self.offload_modes:
-            self.offload_host_fits = e.fits_host
+            self.offload_host_fits[point[4]] = e.fits_host
+
+    def host_fits(self, k_level: int) -> bool | None:
+        """Whether offloading with this k level fits the host: known from any k at most as sparse that fit,
+        or any at least as sparse that did not (host bytes fall as k grows)."""
+        if any(fits for level, fits in self.offload_host_fits.items() if level <= k_level):
+            return True
+        if any(not fits for level, fits in self.offload_host_fits.items() if level >= k_level):
+            return False
+        return None
 
     def le(self, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-        """`a` saves no more memory than `b` in any choice (same attention family: Ulysses or Untied)."""
-        return self.family[a[3]] == self.family[b[3]] and all(x <= y for x, y in zip(a, b))
+        """`a` saves no more memory than `b` in any choice (same attention family: Ulysses or Untied); k is
+        compared only between two offloading points (GPU memory does not depend on it)."""
+        dims = 5 if a[0] in self.offload_modes and b[0] in self.offload_modes else 4
+        return self.family[a[3]] == self.family[b[3]] and all(x <= y for x, y in zip(a[:dims], b[:dims]))
 
     def status(self, point: tuple[int, ...]) -> bool | None:
         """True: fits; False: does not; None: unknown without a trace."""
+        point = self.space.canonical(point)
         if point in self.estimates:
             return self.estimates[point].fits
-        host = True if point[0] not in self.offload_modes else self.offload_host_fits
+        host = True if point[0] not in self.offload_modes else self.host_fits(point[4])
         if host is False or any(self.le(point, q) for q in self.gpu_fails):
             return False
         if host and any(self.le(q, point) for q in self.gpu_fits):
@@ -282,6 +319,7 @@ class _Search:
         self.costs: dict[tuple[int, ...], StepTime] = {}
 
     def cost(self, point: tuple[int, ...]) -> StepTime:
+        point = self.space.canonical(point)
         if point not in self.costs:
             cfg = self.space.candidate(point).apply(self.cfg)
             self.costs[point] = self.time_model.predict(cfg, self.machine.num_gpus)
@@ -293,6 +331,7 @@ class _Search:
 
     def fits(self, point: tuple[int, ...], force: bool = False) -> bool | None:
         """Whether `point` fits, traced when unknown (always with `force`); None when the cap stops it."""
+        point = self.space.canonical(point)
         status = self.known.status(point)
         if (status is None or force) and point not in self.known.estimates:
             if len(self.result.traced) >= self.max_traces and not force:
@@ -330,8 +369,8 @@ def _probes(point: tuple[int, ...], top: tuple[int, ...]) -> list[tuple[int, ...
     """Points to trace before `point`: it with both tile choices, then the loss's, at their strongest.
     Tile counts cost little, so when one of these does not fit, neither does anything below it: a failure
     rules out a whole column of candidates at once."""
-    both = (point[0], top[1], top[2], point[3])
-    loss = (point[0], point[1], top[2], point[3])
+    both = (point[0], top[1], top[2], point[3], point[4])
+    loss = (point[0], point[1], top[2], point[3], point[4])
     return [p for p in dict.fromkeys((both, loss)) if p != point]
 
 
@@ -350,9 +389,11 @@ def _families(space: SearchSpace) -> list[list[int]]:
 def _strongest(space: SearchSpace, known: _Knowledge, fits, levels: list[int]) -> tuple[int, ...] | None:
     """The strongest point of one attention family that fits (offload dropped when the host cannot hold it)."""
     for mode in range(len(space.modes) - 1, -1, -1):
-        if mode in known.offload_modes and known.offload_host_fits is False:
+        offloads = mode in known.offload_modes
+        if offloads and known.host_fits(len(space.offload_every) - 1) is False:
             continue
-        point = (mode, len(space.mlp_tiles) - 1, len(space.loss_tiles) - 1, levels[-1])
+        point = (mode, len(space.mlp_tiles) - 1, len(space.loss_tiles) - 1, levels[-1],
+                 len(space.offload_every) - 1 if offloads else 0)
         if fits(point):
             return point
         e = known.estimates.get(point)

@@ -2,7 +2,8 @@
 
 A step of an L-layer model is traced in full when L is small. Otherwise two steps are
 traced, with L1 = 2m and L2 = 2m + 1 layers (m = 2, or one more than the layers whose
-block input is kept on the GPU under offload), and each *phase* of the step (forward
+block input is kept on the GPU under offload; with sparse offload every k-th input kept,
+L2 = L1 + k with L1 >= 2m congruent to L modulo k, see `traced_layer_counts`), and each *phase* of the step (forward
 or backward of a layer counted from the start or from the end, the loss head, the
 embedding, the optimizer step) is extrapolated to L layers on the line through its two
 traced peaks. This is exact, not an approximation: every layer has the same shapes, so
@@ -206,12 +207,30 @@ def planning_config(cfg: TrainConfig, seq_length: int | None = None) -> TrainCon
     return dataclasses.replace(cfg, data=data, logging=logging, train=train)
 
 
-def traced_layer_counts(cfg: TrainConfig) -> tuple[int, ...]:
-    """Layer counts to trace: all layers, or two small counts to extrapolate from."""
+def anchor_depth(cfg: TrainConfig) -> int:
+    """m: the layers counted from each end whose phases are anchors (the rest are middle layers).
+
+    2, or one more than the layers whose block input stays on the GPU under offload; with sparse offload
+    (k > 1) at least those layers plus one whole segment, so that every position in a segment is an anchor
+    at each end."""
     mem = cfg.memory
-    m = max(2, mem.offload_keep_last + 1) if mem.offload_activations else 2
+    if not mem.offload_activations:
+        return 2
+    m = max(2, mem.offload_keep_last + 1)
+    k = mem.offload_every_k_layers
+    return m if k == 1 else max(m, mem.offload_keep_last + k)
+
+
+def traced_layer_counts(cfg: TrainConfig) -> tuple[int, ...]:
+    """Layer counts to trace: all layers, or two small counts to extrapolate from.
+
+    2m and 2m + 1 layers; with sparse offload (k > 1) the smallest count of at least 2m layers that is
+    congruent to the model's modulo k, and k more: the traces and the model then end in the same partial
+    segment, and each trace's k more layers add one whole segment (one host slot, k layers of state)."""
+    m, k = anchor_depth(cfg), cfg.memory.offload_every_k_layers if cfg.memory.offload_activations else 1
     num_layers = cfg.model_config().num_layers
-    return (num_layers,) if num_layers <= 2 * m + 1 else (2 * m, 2 * m + 1)
+    first = 2 * m + (num_layers - 2 * m) % k
+    return (num_layers,) if num_layers <= first + k else (first, first + k)
 
 
 def anchor(phase: str, num_layers: int, m: int) -> str | None:
@@ -298,8 +317,7 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     counts = traced_layer_counts(cfg)
     traces = [trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn) for n in counts]
     num_layers = cfg.model_config().num_layers
-    m = counts[0] // 2
-    step = combine(traces, num_layers, m)
+    step = combine(traces, num_layers, anchor_depth(cfg))
     analysis = step.trace.analysis
     communicators = len(analysis.communicators)
     nccl = nccl_bytes(analysis.communicator_sizes, analysis.all_to_all_groups, machine.nccl,

@@ -16,7 +16,13 @@ moves to the host and back. Each item's time is work over the machine's rate for
   ahead: what exceeds the layer's compute is exposed;
 - an offloaded block input goes to the host on a side stream during the next block's
   forward (what exceeds it is exposed) and comes back exposed: the prefetch is queued
-  behind the compute already issued and waited for at once by the layer that needs it.
+  behind the compute already issued and waited for at once by the layer that needs it;
+- sparse offload (`--offload-every-k-layers k`): only one input per segment of k offloaded
+  layers goes to the host, each layer's backward still brings one back (its segment's kept
+  one), and a segment of r layers replays r(r-1)/2 block forwards (memory/checkpoint.py):
+  their GEMMs, attention, all-to-alls, ring exchange, memory-bound ops and tile launches are
+  priced as a forward's, and the all-gathers of replayed blocks whose backward is not next
+  ((r-1)(r-2)/2 per segment) as exposed communication.
 
 Every seconds figure is a prediction. Rates from publications are labelled with their
 source; the efficiency factors applied to peak figures are assumptions until a GPU run
@@ -138,6 +144,7 @@ class Work:
     """(all-gather per pass, reduce-scatter) bytes per layer."""
     offload_bytes_per_layer: float
     offloaded_layers: int
+    """Layers whose backward brings an input back from the host (one copy back each)."""
     layers: int
     launches: int
     """Tiles, stages and collectives, over all passes."""
@@ -147,6 +154,20 @@ class Work:
     optimizer_bytes: float
     model_flops: float
     """fwd + bwd FLOPs without recompute (for MFU): 3 x (GEMMs + attention forward)."""
+    kept_inputs: int | None = None
+    """Block inputs copied to the host (one per segment under sparse offload); None: `offloaded_layers`."""
+    replayed_blocks: float = 0.0
+    """Block forwards sparse offload replays in backward (already counted in the recompute items above)."""
+    replay_gathers: float = 0.0
+    """FSDP all-gathers of replayed blocks beyond those the backward makes anyway (exposed)."""
+
+
+def sparse_offload_counts(offloaded: int, k: int) -> tuple[int, int, int]:
+    """(kept inputs, replayed block forwards, extra all-gathers) of `offloaded` layers in segments of `k`."""
+    full, rest = divmod(offloaded, k)
+    sizes = [k] * full + ([rest] if rest else [])
+    return (len(sizes), sum(r * (r - 1) // 2 for r in sizes),
+            sum((r - 1) * (r - 2) // 2 for r in sizes if r > 1))
 
 
 def _stage_width(cfg: TrainConfig, a2a: int) -> int:
@@ -185,10 +206,16 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     share = (shards - 1) / shards if shards > 1 else 0.0
     fsdp = (params_layer * item * share, params_layer * 4 * share)
     offloaded = max(0, R - mem.offload_keep_last) if mem.offload_activations else 0
+    kept, replayed, replay_gathers = sparse_offload_counts(offloaded, mem.offload_every_k_layers) \
+        if offloaded else (0, 0, 0)
     loss_tiles = cfg.parallelize_options().loss_tiles or 0
     stages = (H // _stage_width(cfg, layout.a2a_size)) if untied else (1 if layout.a2a_size > 1 else 0)
     passes = 3 if full else 2
     launches = L * ((mlp_tiles or 0) * passes + stages * passes) + loss_tiles
+    # Sparse offload's replayed forwards: each a block forward (the recompute of a kept-input layer, again).
+    recompute += replayed * layer_gemm
+    a2a += replayed * _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
+    launches += replayed * ((mlp_tiles or 0) + stages)
     total_params = L * params_layer + 2 * V * h
     # Per layer forward: two norms (read, write), two residual adds (2 reads, 1 write), rotary of q and k,
     # SwiGLU (2 reads, 1 write of [T, f]), the attention inputs and output packed for the exchange; the
@@ -196,21 +223,24 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     # gradient written and read (6 passes over [T, V]).
     layer_bytes = T * item * (10 * h + 2 * (H + Hkv) * d + 3 * f + 2 * (2 * H + 2 * Hkv) * d)
     passes_fwd = 2 if full else 1
-    elementwise = L * layer_bytes * (passes_fwd + 2) + 6 * T * V * 4
-    return Work(L * layer_gemm + head_gemm, recompute, L * attention, R * attention if full else 0.0,
-                L * attention * FA2_BACKWARD_WORK, a2a, ring_fwd * L * (2 if full else 1), ring_bwd * L, fsdp,
-                T * h * item, offloaded,
+    elementwise = (L * (passes_fwd + 2) + replayed) * layer_bytes + 6 * T * V * 4
+    return Work(L * layer_gemm + head_gemm, recompute, L * attention,
+                (R * attention if full else 0.0) + replayed * attention,
+                L * attention * FA2_BACKWARD_WORK, a2a, ring_fwd * (L + (R if full else 0) + replayed), ring_bwd * L,
+                fsdp, T * h * item, offloaded,
                 L, launches, elementwise, 28 * total_params / max(shards, 1),
-                3 * (L * layer_gemm + head_gemm + L * attention))
+                3 * (L * layer_gemm + head_gemm + L * attention), kept, replayed, replay_gathers)
 
 
-def _a2a_bytes(T, H, Hkv, d, item, a2a, untied, full) -> float:
-    """Bytes one rank sends in a layer's all-to-alls (Ulysses or Untied Ulysses), all passes."""
+def _a2a_bytes(T, H, Hkv, d, item, a2a, untied, full, forward_only: bool = False) -> float:
+    """Bytes one rank sends in a layer's all-to-alls (Ulysses or Untied Ulysses), all passes (or one forward)."""
     if a2a <= 1:
         return 0.0
     rep = max(1, a2a // Hkv)  # kv heads replicated when there are fewer than ranks
     q, kv, o = T * H * d, T * 2 * Hkv * rep * d, T * H * d
     forward = q + kv + o
+    if forward_only:
+        return forward * item * (a2a - 1) / a2a
     backward = (q + kv + o + o + q + kv) if untied else (o + q + kv)  # Untied re-sends q, k, v and o
     passes = forward * (2 if full else 1) + backward
     return passes * item * (a2a - 1) / a2a
@@ -283,9 +313,11 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
     layer_compute = (gemm + a_fwd + a_re + a_bwd) / max(w.layers, 1)
     gather, scatter = w.fsdp_bytes_per_layer
     exposed += w.layers * max(0.0, (2 * gather + scatter) / fsdp_link - layer_compute)
+    exposed += w.replay_gathers * gather / fsdp_link
     block_fwd = (w.gemm_fwd / rates.gemm_flops + a_fwd) / max(w.layers, 1)
     copy = w.offload_bytes_per_layer / rates.host_copy_bytes
-    stalls = w.offloaded_layers * (max(0.0, copy - block_fwd) + copy)
+    kept = w.offloaded_layers if w.kept_inputs is None else w.kept_inputs
+    stalls = kept * max(0.0, copy - block_fwd) + w.offloaded_layers * copy
     seconds = dict.fromkeys(CAUSES, 0.0)
     seconds.update({"attention forward": a_fwd, "attention recompute": a_re, "attention backward": a_bwd,
                     "GEMMs": gemm, "recompute of the rest": w.gemm_recompute / rates.gemm_flops,
@@ -328,8 +360,12 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
     base = predict(cfg, num_gpus, rates, gpus_per_node, family).step_s
     mem, par = cfg.memory, cfg.parallel
     without = []
+    if mem.offload_activations and mem.offload_every_k_layers > 1:
+        without.append((f"sparse offload (k={mem.offload_every_k_layers}, against k=1)", dataclasses.replace(
+            cfg, memory=dataclasses.replace(mem, offload_every_k_layers=1))))
     if mem.offload_activations:
-        without.append(("offload", dataclasses.replace(cfg, memory=dataclasses.replace(mem, offload_activations=False))))
+        without.append(("offload", dataclasses.replace(cfg, memory=dataclasses.replace(
+            mem, offload_activations=False, offload_every_k_layers=1))))
     if mem.recompute_granularity != "none":
         m = dataclasses.replace(mem, recompute_granularity="none", offload_activations=False)
         without.append((f"{mem.recompute_granularity} recompute (and offload)", dataclasses.replace(cfg, memory=m)))

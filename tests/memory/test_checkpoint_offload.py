@@ -438,3 +438,31 @@ def test_page_lock_registers_large_arenas_in_pieces_and_undoes_a_failed_one(monk
         offload_module.page_lock(buffer)
     assert "ulimit" not in str(error.value) and "smaller pieces" in str(error.value)
     assert cudart.unregistered == [start, start + 4096], "the pieces registered before the failure are undone"
+
+
+def test_sparse_offload_policy_segments_and_refetch():
+    """keep_first 1, keep_last 1, k 3 over 9 layers: layers 1-7 offload in segments {1, 2, 3}, {4, 5, 6}, {7}."""
+    offload = OffloadScheduler(9, keep_last=1, keep_first=1, accelerator=CPU, every_k=3)
+    assert [offload.segment_start(i) for i in range(9)] == [0, 1, 1, 1, 4, 4, 4, 7, 8]
+    assert [offload.segment_end(i) for i in range(9)] == [1, 4, 4, 4, 7, 7, 7, 8, 9]
+    assert [offload.keeps_input(i) for i in range(9)] == [True, True, False, False, True, False, False, True, True]
+    assert offload.offloaded_layers == 7 and offload.host_slots == 3
+    a = torch.randn(4, 5)
+    handle = offload.offload(4, a)
+    offload.prefetch(6)  # layer 6's backward starts from layer 4's input
+    assert handle.on_accelerator is not None
+    assert torch.equal(offload.fetch(handle, keep=True), a) and offload.host_bytes_in_use == a.numel() * 4
+    assert handle.on_accelerator is None  # a later prefetch copies it back again
+    assert torch.equal(offload.fetch(handle, keep=True), a)
+    assert torch.equal(offload.fetch(handle), a) and offload.host_bytes_in_use == 0
+    with pytest.raises(ValueError, match="every_k must be >= 1"):
+        OffloadScheduler(2, accelerator=CPU, every_k=0)
+
+
+def test_sparse_offload_second_backward_is_a_clear_error():
+    blocks = _stack(num_blocks=3)
+    offload = OffloadScheduler(3, keep_last=1, accelerator=CPU, every_k=2)
+    out = _run(blocks, torch.randn(4, 16, requires_grad=True), "checkpoint", offload)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="layer 0's offloaded input was consumed"):
+        out.sum().backward()

@@ -1,5 +1,7 @@
 """The memory stack switched on changes neither loss nor gradients: one process, and FSDP + CP."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,3 +62,67 @@ def test_whole_stack_with_fsdp_and_ulysses_matches_single_process(world, cp, sta
 
 def test_selective_recompute_with_fsdp_and_ulysses_matches_single_process():
     run_distributed(check_against_reference, 2, get_config("debug"), 2, STACKS["selective"], BATCH)
+
+
+# --- sparse offload: every k-th block input kept, the others recomputed from it ------------------------
+
+SPARSE_CONFIG = dataclasses.replace(get_config("debug"), num_layers=4)
+"""Layers 0-2 offload (the last keeps its input on the accelerator): k = 2 makes segments {0, 1}, {2};
+k = 3 makes {0, 1, 2}: a replay of two blocks, the first of them gathered and sharded again."""
+
+
+def _sparse(k, **more):
+    return ParallelizeOptions(recompute_granularity="full", offload_activations=True, offload_every_k_layers=k,
+                              **more)
+
+
+def _sparse_loss_and_grads(opts):
+    model = build_model(SPARSE_CONFIG, device="cpu", seed=0)
+    offload = apply_memory_stack(model, opts, CPU)
+    batch, _ = make_batch(**BATCH)
+    result = forward_backward(model, [batch], ParallelState(ParallelDims(world_size=1)), CPU.accelerator)
+    return result.loss, {n: p.grad for n, p in model.named_parameters()}, offload
+
+
+@pytest.mark.parametrize("k, prefetch, slots", [(2, True, 2), (2, False, 2), (3, True, 1), (7, True, 1)])
+def test_sparse_offload_is_bit_identical_to_keeping_every_input_with_k_times_fewer_on_the_host(k, prefetch, slots):
+    ref_loss, ref_grads, _ = _sparse_loss_and_grads(ParallelizeOptions())
+    dense_loss, dense_grads, dense = _sparse_loss_and_grads(_sparse(1, mlp_tiles=3, loss_tiles=5))
+    loss, grads, offload = _sparse_loss_and_grads(_sparse(k, offload_prefetch=prefetch, mlp_tiles=3, loss_tiles=5))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert torch.equal(loss, dense_loss)  # the replay is the forward again: not close, equal
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        assert torch.equal(g, dense_grads[n]), n
+    per_input = dense.host_bytes_peak // 3
+    assert offload.host_bytes_peak == slots * per_input and offload.host_bytes_in_use == 0
+    assert offload.host_bytes_reserved == slots * per_input
+
+
+def test_sparse_offload_requires_offload():
+    with pytest.raises(ValueError, match="--offload-every-k-layers .* needs --offload-activations"):
+        ParallelizeOptions(recompute_granularity="full", offload_every_k_layers=2).validate()
+    with pytest.raises(ValueError, match="--offload-every-k-layers 0: expected an integer >= 1"):
+        _sparse(0).validate()
+
+
+SPARSE_CASES = {  # name: (cp, cp_ring, options)
+    "ulysses-cp2": (2, 1, _sparse(2, mlp_tiles=3, loss_tiles=5)),
+    "untied-cp2-k3": (2, 1, _sparse(3, cp_impl="untied_ulysses", heads_per_stage=4, mlp_tiles=3, loss_tiles=5)),
+    "ring-cp2": (2, 2, _sparse(2, mlp_tiles=3, loss_tiles=5, offload_prefetch=False)),
+    "fsdp-dp2-k3": (1, 1, _sparse(3, loss_tiles=5)),
+}
+
+
+def _sparse_cases(rank, world):
+    for name, (cp, ring, opts) in SPARSE_CASES.items():
+        try:
+            check_against_reference(rank, world, SPARSE_CONFIG, cp, opts, BATCH, 2, ring)
+        except Exception as e:
+            raise AssertionError(f"case {name}: {e}") from e
+
+
+def test_sparse_offload_with_fsdp_and_every_context_parallel_backend_matches_single_process():
+    """2 ranks, one after the other in the same processes: Ulysses, Untied Ulysses (norm and o_proj folded into
+    it), ring, FSDP alone; with tiled MLP and loss, prefetch and fetch on demand; two optimizer steps each."""
+    run_distributed(_sparse_cases, 2)

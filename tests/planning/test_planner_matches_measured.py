@@ -38,6 +38,9 @@ DISTRIBUTED = {
 if "untied_ulysses" in CP_IMPLS:
     DISTRIBUTED["untied-cp4-full-stack-fetch-on-demand"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
                                                                 no_offload_prefetch=True, **FULL_STACK)
+# Sparse offload, k = 2: the planner traces 6 and 8 layers (congruent to 10 modulo 2) and extrapolates to 10.
+DISTRIBUTED["ulysses-cp4-full-stack-sparse-k2-10-layers"] = dict(context_parallel_size=4, num_layers=10,
+                                                                 offload_every_k_layers=2, **FULL_STACK)
 DISTRIBUTED["ring-p2p-cp4-full-stack"] = dict(context_parallel_size=4, cp_comm_type="p2p", **FULL_STACK)
 DISTRIBUTED["untied-2x2-ring-full-stack"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
                                                  cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2],

@@ -13,6 +13,7 @@ flattened global batch (B * S tokens), as Python ints.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass
 from typing import Protocol
@@ -170,8 +171,25 @@ class TransformerBlock(nn.Module):
             # A block's output feeds only the next block or the head: its gradient is this block's alone.
             return checkpoint_residual_block((lambda t: self._attention_branch(t, cos, sin, cu_seqlens),
                                               self._mlp_branch), x, offload=self.memory.offload,
-                                             layer_idx=self.layer_idx, owns_output_grad=True)
+                                             layer_idx=self.layer_idx, owns_output_grad=True,
+                                             replay_params=self.gathered_parameters)
         return self._forward(x, cos, sin, cu_seqlens)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, keep: bool = False):
+        """The block's full parameters outside its own forward (sparse offload runs it again in a later
+        block's backward): under FSDP2, gathered for the context and sharded again after unless `keep`."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        sharded = isinstance(self, FSDPModule) and any(isinstance(p, DTensor) for p in self.parameters())
+        if sharded:
+            self.unshard()
+        try:
+            yield
+        finally:
+            if sharded and not keep:
+                self.reshard()
 
     def _attention_branch(self, x, cos, sin, cu_seqlens):
         return self.self_attn(x, cos, sin, cu_seqlens, norm=self.input_layernorm)

@@ -46,6 +46,8 @@ class ParallelizeOptions:
     """Last layers whose inputs stay on the accelerator (needed first in backward)."""
     offload_prefetch: bool = True
     """Bring offloaded inputs back one layer ahead of need (False: on demand, one input less resident)."""
+    offload_every_k_layers: int = 1
+    """Sparse offload: only every k-th offloaded layer keeps its input, the others' are recomputed from it."""
     mlp_tiles: int | None = None
     """Sequence tiles of the MLP; None: untiled."""
     loss_tiles: int | None = None
@@ -67,6 +69,11 @@ class ParallelizeOptions:
                              "it needs --recompute-granularity full")
         if self.recompute_layers is not None and (self.recompute_granularity != "full" or self.recompute_layers < 0):
             raise ValueError(f"recompute_layers {self.recompute_layers}: a block count >= 0 of full recompute")
+        if self.offload_every_k_layers < 1:
+            raise ValueError(f"--offload-every-k-layers {self.offload_every_k_layers}: expected an integer >= 1")
+        if self.offload_every_k_layers > 1 and not self.offload_activations:
+            raise ValueError("--offload-every-k-layers keeps every k-th offloaded block input: "
+                             "it needs --offload-activations")
         if not self.offload_prefetch and not self.offload_activations:
             raise ValueError("--no-offload-prefetch changes how offloaded block inputs come back: "
                              "it needs --offload-activations")
@@ -88,7 +95,8 @@ def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: De
     checkpointed = L if opts.recompute_layers is None else min(opts.recompute_layers, L)
     if opts.offload_activations and checkpointed:  # the checkpointed blocks' inputs: the first `checkpointed`
         offload = OffloadScheduler(checkpointed, keep_last=opts.offload_keep_last,
-                                   accelerator=devices.accelerator, host=devices.host, prefetch=opts.offload_prefetch)
+                                   accelerator=devices.accelerator, host=devices.host, prefetch=opts.offload_prefetch,
+                                   every_k=opts.offload_every_k_layers)
     for i, layer in enumerate(model.layers):
         full_block = opts.recompute_granularity == "full"
         layer.memory.recompute = opts.recompute_granularity if not full_block or i < checkpointed else "none"
