@@ -1,8 +1,11 @@
 """Tokenize raw corpora into Megatron indexed datasets (`PREFIX_{key}_document.{bin,idx}`).
 
-Every document is encoded whole, in one tokenizer call: its ids are exactly the
-tokenizer's encoding of the document, whatever the text (a unigram model's Viterbi
-pass, for one, is not local, so pieces encoded apart can differ anywhere). The main
+Every document's ids are exactly the tokenizer's encoding of the whole document. A document of
+more than `PIECE_CHARS` characters is encoded piece by piece where the tokenizer's pre-tokenization
+makes the cuts provably exact (tiktoken, GPT2BPETokenizer, a byte-level BPE `tokenizer.json` of a
+known pattern: `Tokenizer.cuts_long_documents`), so its memory is bounded by a piece; any other is
+encoded whole, in one call (a unigram model's Viterbi pass, for one, is not local, so pieces encoded
+apart can differ anywhere), and `--max-document-chars` guards against the largest. The main
 process reads documents and groups consecutive ones into tasks; `--workers` processes
 encode tasks; the main process writes the results in input order. At most a few tasks
 are in flight, so memory stays bounded by a few tasks and the largest document.
@@ -45,7 +48,7 @@ from megatron_lc.data.indexed_dataset import (
 )
 from megatron_lc.data.sentences import sentence_splitter, split_all
 from megatron_lc.data.partition_manifest import input_identity, path_digest, verified_summary, write_manifest
-from megatron_lc.data.tokenizers import TOKENIZER_TYPES, TokenizeError, Tokenizer, TokenizerSpec
+from megatron_lc.data.tokenizers import TOKENIZER_TYPES, TokenizeError, Tokenizer, TokenizerSpec, text_pieces
 
 # Documents go to workers in groups of about this many characters: large enough to
 # amortise inter-process transfer, small enough to keep every worker busy.
@@ -55,11 +58,15 @@ TASK_CHARS = 256_000
 # can take minutes between multiples of it.
 PROGRESS_SECONDS = 30.0
 
-# Tokenizer memory per character of one document, the largest measured: a tokenizer.json byte-level BPE,
-# 189 B per character on an 8M-character document (bench/bench_tokenizer_memory.py; SentencePiece 46 B,
-# GPT2BPETokenizer 64 B, tiktoken 11 B): the default --max-document-chars gives each tokenizing process its
-# share of RAM at this rate.
+# Tokenizer memory per character of one document encoded whole, the largest measured: a tokenizer.json
+# byte-level BPE, 189 B per character on an 8M-character document (bench/bench_tokenizer_memory.py;
+# SentencePiece 46 B, GPT2BPETokenizer 64 B, tiktoken 11 B): the default --max-document-chars gives each
+# tokenizing process its share of RAM at this rate, for the tokenizers that do not cut long documents.
 TOKENIZER_BYTES_PER_CHAR = 190
+
+# A longer document is encoded in pieces of about this many characters by a tokenizer that cuts exactly:
+# a piece costs the tokenizer at most ~19 MB at the rate above; a call per piece costs nothing measurable.
+PIECE_CHARS = 100_000
 
 
 class NoDocumentsError(ValueError):
@@ -177,8 +184,25 @@ def _encode_records(config: EncodeConfig, records: Sequence[tuple[str, ...]]) ->
         if config.split_sentences:
             encoded.append(encode_sentences(tokenizer, texts, config, prefix, suffix))
         else:
-            encoded.append(pack_documents(tokenizer.tokenize_batch(texts), prefix, suffix, config.dtype))
+            encoded.append(pack_documents(encode_documents(tokenizer, texts, config.dtype), prefix, suffix,
+                                          config.dtype))
     return encoded
+
+
+def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], dtype: str) -> list[list[int] | np.ndarray]:
+    """Each text's ids: in one batch call, except each text over `PIECE_CHARS` characters that the tokenizer
+    cuts exactly, which is encoded piece by piece into an array."""
+    cut = [tokenizer.cuts_long_documents and len(text) > PIECE_CHARS for text in texts]
+    whole = [text for text, long in zip(texts, cut) if not long]
+    encoded = iter(tokenizer.tokenize_batch(whole) if whole else [])
+    return [encode_in_pieces(tokenizer, text, dtype) if long else next(encoded) for text, long in zip(texts, cut)]
+
+
+def encode_in_pieces(tokenizer: Tokenizer, text: str, dtype: str) -> np.ndarray:
+    """The ids of `text` as an array of `dtype`, encoded in pieces of about `PIECE_CHARS` characters (the
+    tokenizer must cut exactly): memory is a piece's encoding plus the ids so far, 2 or 4 bytes each."""
+    parts = [np.array(tokenizer.tokenize(piece), dtype=dtype) for piece in text_pieces(text, PIECE_CHARS)]
+    return np.concatenate(parts)
 
 
 def encode_sentences(tokenizer: Tokenizer, texts: Sequence[str], config: EncodeConfig, prefix: list[int],
@@ -200,17 +224,28 @@ def encode_sentences(tokenizer: Tokenizer, texts: Sequence[str], config: EncodeC
     return EncodedKey(packed.tokens, packed.lengths, counts)
 
 
-def pack_documents(documents: Sequence[list[int]], prefix: list[int], suffix: list[int], dtype: str) -> EncodedKey:
-    """The documents' ids back to back, each between `prefix` and `suffix`, as one array
-    (one conversion for the whole task: cheaper than one array per document)."""
+def pack_documents(documents: Sequence[list[int] | np.ndarray], prefix: list[int], suffix: list[int],
+                   dtype: str) -> EncodedKey:
+    """The documents' ids back to back, each between `prefix` and `suffix`, as one array (lists in one
+    conversion for the whole task: cheaper than one array per document; an array document joined as is)."""
+    chunks: list[np.ndarray] = []
     flat: list[int] = []
     for ids in documents:
         flat += prefix
-        flat += ids
+        if isinstance(ids, np.ndarray):
+            chunks += [_as_array(flat, dtype), ids.astype(dtype, copy=False)]
+            flat = []
+        else:
+            flat += ids
         flat += suffix
+    chunks.append(_as_array(flat, dtype))
     extra = len(prefix) + len(suffix)
     lengths = np.fromiter((len(ids) + extra for ids in documents), dtype=np.int64, count=len(documents))
-    return EncodedKey(np.fromiter(flat, dtype=dtype, count=len(flat)), lengths)
+    return EncodedKey(chunks[0] if len(chunks) == 1 else np.concatenate(chunks), lengths)
+
+
+def _as_array(ids: list[int], dtype: str) -> np.ndarray:
+    return np.fromiter(ids, dtype=dtype, count=len(ids))
 
 
 def group_documents(documents: Iterable[Document], keys: Sequence[str]) -> Iterator[Task]:
@@ -453,10 +488,12 @@ def run_partition(
 ) -> PreprocessSummary:
     """Tokenize `files` into one dataset per key at `prefixes`; with `require_documents`,
     inputs without any document raise and leave `prefixes` untouched."""
-    config = _encode_config(options, cached_tokenizer(options.tokenizer))
+    tokenizer = cached_tokenizer(options.tokenizer)
+    config = _encode_config(options, tokenizer)
     problems = InputProblems(options.skip_invalid)
     bytes_read = BytesRead()
-    read_options = ReadOptions(tuple(options.json_keys), options.split, options.max_document_chars, bytes_read)
+    read_options = ReadOptions(tuple(options.json_keys), options.split, document_limit(options, tokenizer),
+                               bytes_read)
     tasks = group_documents(read_documents(files, read_options, problems), options.json_keys)
     label = f"partition {position}: " if options.partitions > 1 else ""
     total_bytes = sum(_input_size(path) for path in files)
@@ -474,6 +511,14 @@ def run_partition(
         writers.finalize()
     tokens = dict(zip(prefixes, writers.tokens, strict=True))
     return PreprocessSummary(progress.documents, tokens, problems, progress.elapsed, config.dtype)
+
+
+def document_limit(options: PreprocessOptions, tokenizer: Tokenizer) -> int | None:
+    """--max-document-chars where documents are encoded whole; None where the tokenizer cuts them (its
+    memory is a piece's, whatever the document's length)."""
+    if tokenizer.cuts_long_documents and not options.split_sentences:
+        return None
+    return options.max_document_chars
 
 
 def split_contiguous(files: Sequence[str], parts: int) -> list[list[str]]:
@@ -542,7 +587,8 @@ def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: 
         "--prepend-bos": options.prepend_bos,
         "--split": options.split,
         "--skip-invalid": options.skip_invalid,
-        "--max-document-chars": options.max_document_chars,
+        "--max-document-chars (where documents are encoded whole)": document_limit(
+            options, cached_tokenizer(options.tokenizer)),
         "--split-sentences/--keep-newlines/--lang": [options.split_sentences, options.keep_newlines,
                                                      options.lang if options.split_sentences else None],
         "token dtype": dtype,
@@ -785,9 +831,12 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     group.add_argument(
         "--max-document-chars", type=int, default=None,
-        help="a longer document is refused (or skipped with --skip-invalid), naming it, instead of the tokenizer "
-        f"running out of memory (default: RAM / tokenizing processes / {TOKENIZER_BYTES_PER_CHAR} B per character; "
-        "0: no limit)")
+        help="for a tokenizer that encodes documents whole (SentencePiece, a tokenizer.json that cannot be cut "
+        "exactly, NullTokenizer, ByteTokenizer; any with --split-sentences): a longer document is refused (or "
+        "skipped with --skip-invalid), naming it, instead of the tokenizer running out of memory (default: RAM / "
+        f"tokenizing processes / {TOKENIZER_BYTES_PER_CHAR} B per character; 0: no limit). Not applied to "
+        "tiktoken, GPT2BPETokenizer and a byte-level BPE tokenizer.json of GPT-2's, Llama 3's or Qwen2's pattern: "
+        f"they encode a document over {PIECE_CHARS:,} characters in exact pieces, at any length")
     return parser
 
 

@@ -18,10 +18,11 @@ import base64
 import json
 import os
 import random
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 
 class Tokenizer(ABC):
@@ -40,6 +41,11 @@ class Tokenizer(ABC):
         return [self.tokenize(text) for text in texts]
 
     @property
+    def cuts_long_documents(self) -> bool:
+        """Whether a text cut by `text_pieces` encodes, piece by piece, to the ids of the whole text."""
+        return False
+
+    @property
     @abstractmethod
     def vocab_size(self) -> int:
         """Number of ids, special tokens included: every id is in `[0, vocab_size)`."""
@@ -53,6 +59,40 @@ class Tokenizer(ABC):
     @abstractmethod
     def bos(self) -> int:
         """Beginning-of-sequence id."""
+
+
+# Where a long text is cut: between a printable ASCII character and a space. For the regex pre-tokenizers
+# that cut (GPT-2's, Llama 3's, Qwen2's: `CUT_EXACT_PATTERNS`) this is exact, in any regex engine:
+# - no alternative matches a non-space followed by a space (a space is only ever a match's optional first
+#   character, or inside a run of whitespace alone), so every scan of the whole text ends a match there;
+# - the piece before the cut scans as the whole text did up to it: only a path reading past the cut could
+#   differ, and consuming there fails in both texts (in the whole one it would make a match over the cut),
+#   while `(?!\S)` at the cut sees a space in the whole text and the end in the piece: true in both;
+# - the piece after it scans as the whole text did from it: the patterns have no look-behind or anchor.
+# A regex match boundary that is not followed by a space is not enough: in `x   1` Llama 3's pattern
+# matches `x`, `  `, ` `, `1`, but `x   ` alone scans as `x`, `   `.
+_CUT = re.compile(r"[!-~] ")
+
+
+def cut_offsets(text: str, piece_chars: int) -> Iterator[int]:
+    """Offsets where `text` is cut: the first `_CUT` point at least `piece_chars` characters after the
+    previous cut, as long as more than `piece_chars` characters are left (none in a text without one)."""
+    start = 0
+    while len(text) - start > piece_chars:
+        match = _CUT.search(text, start + max(1, piece_chars) - 1)
+        if match is None:
+            return
+        start = match.start() + 1
+        yield start
+
+
+def text_pieces(text: str, piece_chars: int) -> Iterator[str]:
+    """`text` cut at `cut_offsets`: the pieces, in order, put back together, are `text`."""
+    start = 0
+    for offset in cut_offsets(text, piece_chars):
+        yield text[start:offset]
+        start = offset
+    yield text[start:]
 
 
 def _missing_special(kind: str, source: str) -> ValueError:
@@ -139,6 +179,7 @@ class HuggingFaceTokenizer(Tokenizer):
         config = _read_tokenizer_config(json_path.parent / "tokenizer_config.json")
         self._eod = self._resolve(config.get("eos_token"), _EOD_NAMES)
         self._bos = self._resolve(config.get("bos_token"), _BOS_NAMES)
+        self.cut_refusal = why_not_cut_exact(json.loads(self._tokenizer.to_str()))
 
     def _resolve(self, configured: object, fallback_names: tuple[str, ...]) -> int | None:
         """The configured token's id, else the first well-known name the vocabulary has."""
@@ -153,6 +194,10 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    @property
+    def cuts_long_documents(self) -> bool:
+        return not self.cut_refusal
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -172,6 +217,39 @@ class HuggingFaceTokenizer(Tokenizer):
         if self._bos is None:
             raise _missing_special("beginning-of-sequence (bos_token)", self.path)
         return self._bos
+
+
+def why_not_cut_exact(config: dict) -> str:
+    """Why a `tokenizer.json` (as a dict) may not be cut at `_CUT` points; empty when it may: no normalizer,
+    truncation or padding, a byte-level BPE without dropout whose pre-tokenizer is one of
+    `CUT_EXACT_PATTERNS` (ByteLevel's own regex, or an isolating Split before a regex-free ByteLevel), and
+    no added token that holds a space or takes the whitespace after it (`rstrip`): then added tokens are
+    found in a piece as in the whole text, and every pre-token is one of the whole text's."""
+    for key in ("normalizer", "truncation", "padding"):
+        if config.get(key) is not None:
+            return f"it has a {key}"
+    model = config.get("model") or {}
+    if model.get("type") != "BPE" or model.get("dropout") not in (None, 0, 0.0):
+        return "its model is not a BPE without dropout"
+    for token in config.get("added_tokens") or []:
+        if " " in token.get("content", " ") or token.get("rstrip"):
+            return f"its added token {token.get('content')!r} holds a space or strips the whitespace after it"
+    if not _cut_exact_pre_tokenizer(config.get("pre_tokenizer") or {}):
+        return "its pre-tokenizer is not a byte-level split by GPT-2's, Llama 3's or Qwen2's pattern"
+    return ""
+
+
+def _cut_exact_pre_tokenizer(pre_tokenizer: dict) -> bool:
+    if pre_tokenizer.get("type") == "ByteLevel":
+        return pre_tokenizer.get("use_regex", True) is True  # GPT-2's pattern
+    steps = pre_tokenizer.get("pretokenizers") or []
+    if pre_tokenizer.get("type") != "Sequence" or len(steps) != 2:
+        return False
+    split, byte_level = steps
+    return (split.get("type") == "Split" and split.get("pattern") in [{"Regex": p} for p in CUT_EXACT_PATTERNS]
+            and split.get("behavior") == "Isolated" and split.get("invert") is False
+            and byte_level.get("type") == "ByteLevel" and byte_level.get("use_regex") is False
+            and byte_level.get("add_prefix_space") is False)
 
 
 def _read_tokenizer_config(path: Path) -> dict:
@@ -270,9 +348,12 @@ class TikTokenizer(Tokenizer):
         self._num_ranks = len(ranks)
 
     def tokenize(self, text: str) -> list[int]:
-        # the whole text in one call: tiktoken's merge is no longer quadratic in a long
-        # pre-token, and a cut inside one would change its ids
+        # plain text (Megatron's encode_ordinary): text that looks like a special token is not one
         return self._encoding.encode_ordinary(text)
+
+    @property
+    def cuts_long_documents(self) -> bool:
+        return True  # Llama 3's pattern, one of CUT_EXACT_PATTERNS; no special token is looked for
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._encoding.decode([int(i) for i in ids if int(i) < self._num_ranks])
@@ -344,6 +425,10 @@ def _is_int(word: str) -> bool:
 # GPT-2's pre-tokenization pattern (Megatron's gpt2_tokenization, OpenAI's encoder), with the `regex` module.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOD = "<|endoftext|>"
+# Qwen2's: Llama 3's with one digit per pre-token.
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+# The pre-tokenization patterns for which a cut at `_CUT` points is proved exact (see `_CUT`).
+CUT_EXACT_PATTERNS = (GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN)
 
 
 def read_gpt2_merges(path: str) -> list[tuple[str, str]]:
@@ -426,6 +511,10 @@ class GPT2BPETokenizer(Tokenizer):
         if not words:
             return []
         return self._tokenizer.encode(words, is_pretokenized=True, add_special_tokens=False).ids
+
+    @property
+    def cuts_long_documents(self) -> bool:
+        return True  # GPT-2's pattern, one of CUT_EXACT_PATTERNS; each word is merged on its own
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
