@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
-"""Memory per character of one long document, for each tokenizer type.
+"""Memory per character of one long document, for each tokenizer type, encoded whole and as preprocessing
+encodes it.
 
     python bench/bench_tokenizer_memory.py --chars 8000000 --work-dir /tmp/tokmem
 
 Trains a small tokenizer of each file-based type on text of the same kind (nothing downloaded), then, in
-a fresh process per type, builds the tokenizer, makes one document of `--chars` characters (words,
-digits, punctuation and some non-ASCII: for NullTokenizer, space-separated ids), and encodes it with
-`tokenizer.tokenize` as preprocessing does. Reported: peak resident memory (VmHWM) minus the resident
-memory just before the call (VmRSS, text and tokenizer loaded), per character of the document; the ids
-list the call returns is included, as preprocessing holds it too.
+a fresh process per type and way, builds the tokenizer, makes one document of `--chars` characters (words,
+digits, punctuation and some non-ASCII: for NullTokenizer, space-separated ids), and encodes it: `whole`,
+with one `tokenizer.tokenize` call (what preprocessing did before documents were cut); `preprocess`, with
+`encode_documents` as preprocessing does now (in pieces of `PIECE_CHARS` characters, into a token array,
+where the tokenizer cuts exactly; else the same whole call). Reported: peak resident memory (VmHWM)
+minus the resident memory just before the call (VmRSS, text and tokenizer loaded), per character of the
+document, the ids returned included, and a digest of the ids: the same in both ways.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -115,24 +119,33 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def measure(tokenizer_type: str, build: dict, chars: int) -> dict:
-    """In this process: RSS growth of one `tokenize` call on a document of `chars` characters."""
+def measure(tokenizer_type: str, build: dict, chars: int, how: str = "whole") -> dict:
+    """In this process: RSS growth of encoding a document of `chars` characters, `how`: `whole` (one
+    `tokenize` call) or `preprocess` (`encode_documents`, as preprocessing does)."""
+    import numpy as np
+
+    from megatron_lc.data.indexed_dataset import optimal_dtype
+    from megatron_lc.data.preprocess import encode_documents
     from megatron_lc.data.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer(tokenizer_type, build.get("tokenizer_model"), vocab_file=build.get("vocab_file"),
                                 merge_file=build.get("merge_file"), vocab_size=build.get("vocab_size"))
     text = null_document(chars, build["vocab_size"]) if tokenizer_type == "NullTokenizer" else document(chars)
-    tokenizer.tokenize("1 2" if tokenizer_type == "NullTokenizer" else "warm up")
+    dtype = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
+    encode = tokenizer.tokenize if how == "whole" else lambda t: encode_documents(tokenizer, [t], dtype)[0]
+    encode("1 2" if tokenizer_type == "NullTokenizer" else "warm up")
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as stream:  # reset VmHWM to the current RSS
         stream.write("5")
     start = time.perf_counter()
-    ids = tokenizer.tokenize(text)
+    ids = encode(text)
     seconds = time.perf_counter() - start
     peak = _status("VmHWM")
-    return {"type": tokenizer_type, "chars": len(text), "tokens": len(ids), "seconds": round(seconds, 2),
-            "rss_before_mb": round(before / 1e6, 1), "peak_delta_mb": round((peak - before) / 1e6, 1),
-            "bytes_per_char": round((peak - before) / len(text), 1)}
+    digest = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:12]
+    return {"type": tokenizer_type, "how": how, "cut": tokenizer.cuts_long_documents, "chars": len(text),
+            "tokens": len(ids), "seconds": round(seconds, 2), "rss_before_mb": round(before / 1e6, 1),
+            "peak_delta_mb": round((peak - before) / 1e6, 1),
+            "bytes_per_char": round((peak - before) / len(text), 1), "ids_sha256": digest}
 
 
 def main() -> None:
@@ -140,27 +153,33 @@ def main() -> None:
     parser.add_argument("--chars", type=int, default=8_000_000)
     parser.add_argument("--work-dir", default="/tmp/tokenizer_memory")
     parser.add_argument("--types", nargs="*", default=None)
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # JSON: type and build arguments, measured here
+    parser.add_argument("--how", nargs="*", default=["whole", "preprocess"], choices=["whole", "preprocess"])
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # JSON: type, build arguments and how, measured here
     args = parser.parse_args()
     if args.one:
         spec = json.loads(args.one)
-        print(json.dumps(measure(spec["type"], spec["build"], args.chars)))
+        print(json.dumps(measure(spec["type"], spec["build"], args.chars, spec["how"])))
         return
     builds = train_tokenizers(args.work_dir)
     rows = []
     for tokenizer_type, build in builds.items():
-        if args.types and tokenizer_type not in args.types:
-            continue
-        out = subprocess.run([sys.executable, __file__, "--chars", str(args.chars), "--one",
-                              json.dumps({"type": tokenizer_type, "build": build})],
-                             capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(json.dumps(rows[-1]), flush=True)
-    print("\n| tokenizer | characters | tokens | encode s | RSS growth | B per character |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for how in args.how if not args.types or tokenizer_type in args.types else ():
+            out = subprocess.run([sys.executable, __file__, "--chars", str(args.chars), "--one",
+                                  json.dumps({"type": tokenizer_type, "build": build, "how": how})],
+                                 capture_output=True, text=True, check=True)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    """One markdown row per type and way."""
+    print("\n| tokenizer | encoded | characters | tokens | encode s | RSS growth | B per character | ids SHA-256 |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
-        print(f"| {row['type']} | {row['chars']:,} | {row['tokens']:,} | {row['seconds']} | "
-              f"{row['peak_delta_mb']:,} MB | {row['bytes_per_char']} |")
+        way = "whole" if row["how"] == "whole" else ("in pieces" if row["cut"] else "whole (cannot cut)")
+        print(f"| {row['type']} | {way} | {row['chars']:,} | {row['tokens']:,} | {row['seconds']} | "
+              f"{row['peak_delta_mb']:,} MB | {row['bytes_per_char']} | {row['ids_sha256']} |")
 
 
 if __name__ == "__main__":
