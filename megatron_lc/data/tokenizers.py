@@ -2,7 +2,10 @@
 
 `build_tokenizer(tokenizer_type, tokenizer_model)` returns an object with
 `tokenize(text) -> list[int]` (no special tokens added), `detokenize(ids) -> str`,
-`vocab_size`, `eod` (the end-of-document id appended between documents) and `bos`.
+`vocab_size`, `eod` (the end-of-document id appended between documents), `bos`, and
+`cuts_long_documents`: whether a long text cut by `text_pieces` encodes piece by piece to the ids
+of the whole text (tiktoken, GPT2BPETokenizer, a byte-level BPE `tokenizer.json` of a known
+pattern; see `_CUT` for why it is exact).
 
 Types (Megatron's names): `SentencePieceTokenizer` (a `.model` file),
 `HuggingFaceTokenizer` (a `tokenizer.json` or a directory holding one, or any local

@@ -10,6 +10,7 @@ every space is a cut. Tokenizers that cannot be cut exactly are encoded whole an
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,7 +180,7 @@ def test_text_that_looks_like_special_tokens_is_encoded_as_the_whole_call_does(b
 
 
 def _config(path: str) -> dict:
-    return json.load(open(path, encoding="utf-8"))
+    return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -280,5 +281,5 @@ def test_a_gpt2_vocabulary_keeps_its_eod_when_documents_are_cut(byte_level_json,
     preprocess(PreprocessOptions((str(path),), str(tmp_path / "g"), "GPT2BPETokenizer", vocab_file=vocab,
                                  merge_file=merges, append_eod=True, show_progress=False))
     ours = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
-    assert _written(str(tmp_path / "g")) == [ours.tokenize(text) + [json.load(open(vocab))[GPT2_EOD]]]
+    assert _written(str(tmp_path / "g")) == [ours.tokenize(text) + [_config(vocab)[GPT2_EOD]]]
 
