@@ -195,8 +195,7 @@ def test_kept_attention_requires_full_recompute():
 KEEP_CASES = {  # name: (cp, cp_ring, options)
     "ulysses-cp2-sparse-k2-everything": (2, 1, _keep(offload_every_k_layers=2, mlp_tiles=3, loss_tiles=5)),
     "untied-cp2": (2, 1, _keep(cp_impl="untied_ulysses", heads_per_stage=4, mlp_tiles=3, loss_tiles=5)),
-    "ring-cp2-on-demand": (2, 2, _keep(mlp_tiles=3, loss_tiles=5, offload_prefetch=False)),
-    "fsdp-dp2-on-the-gpu": (1, 1, _keep(offload=False, loss_tiles=5)),
+    "ring-cp2-on-the-gpu": (2, 2, _keep(offload=False, mlp_tiles=3, loss_tiles=5)),
 }
 
 
@@ -218,7 +217,7 @@ def _keep_cases(rank, world):
 
 
 def test_kept_attention_with_fsdp_and_every_context_parallel_backend_matches_single_process():
-    """2 ranks, case after case in the same processes: Ulysses with sparse offload k = 2, Untied Ulysses (norm
-    and o_proj folded into it), ring, FSDP alone with the attention kept on the GPU; tiled MLP and loss, prefetch
-    and fetch on demand; two optimizer steps each. Every block's recompute takes its kept attention."""
+    """2 ranks (FSDP over the cp ranks), case after case in the same processes: Ulysses with sparse offload k = 2,
+    Untied Ulysses (norm and o_proj folded into it) offloaded, ring with the attention kept on the GPU; tiled MLP
+    and loss; two optimizer steps each. Every block's recompute takes its kept attention."""
     run_distributed(_keep_cases, 2)
