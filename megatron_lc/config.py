@@ -121,6 +121,11 @@ class MemoryArgs:
     offload_every_k_layers: int = flag(1, "sparse offload: keep only every k-th offloaded block input (the first "
                                        "of each segment of k layers) and recompute the others from it in backward: "
                                        "about k x less host memory for (k-1)/2 more block forwards per layer")
+    keep_attention_output: bool = flag(False, "with --recompute-granularity full, keep each block's attention "
+                                       "output and log-sum-exp (in host memory with the block input under "
+                                       "--offload-activations) so that the recompute does not run the attention "
+                                       "forward again: about twice the kept bytes per layer, one attention "
+                                       "forward less per layer")
     tiled_mlp: bool = flag(False, "compute the MLP over sequence tiles, recomputed in backward")
     tiled_mlp_tiles: int | None = flag(None, "MLP tiles (default: about hidden-size tokens per tile)")
     tiled_loss: bool = flag(False, "fuse output projection and cross-entropy over sequence tiles")
@@ -341,7 +346,7 @@ class TrainConfig:
                                                                      if mem.recompute_method == "block" else None),
             offload_activations=mem.offload_activations,
             offload_keep_last=mem.offload_keep_last, offload_prefetch=not mem.no_offload_prefetch,
-            offload_every_k_layers=mem.offload_every_k_layers,
+            offload_every_k_layers=mem.offload_every_k_layers, keep_attention_output=mem.keep_attention_output,
             mlp_tiles=plan.mlp_tiles if mem.tiled_mlp else None, loss_tiles=plan.loss_tiles if mem.tiled_loss else None,
             param_dtype=dtype, reduce_dtype=torch.float32, reshard_after_forward=not par.no_reshard_after_forward, fsdp_cpu_offload=par.fsdp_cpu_offload,
         )

@@ -49,6 +49,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from megatron_lc.memory import kept_attention
+
 CuSeqlens = Sequence[int]
 
 FLASH_ATTN_MIN_VERSION = (2, 7)
@@ -774,11 +776,21 @@ def resolve_kernel_name(device_type: str, name: str, dtype: torch.dtype, flash_a
 
 
 class _Attention(torch.autograd.Function):
-    """Autograd around a kernel pair; saves q, k, v, out and lse only."""
+    """Autograd around a kernel pair; saves q, k, v, out and lse only.
+
+    Inside a checkpointed block that keeps its attention (`memory/kept_attention.py`), the forward keeps
+    out and lse (and the kernel's state), and the block's recompute takes them back instead of calling
+    the kernel's forward again."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, kernel, scale):
-        out, lse, state = kernel.forward(q, k, v, cu_seqlens, scale)
+        kept = kept_attention.active()
+        if kept is not None and kept.replay:
+            (out, lse, *state), _ = kept.take()
+        else:
+            out, lse, state = kernel.forward(q, k, v, cu_seqlens, scale)
+            if kept is not None:  # out and lse to the host with the block input; the rng state stays
+                kept.put((out, lse, *state), (True, True, *(False for _ in state)))
         ctx.save_for_backward(q, k, v, out, lse, *state)
         ctx.cu_seqlens, ctx.kernel, ctx.scale = cu_seqlens, kernel, scale
         return out

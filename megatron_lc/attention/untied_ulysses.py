@@ -17,7 +17,9 @@ stage j returns to head slots [r*H/cp + j*U/cp, ...) of every r: the natural ord
 all the stages whose q heads use them (one exchange per GQA group), which requires U/cp
 to divide, or be a multiple of, the number of q heads per (replicated) kv head.
 
-Backward saves only x, the weights, the output and each stage's log-sum-exp. Per stage
+Backward saves only x, the weights, the output and each stage's log-sum-exp. In the recompute of a
+block that keeps its attention (`memory/kept_attention.py`), the op takes the output and the
+lses its forward kept and runs no stage: no projection, exchange or kernel of the forward again. Per stage
 it recomputes the projections, rotary and the exchange of q (k and v once per round),
 exchanges the stage's output and output-gradient slices, calls the kernel's backward
 (no attention-forward recompute), sums dK/dV over the round, exchanges the gradients
@@ -50,7 +52,7 @@ import torch.distributed as dist
 
 from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.ulysses import check_ulysses_shapes, kv_replication
-from megatron_lc.memory import tiling
+from megatron_lc.memory import kept_attention, tiling
 from megatron_lc.memory.tiling import addmm_fp32_
 
 HEADS_PER_STAGE_FLAG = "--untied-heads-per-stage"
@@ -277,7 +279,16 @@ class _UntiedUlyssesFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, wo, norm_weight, cos, sin, cu_seqlens, norm_eps, backend):
         norm = None if norm_weight is None else InputNorm.of(x, norm_weight, norm_eps)
-        out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens, norm)
+        kept = kept_attention.active()
+        if kept is not None and kept.replay:  # a recompute: the forward's output and lses, no stage run again
+            flat, sizes = kept.take()
+            ends = list(itertools.accumulate(sizes))
+            out, lses = flat[0], [tuple(flat[1 + end - size:1 + end]) for size, end in zip(sizes, ends)]
+        else:
+            out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens, norm)
+            if kept is not None:  # the output and each stage's lse to the host with the block input
+                kept.put((out, *itertools.chain.from_iterable(lses)),
+                         (True, *(i == 0 for stage in lses for i in range(len(stage)))), [len(st) for st in lses])
         rstd = norm.rstd if norm is not None else None
         # Each stage's (lse, *kernel state), flattened: save_for_backward takes tensors only.
         ctx.save_for_backward(x, wq, wk, wv, wo, norm_weight, rstd, cos, sin, out,

@@ -44,6 +44,12 @@ and FSDP would gather them now anyway, so r(r-1)/2 - (r-1) extra all-gathers per
 k = 2). The replay is bit-identical to the forward (same ops, same inputs, no randomness), so
 losses and gradients equal those of k = 1 exactly.
 
+Kept attention (``keep_attention``, ``--keep-attention-output``): the block's forward runs with a
+``KeptAttention`` store active, in which its attention op keeps its output and log-sum-exp (offloaded
+with the block input when the layer offloads); the recompute runs with the same store replaying, so
+the attention op takes them back instead of running its forward kernel (`memory/kept_attention.py`).
+A sparse segment's replays run outside any store: they compute attention as the forward did.
+
 RNG state is not saved or restored: LLaMA blocks have no dropout or other randomness,
 so the recompute is deterministic. A block that draws random numbers would recompute
 with different ones.
@@ -57,6 +63,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import kept_attention
+from .kept_attention import KeptAttention
 from .offload import OffloadScheduler
 
 
@@ -87,10 +95,10 @@ class _CheckpointBlock(torch.autograd.Function):
     """One block, recomputed in backward; saves only the block input (maybe on the host)."""
 
     @staticmethod
-    def forward(ctx, fn, x, offload, layer_idx, replay_params, _grad_anchor):
+    def forward(ctx, fn, x, offload, layer_idx, replay_params, keep_attention, _grad_anchor):
         ctx.fn = fn
-        _keep_input(ctx, x, offload, layer_idx, _replay(fn, replay_params))
-        with torch.no_grad():
+        _keep_input(ctx, x, offload, layer_idx, _replay(fn, replay_params), keep_attention)
+        with torch.no_grad(), kept_attention.keeping(ctx.kept):
             y = fn(x)
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"checkpoint_block: fn must return a Tensor, got {type(y).__name__}")
@@ -100,7 +108,7 @@ class _CheckpointBlock(torch.autograd.Function):
     def backward(ctx, grad_y):
         x = _restore_input(ctx)
         x = x.detach().requires_grad_(True)
-        with torch.enable_grad(), contextlib.ExitStack() as stack:
+        with torch.enable_grad(), contextlib.ExitStack() as stack, kept_attention.replaying(ctx.kept):
             _replay_autocast(ctx.autocast, stack)
             y = ctx.fn(x)
         if y.requires_grad:
@@ -109,24 +117,26 @@ class _CheckpointBlock(torch.autograd.Function):
             torch.autograd.backward(edge, grad_y)
         grad_x = x.grad if ctx.needs_input_grad[1] else None
         _prefetch_previous(ctx)
-        return None, grad_x, None, None, None, None
+        return None, grad_x, None, None, None, None, None
 
 
 class _CheckpointResidualBlock(torch.autograd.Function):
     """A block of residual branches, recomputed in backward; saves only the block input (maybe on the host)."""
 
     @staticmethod
-    def forward(ctx, branches, x, offload, layer_idx, owns_output_grad, replay_params, _grad_anchor):
+    def forward(ctx, branches, x, offload, layer_idx, owns_output_grad, replay_params, keep_attention,
+                _grad_anchor):
         ctx.branches, ctx.owns_output_grad = branches, owns_output_grad
-        _keep_input(ctx, x, offload, layer_idx, _replay(lambda t: _residual_chain(branches, t), replay_params))
-        with torch.no_grad():
+        _keep_input(ctx, x, offload, layer_idx, _replay(lambda t: _residual_chain(branches, t), replay_params),
+                    keep_attention)
+        with torch.no_grad(), kept_attention.keeping(ctx.kept):
             return _residual_chain(branches, x)
 
     @staticmethod
     def backward(ctx, grad_out):
         x = _restore_input(ctx)
         leaves, edges = [], []
-        with torch.enable_grad(), contextlib.ExitStack() as stack:
+        with torch.enable_grad(), contextlib.ExitStack() as stack, kept_attention.replaying(ctx.kept):
             _replay_autocast(ctx.autocast, stack)
             for i, branch in enumerate(ctx.branches):
                 leaf = x.detach().requires_grad_(True)
@@ -148,7 +158,7 @@ class _CheckpointResidualBlock(torch.autograd.Function):
             grad = summed
             del leaf, edge
         _prefetch_previous(ctx)
-        return None, grad if ctx.needs_input_grad[1] else None, None, None, None, None, None
+        return None, grad if ctx.needs_input_grad[1] else None, None, None, None, None, None, None
 
 
 def _residual_chain(branches, x: torch.Tensor) -> torch.Tensor:
@@ -198,14 +208,17 @@ def _replay(fn: Callable[[torch.Tensor], torch.Tensor], replay_params) -> Callab
     return replay
 
 
-def _keep_input(ctx, x: torch.Tensor, offload: OffloadScheduler | None, layer_idx: int, replay) -> None:
+def _keep_input(ctx, x: torch.Tensor, offload: OffloadScheduler | None, layer_idx: int, replay,
+                keep_attention: bool = False) -> None:
     """Keep the block input for backward (on the host when offloaded; with sparse offload only at a
-    segment's first layer) and the autocast state to replay.
+    segment's first layer), the autocast state to replay, and with `keep_attention` a store for the
+    attention results (``ctx.kept``; on the host when the layer offloads).
 
     Offloading starts before the block runs, so the copy overlaps this block's compute."""
     ctx.offload, ctx.layer_idx, ctx.segment = offload, layer_idx, None
     ctx.autocast = _autocast_states(x.device)
     ctx.offloaded = offload is not None and offload.should_offload(layer_idx)
+    ctx.kept = KeptAttention(offload if ctx.offloaded else None, layer_idx) if keep_attention else None
     if ctx.offloaded and offload.every_k > 1:
         if offload.keeps_input(layer_idx):
             ctx.handle = offload.offload(layer_idx, x)
@@ -253,7 +266,7 @@ def _recompute_input(ctx) -> torch.Tensor:
         ctx.segment = None
         return x
     replays = segment.replays[:ctx.layer_idx - segment.first]
-    with torch.no_grad(), contextlib.ExitStack() as stack:
+    with torch.no_grad(), contextlib.ExitStack() as stack, kept_attention.outside():
         _replay_autocast(ctx.autocast, stack)
         for i, replay in enumerate(replays):
             x = replay(x, i == len(replays) - 1)  # the previous input is dropped here
@@ -273,6 +286,7 @@ def checkpoint_block(
     offload: OffloadScheduler | None = None,
     layer_idx: int = 0,
     replay_params: Callable[[bool], contextlib.AbstractContextManager] | None = None,
+    keep_attention: bool = False,
 ) -> torch.Tensor:
     """Run ``fn(x)`` keeping only ``x`` for backward, where the block is recomputed.
 
@@ -283,13 +297,15 @@ def checkpoint_block(
     RNG state is not (see the module docstring). With grad disabled, ``fn(x)`` runs
     plainly. ``replay_params(keep)``: a context in which ``fn``'s parameters can be used outside
     its own forward (sparse offload replays it in a later block's backward); None: they always can.
+    ``keep_attention``: also keep what ``fn``'s attention ops compute, so the recompute does not run
+    their forward kernels again (see the module docstring).
     """
     if not torch.is_grad_enabled():
         return fn(x)
     # A leaf that requires grad makes the output require grad even when x does not
     # (e.g. the first block on a frozen embedding), so parameter grads are not lost.
     grad_anchor = torch.empty(0, device=x.device, requires_grad=True)
-    return _CheckpointBlock.apply(fn, x, offload, layer_idx, replay_params, grad_anchor)
+    return _CheckpointBlock.apply(fn, x, offload, layer_idx, replay_params, keep_attention, grad_anchor)
 
 
 def checkpoint_residual_block(
@@ -300,13 +316,15 @@ def checkpoint_residual_block(
     layer_idx: int = 0,
     owns_output_grad: bool = False,
     replay_params: Callable[[bool], contextlib.AbstractContextManager] | None = None,
+    keep_attention: bool = False,
 ) -> torch.Tensor:
     """``checkpoint_block`` of the block ``x -> x + b1(x) -> ... `` given as its residual branches.
 
     The same function and gradients as ``checkpoint_block(lambda t: chain(t), x)``; its
     backward adds each branch's input gradient in place (see the module docstring).
     ``owns_output_grad``: the output's gradient reaches this block alone (the output has a
-    single consumer), so its buffer may be accumulated into. ``replay_params``: as for ``checkpoint_block``.
+    single consumer), so its buffer may be accumulated into. ``replay_params``, ``keep_attention``: as for
+    ``checkpoint_block``.
     """
     if not branches:
         raise ValueError("checkpoint_residual_block needs at least one branch")
@@ -314,4 +332,4 @@ def checkpoint_residual_block(
         return _residual_chain(branches, x)
     grad_anchor = torch.empty(0, device=x.device, requires_grad=True)
     return _CheckpointResidualBlock.apply(tuple(branches), x, offload, layer_idx, owns_output_grad, replay_params,
-                                         grad_anchor)
+                                         keep_attention, grad_anchor)

@@ -27,11 +27,17 @@ segment's kept one. Such a kept input is fetched once per layer of its segment: 
 keep=True)`` copies it back and leaves the host slot in place, the last (its own layer's) fetch
 releases it. ``prefetch(i)`` brings back the input layer ``i``'s backward starts from: its
 segment's kept one.
+
+Other tensors a layer keeps for its backward (``kind``: the attention output and log-sum-exp of
+``--keep-attention-output``, `memory/kept_attention.py`) go through the same copies, in arenas of
+their own kind (one slot per offloaded layer and tensor of that shape), and ``prefetch(i)`` brings
+back layer ``i``'s own with its input.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import math
 import mmap
@@ -44,6 +50,9 @@ LOG = logging.getLogger(__name__)
 _CUDA_HOST_REGISTER_PORTABLE = 1
 """cudaHostRegisterPortable: the memory counts as page-locked for every CUDA context (as torch's own use)."""
 
+
+INPUT_KIND = "input"
+"""The kind of a layer's kept block input (other kinds: other tensors a layer keeps for its backward)."""
 
 PAGE_LOCK_PIECE = 256 << 30
 """Bytes page-locked by one cudaHostRegister at most: on R580 and later drivers a single registration of
@@ -153,6 +162,8 @@ class OffloadHandle:
     layer_idx: int
     host_buffer: torch.Tensor | None
     arena: HostArena | None = None
+    key: object = None
+    """Where the scheduler lists it until fetched: the layer (block inputs), or (kind, layer)."""
     to_host_done: object | None = None  # torch.cuda.Event on CUDA
     on_accelerator: torch.Tensor | None = None
     to_accelerator_done: object | None = None
@@ -209,8 +220,8 @@ class OffloadScheduler:
         self._is_cuda = self.accelerator.type == "cuda"
         self._pin = (self._is_cuda and self.host.type == "cpu") if page_locked is None else page_locked
         self._copy_stream = torch.cuda.Stream(device=self.accelerator) if self._is_cuda else None
-        self._arenas: dict[tuple[tuple[int, ...], torch.dtype], list[HostArena]] = {}
-        self._pending: dict[int, list[OffloadHandle]] = {}
+        self._arenas: dict[tuple[tuple[int, ...], torch.dtype, str], list[HostArena]] = {}
+        self._pending: dict[object, list[OffloadHandle]] = {}
         self.host_bytes_in_use = 0
         self.host_bytes_peak = 0
         self.host_bytes_reserved = 0
@@ -258,8 +269,8 @@ class OffloadScheduler:
 
     def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Make the arena for block inputs of this shape and dtype now, before the first step needs it."""
-        if not self._arenas.get((tuple(shape), dtype)):
-            self._new_arena((tuple(shape), dtype), max(1, self.host_slots))
+        if not self._arenas.get((tuple(shape), dtype, INPUT_KIND)):
+            self._new_arena((tuple(shape), dtype, INPUT_KIND), max(1, self.host_slots))
 
     def reset_peak(self) -> None:
         """Restart peak tracking from the bytes in use now (e.g. at each step)."""
@@ -267,7 +278,7 @@ class OffloadScheduler:
 
     # ------------------------------------------------------------------ host arenas
 
-    def _new_arena(self, key: tuple[tuple[int, ...], torch.dtype], slots: int) -> HostArena:
+    def _new_arena(self, key: tuple[tuple[int, ...], torch.dtype, str], slots: int) -> HostArena:
         """One exact allocation for `slots` tensors of `key`, logged; idle arenas of other shapes go first."""
         for other, arenas in list(self._arenas.items()):
             if other != key and all(a.idle for a in arenas):  # e.g. evaluation at another length
@@ -277,11 +288,12 @@ class OffloadScheduler:
                     self.host_bytes_reserved -= arena.nbytes
                     arena.close()
                 del self._arenas[other]
-        shape, dtype = key
+        shape, dtype, kind = key
         nbytes = slots * math.prod(shape) * dtype.itemsize
-        LOG.info("offload: %s %s bytes (%.2f GiB) of host memory for %d block inputs %s %s",
+        LOG.info("offload: %s %s bytes (%.2f GiB) of host memory for %d %s %s %s",
                  "page-locking" if self._pin else "allocating", f"{nbytes:,}", nbytes / 2**30, slots,
-                 list(shape), str(dtype).removeprefix("torch."))
+                 "block inputs" if kind == INPUT_KIND else f"{kind} tensors", list(shape),
+                 str(dtype).removeprefix("torch."))
         lock, unlock = (page_lock, page_unlock) if self._pin else (None, None)
         arena = HostArena(shape, dtype, slots, self.host, lock, unlock)
         self._arenas.setdefault(key, []).append(arena)
@@ -289,16 +301,18 @@ class OffloadScheduler:
         self.buffers_allocated += slots
         return arena
 
-    def _acquire(self, shape: torch.Size, dtype: torch.dtype) -> tuple[HostArena, torch.Tensor]:
-        """A free slot of the (shape, dtype) arena, made on first use with a slot per kept offloaded input."""
-        key = (tuple(shape), dtype)
+    def _acquire(self, shape: torch.Size, dtype: torch.dtype, kind: str = INPUT_KIND,
+                 slots: int | None = None) -> tuple[HostArena, torch.Tensor]:
+        """A free slot of the (shape, dtype, kind) arena, made on first use with `slots` slots (default: one
+        per kept offloaded input)."""
+        key = (tuple(shape), dtype, kind)
         arenas = self._arenas.get(key, [])
         arena = next((a for a in arenas if a.free), None)
         if arena is None:
             if arenas:  # more tensors of this shape in flight than layers offload: one more slot
-                LOG.warning("offload: more than %d block inputs of shape %s on the host; adding one slot",
-                            sum(a.slots for a in arenas), list(shape))
-            arena = self._new_arena(key, 1 if arenas else max(1, self.host_slots))
+                LOG.warning("offload: more than %d %s tensors of shape %s on the host; adding one slot",
+                            sum(a.slots for a in arenas), kind, list(shape))
+            arena = self._new_arena(key, 1 if arenas else max(1, self.host_slots if slots is None else slots))
         buffer = arena.free.pop()
         self.host_bytes_in_use += _nbytes(buffer)
         self.host_bytes_peak = max(self.host_bytes_peak, self.host_bytes_in_use)
@@ -326,16 +340,21 @@ class OffloadScheduler:
             done.record(self._copy_stream)
         return done
 
-    def offload(self, layer_idx: int, tensor: torch.Tensor) -> OffloadHandle:
-        """Start copying ``tensor`` to a host slot; the caller may drop ``tensor``."""
+    def offload(self, layer_idx: int, tensor: torch.Tensor, *, kind: str = INPUT_KIND,
+                slots: int | None = None) -> OffloadHandle:
+        """Start copying ``tensor`` to a host slot; the caller may drop ``tensor``.
+
+        ``kind``: ``input`` (the layer's kept block input), or another kind of tensor the layer keeps, in
+        arenas of its own made with ``slots`` slots (default: one per kept input)."""
         tensor = tensor.detach()
-        arena, buffer = self._acquire(tensor.shape, tensor.dtype)
-        handle = OffloadHandle(layer_idx, buffer, arena)
+        arena, buffer = self._acquire(tensor.shape, tensor.dtype, kind, slots)
+        key = layer_idx if kind == INPUT_KIND else (kind, layer_idx)
+        handle = OffloadHandle(layer_idx, buffer, arena, key)
         handle.to_host_done = self._copy_on_side_stream(buffer, tensor)
         if self._is_cuda:
             # Keep the allocator from reusing tensor's memory before the side stream read it.
             tensor.record_stream(self._copy_stream)
-        self._pending.setdefault(layer_idx, []).append(handle)
+        self._pending.setdefault(key, []).append(handle)
         return handle
 
     def _start_copy_back(self, handle: OffloadHandle) -> None:
@@ -352,10 +371,12 @@ class OffloadScheduler:
 
     def prefetch(self, layer_idx: int) -> None:
         """Start bringing back the offloaded input ``layer_idx``'s backward starts from (its own, or with
-        sparse offload its segment's kept one); no-op if there is none or prefetch is off."""
+        sparse offload its segment's kept one), and the other tensors layer ``layer_idx`` itself offloaded;
+        no-op if there are none or prefetch is off."""
         if not self.prefetch_enabled or not 0 <= layer_idx < self.num_layers:
             return
-        for handle in self._pending.get(self.segment_start(layer_idx), ()):
+        own = [handles for key, handles in self._pending.items() if isinstance(key, tuple) and key[1] == layer_idx]
+        for handle in itertools.chain(self._pending.get(self.segment_start(layer_idx), ()), *own):
             self._start_copy_back(handle)
 
     def fetch(self, handle: OffloadHandle, keep: bool = False) -> torch.Tensor:
@@ -375,7 +396,7 @@ class OffloadScheduler:
 
     def _forget(self, handle: OffloadHandle) -> None:
         """Drop a handle from the pending set and return its host slot to its arena."""
-        pending = self._pending.get(handle.layer_idx, [])
+        pending = self._pending.get(handle.key, [])
         if handle in pending:
             pending.remove(handle)
         self._release(handle.arena, handle.host_buffer)

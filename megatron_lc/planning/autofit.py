@@ -15,14 +15,17 @@ tokens per tile), halving from the default; loss tiles the same way (default: 1 
 fp32 logits per tile); attention: Ulysses, or Untied Ulysses with U from the largest valid
 heads per stage below the head count down to cp (with cp > 1); with offload, every k-th block
 input kept, k = 1 < 2 < 4 (`--offload-every-k-layers`: host bytes about 1/k, (k-1)/2 block
-forwards more per layer). Each list runs from the least memory saving to the most.
+forwards more per layer); with full recompute, each block's attention output and lse kept
+(`--keep-attention-output`: on the host with the block input when offloading, else on the GPU;
+one attention forward less per layer) or not. Each list runs from the least memory saving to the
+most; the modes without full recompute keep their attention anyway, so they sit at "kept".
 
 **Search**: an estimate is a fake-tensor trace (seconds at real sizes), so few are made.
 It assumes that, within one attention family (Ulysses; Untied Ulysses at any stage width),
 GPU memory does not grow when any one choice moves up its list; Untied Ulysses' own
 buffers can make it hold more than Ulysses on small models, so the two families are
 searched apart. Host memory depends only on whether block inputs are offloaded and on k
-(it falls as k grows), and GPU memory does not grow with k (the replays of sparse offload run
+and on keeping attention outputs (it falls as k grows and without them), and GPU memory does not grow with k (the replays of sparse offload run
 between block backwards, below their peak). Per family, fastest family first: (1) the
 strongest stack is traced (without offload if the host cannot hold it): if it does not
 fit, nothing in the family does; (2) for each choice, a binary search with every other
@@ -79,6 +82,8 @@ class Candidate:
     """--untied-heads-per-stage (Untied Ulysses only)."""
     offload_every: int = 1
     """--offload-every-k-layers (with offload only): every k-th block input kept, the rest recomputed."""
+    keep_attention: bool = False
+    """--keep-attention-output (full recompute only): the recompute runs no attention forward."""
 
     def flags(self) -> list[str]:
         """The training flags of this stack (defaults left out)."""
@@ -89,6 +94,8 @@ class Candidate:
             out.append("--no-offload-prefetch")
         if self.offload != "off" and self.offload_every > 1:
             out += ["--offload-every-k-layers", str(self.offload_every)]
+        if self.keep_attention and self.recompute == "full":
+            out.append("--keep-attention-output")
         if self.mlp_tiles:
             out += ["--tiled-mlp", "--tiled-mlp-tiles", str(self.mlp_tiles)]
         if self.loss_tiles:
@@ -102,7 +109,8 @@ class Candidate:
         memory = dataclasses.replace(
             cfg.memory, recompute_granularity=self.recompute, offload_activations=self.offload != "off",
             no_offload_prefetch=self.offload == "on_demand",
-            offload_every_k_layers=self.offload_every if self.offload != "off" else 1, tiled_mlp=self.mlp_tiles is not None,
+            offload_every_k_layers=self.offload_every if self.offload != "off" else 1,
+            keep_attention_output=self.keep_attention and self.recompute == "full", tiled_mlp=self.mlp_tiles is not None,
             tiled_mlp_tiles=self.mlp_tiles, tiled_loss=self.loss_tiles is not None, tiled_loss_tiles=self.loss_tiles)
         parallel = cfg.parallel
         if self.cp_impl is not None:
@@ -111,7 +119,7 @@ class Candidate:
 
 
 MEMORY_FLAGS = {"--recompute-granularity": 1, "--offload-activations": 0, "--no-offload-prefetch": 0,
-                "--offload-every-k-layers": 1,
+                "--offload-every-k-layers": 1, "--keep-attention-output": 0,
                 "--tiled-mlp": 0, "--tiled-mlp-tiles": 1, "--tiled-loss": 0, "--tiled-loss-tiles": 1,
                 "--cp-impl": 1, "--untied-heads-per-stage": 1}
 """The flags auto-fit chooses, with the number of values each takes."""
@@ -156,22 +164,30 @@ class SearchSpace:
     """(cp_impl, heads_per_stage) levels."""
     offload_every: tuple[int, ...] = (1,)
     """Sparse-offload k levels (ascending; they apply to the offloading modes only)."""
+    keep_attention: tuple[bool, ...] = (False,)
+    """Kept attention levels, (True, False) when searched (they apply to full recompute only; the other
+    modes keep their attention anyway and take level 0)."""
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return len(self.modes), len(self.mlp_tiles), len(self.loss_tiles), len(self.attention), len(self.offload_every)
+        return (len(self.modes), len(self.mlp_tiles), len(self.loss_tiles), len(self.attention),
+                len(self.offload_every), len(self.keep_attention))
 
     def offloads(self, point: tuple[int, ...]) -> bool:
         return self.modes[point[0]][1] != "off"
 
     def canonical(self, point: tuple[int, ...]) -> tuple[int, ...]:
-        """The point itself, or without offload its k level at 1 (k means nothing there)."""
-        return point if self.offloads(point) or point[4] == 0 else (*point[:4], 0)
+        """The point itself, or without offload its k level at 1 (k means nothing there), and without full
+        recompute its kept-attention level at 0."""
+        k = point[4] if self.offloads(point) else 0
+        keep = point[5] if self.modes[point[0]][0] == "full" else 0
+        return (*point[:4], k, keep)
 
     def candidate(self, point: tuple[int, ...]) -> Candidate:
         (rec, off), mlp, loss, (impl, u) = (self.modes[point[0]], self.mlp_tiles[point[1]],
                                             self.loss_tiles[point[2]], self.attention[point[3]])
-        return Candidate(rec, off, mlp, loss, impl, u, self.offload_every[point[4]] if off != "off" else 1)
+        return Candidate(rec, off, mlp, loss, impl, u, self.offload_every[point[4]] if off != "off" else 1,
+                         self.keep_attention[point[5]] and rec == "full")
 
     def points(self) -> list[tuple[int, ...]]:
         """Every distinct candidate's point (k levels only with offload)."""
@@ -195,7 +211,7 @@ def search_space(cfg: TrainConfig) -> SearchSpace:
     for k in OFFLOAD_EVERY:
         slots.setdefault(-(-offloaded // k), k)
     return SearchSpace(MODES, (None, *tile_ladder(plan.mlp_tiles)), (None, *tile_ladder(plan.loss_tiles)),
-                       tuple(attention), tuple(slots.values()))
+                       tuple(attention), tuple(slots.values()), (True, False))
 
 
 # --- the search -----------------------------------------------------------------------------
@@ -247,37 +263,40 @@ class _Knowledge:
         self.family = [impl for impl, _ in space.attention]
         self.gpu_fits: list[tuple[int, ...]] = []
         self.gpu_fails: list[tuple[int, ...]] = []
-        self.offload_host_fits: dict[int, bool] = {}
-        """By k level: whether the host holds the offloaded inputs (the same for every offloading mode)."""
+        self.offload_host_fits: dict[tuple[int, int], bool] = {}
+        """By (k level, kept-attention level): whether the host holds the offloaded tensors (the same for every
+        offloading mode)."""
         self.estimates: dict[tuple[int, ...], Estimate] = {}
 
     def record(self, point: tuple[int, ...], e: Estimate) -> None:
         self.estimates[point] = e
         (self.gpu_fits if e.fits_gpu else self.gpu_fails).append(point)
         if point[0] in self.offload_modes:
-            self.offload_host_fits[point[4]] = e.fits_host
+            self.offload_host_fits[(point[4], point[5])] = e.fits_host
 
-    def host_fits(self, k_level: int) -> bool | None:
-        """Whether offloading with this k level fits the host: known from any k at most as sparse that fit,
-        or any at least as sparse that did not (host bytes fall as k grows)."""
-        if any(fits for level, fits in self.offload_host_fits.items() if level <= k_level):
+    def host_fits(self, k_level: int, keep_level: int) -> bool | None:
+        """Whether offloading at these levels fits the host: known from any that fit with k at most as sparse
+        and attention kept at least as much, or any that did not with k at least as sparse and attention kept
+        at most as much (host bytes fall as either level rises)."""
+        known = self.offload_host_fits.items()
+        if any(fits for (k, j), fits in known if k <= k_level and j <= keep_level):
             return True
-        if any(not fits for level, fits in self.offload_host_fits.items() if level >= k_level):
+        if any(not fits for (k, j), fits in known if k >= k_level and j >= keep_level):
             return False
         return None
 
     def le(self, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
         """`a` saves no more memory than `b` in any choice (same attention family: Ulysses or Untied); k is
         compared only between two offloading points (GPU memory does not depend on it)."""
-        dims = 5 if a[0] in self.offload_modes and b[0] in self.offload_modes else 4
-        return self.family[a[3]] == self.family[b[3]] and all(x <= y for x, y in zip(a[:dims], b[:dims]))
+        dims = [0, 1, 2, 3, 5] + ([4] if a[0] in self.offload_modes and b[0] in self.offload_modes else [])
+        return self.family[a[3]] == self.family[b[3]] and all(a[i] <= b[i] for i in dims)
 
     def status(self, point: tuple[int, ...]) -> bool | None:
         """True: fits; False: does not; None: unknown without a trace."""
         point = self.space.canonical(point)
         if point in self.estimates:
             return self.estimates[point].fits
-        host = True if point[0] not in self.offload_modes else self.host_fits(point[4])
+        host = True if point[0] not in self.offload_modes else self.host_fits(point[4], point[5])
         if host is False or any(self.le(point, q) for q in self.gpu_fails):
             return False
         if host and any(self.le(q, point) for q in self.gpu_fits):
@@ -352,7 +371,7 @@ class _Search:
         if top is None:
             return best
         lower = _lower_bounds(top, levels, self.fits)
-        box = [p for p in _family_points(self.space, levels) if self.known.le(lower, p) and p[0] <= top[0]]
+        box = [p for p in _family_points(self.space, levels) if _within(self.space, lower, top, p) and p[0] <= top[0]]
         for point in sorted(box, key=lambda p: (self.cost(p).step_s, p)):
             if best is not None and (self.cost(point).step_s, point) >= (self.cost(best).step_s, best):
                 return best
@@ -365,12 +384,20 @@ class _Search:
         return best
 
 
+def _within(space: SearchSpace, lower: tuple[int, ...], top: tuple[int, ...], point: tuple[int, ...]) -> bool:
+    """`point` is at or above the lower bounds found at `top`. The bounds of k and of kept attention hold the
+    host's limit when `top` offloads: they bind the points that offload as `top` does, not the others (kept
+    attention costs those GPU bytes instead, bounded by the GPU traces)."""
+    dims = [0, 1, 2, 3] + ([4, 5] if space.offloads(point) == space.offloads(top) else [])
+    return all(lower[i] <= point[i] for i in dims)
+
+
 def _probes(point: tuple[int, ...], top: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Points to trace before `point`: it with both tile choices, then the loss's, at their strongest.
     Tile counts cost little, so when one of these does not fit, neither does anything below it: a failure
     rules out a whole column of candidates at once."""
-    both = (point[0], top[1], top[2], point[3], point[4])
-    loss = (point[0], point[1], top[2], point[3], point[4])
+    both = (point[0], top[1], top[2], *point[3:])
+    loss = (point[0], point[1], top[2], *point[3:])
     return [p for p in dict.fromkeys((both, loss)) if p != point]
 
 
@@ -390,10 +417,10 @@ def _strongest(space: SearchSpace, known: _Knowledge, fits, levels: list[int]) -
     """The strongest point of one attention family that fits (offload dropped when the host cannot hold it)."""
     for mode in range(len(space.modes) - 1, -1, -1):
         offloads = mode in known.offload_modes
-        if offloads and known.host_fits(len(space.offload_every) - 1) is False:
+        if offloads and known.host_fits(len(space.offload_every) - 1, len(space.keep_attention) - 1) is False:
             continue
-        point = (mode, len(space.mlp_tiles) - 1, len(space.loss_tiles) - 1, levels[-1],
-                 len(space.offload_every) - 1 if offloads else 0)
+        point = space.canonical((mode, len(space.mlp_tiles) - 1, len(space.loss_tiles) - 1, levels[-1],
+                                 len(space.offload_every) - 1, len(space.keep_attention) - 1))
         if fits(point):
             return point
         e = known.estimates.get(point)

@@ -26,8 +26,9 @@ def describe_config(cfg: TrainConfig, num_gpus: int) -> str:
             stack.append(f"{p.cp_impl} {layout.a2a_size} x ring {layout.ring_size}")
     if m.recompute_granularity != "none":
         stack.append(f"{m.recompute_granularity} recompute")
-    stack += [name for name, on in (("offload", m.offload_activations), ("tiled MLP", m.tiled_mlp),
-                                    ("tiled loss", m.tiled_loss)) if on]
+    stack += [name for name, on in (("offload", m.offload_activations),
+                                    ("kept attention output", m.keep_attention_output and m.recompute_granularity == "full"),
+                                    ("tiled MLP", m.tiled_mlp), ("tiled loss", m.tiled_loss)) if on]
     dtype = "bf16" if cfg.train.bf16 else "fp32"
     return (f"{cfg.model.model}, {cfg.data.seq_length:,} tokens x {cfg.data.micro_batch_size}, {num_gpus} GPUs, "
             f"{dtype}; {', '.join(stack)}")

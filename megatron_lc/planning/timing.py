@@ -22,7 +22,11 @@ moves to the host and back. Each item's time is work over the machine's rate for
   one), and a segment of r layers replays r(r-1)/2 block forwards (memory/checkpoint.py):
   their GEMMs, attention, all-to-alls, ring exchange, memory-bound ops and tile launches are
   priced as a forward's, and the all-gathers of replayed blocks whose backward is not next
-  ((r-1)(r-2)/2 per segment) as exposed communication.
+  ((r-1)(r-2)/2 per segment) as exposed communication;
+- kept attention (`--keep-attention-output`): the recompute of a checkpointed block runs no
+  attention forward (its ring exchange neither; under Untied Ulysses no stage at all: no q/k/v
+  projection or forward all-to-all either); an offloaded layer's attention output and fp32 lse go to
+  the host with its input (what exceeds the next block's forward is exposed) and come back exposed.
 
 Every seconds figure is a prediction. Rates from publications are labelled with their
 source; the efficiency factors applied to peak figures are assumptions until a GPU run
@@ -160,6 +164,8 @@ class Work:
     """Block forwards sparse offload replays in backward (already counted in the recompute items above)."""
     replay_gathers: float = 0.0
     """FSDP all-gathers of replayed blocks beyond those the backward makes anyway (exposed)."""
+    kept_attention_bytes_per_layer: float = 0.0
+    """--keep-attention-output: the attention output and lse each offloaded layer copies to the host and back."""
 
 
 def sparse_offload_counts(offloaded: int, k: int) -> tuple[int, int, int]:
@@ -189,12 +195,15 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
     full, selective = mem.recompute_granularity == "full", mem.recompute_granularity == "selective"
     untied = cp > 1 and par.cp_impl == "untied_ulysses" and layout.a2a_size > 1
-    mlp_tiles = cfg.parallelize_options().mlp_tiles
+    opts = cfg.parallelize_options()
+    mlp_tiles = opts.mlp_tiles
     R = cfg.recomputed_layers(L)  # blocks checkpointed under full recompute (--recompute-method block: the first N)
+    keep = full and mem.keep_attention_output  # the recompute takes the forward's attention output and lse
     recompute = R * layer_gemm if full else L * mlp if selective else 0
+    recompute -= R * qkv if keep and untied else 0  # Untied Ulysses runs no stage in such a recompute
     recompute += L * qkv if untied else 0  # its backward projects q, k, v again
     recompute += L * 4 * T * h * f if mlp_tiles else 0  # gate and up again, tile by tile
-    a2a = (_a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full) * R
+    a2a = (_a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full and not (keep and untied)) * R
            + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, False) * (L - R))
     ring_fwd = ring_bwd = 0.0
     if layout.ring_size > 1:
@@ -208,10 +217,10 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     offloaded = max(0, R - mem.offload_keep_last) if mem.offload_activations else 0
     kept, replayed, replay_gathers = sparse_offload_counts(offloaded, mem.offload_every_k_layers) \
         if offloaded else (0, 0, 0)
-    loss_tiles = cfg.parallelize_options().loss_tiles or 0
+    loss_tiles = opts.loss_tiles or 0
     stages = (H // _stage_width(cfg, layout.a2a_size)) if untied else (1 if layout.a2a_size > 1 else 0)
     passes = 3 if full else 2
-    launches = L * ((mlp_tiles or 0) * passes + stages * passes) + loss_tiles
+    launches = L * ((mlp_tiles or 0) * passes + stages * (passes - (keep and untied))) + loss_tiles
     # Sparse offload's replayed forwards: each a block forward (the recompute of a kept-input layer, again).
     recompute += replayed * layer_gemm
     a2a += replayed * _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
@@ -224,12 +233,14 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     layer_bytes = T * item * (10 * h + 2 * (H + Hkv) * d + 3 * f + 2 * (2 * H + 2 * Hkv) * d)
     passes_fwd = 2 if full else 1
     elementwise = (L * (passes_fwd + 2) + replayed) * layer_bytes + 6 * T * V * 4
+    attention_recomputed = R if full and not keep else 0
     return Work(L * layer_gemm + head_gemm, recompute, L * attention,
-                (R * attention if full else 0.0) + replayed * attention,
-                L * attention * FA2_BACKWARD_WORK, a2a, ring_fwd * (L + (R if full else 0) + replayed), ring_bwd * L,
+                attention_recomputed * attention + replayed * attention,
+                L * attention * FA2_BACKWARD_WORK, a2a, ring_fwd * (L + attention_recomputed + replayed), ring_bwd * L,
                 fsdp, T * h * item, offloaded,
                 L, launches, elementwise, 28 * total_params / max(shards, 1),
-                3 * (L * layer_gemm + head_gemm + L * attention), kept, replayed, replay_gathers)
+                3 * (L * layer_gemm + head_gemm + L * attention), kept, replayed, replay_gathers,
+                T * H * (d * item + 4) if keep else 0.0)
 
 
 def _a2a_bytes(T, H, Hkv, d, item, a2a, untied, full, forward_only: bool = False) -> float:
@@ -316,8 +327,10 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
     exposed += w.replay_gathers * gather / fsdp_link
     block_fwd = (w.gemm_fwd / rates.gemm_flops + a_fwd) / max(w.layers, 1)
     copy = w.offload_bytes_per_layer / rates.host_copy_bytes
+    att = w.kept_attention_bytes_per_layer / rates.host_copy_bytes  # every offloaded layer's, kept input or not
     kept = w.offloaded_layers if w.kept_inputs is None else w.kept_inputs
-    stalls = kept * max(0.0, copy - block_fwd) + w.offloaded_layers * copy
+    stalls = (kept * max(0.0, copy + att - block_fwd) + (w.offloaded_layers - kept) * max(0.0, att - block_fwd)
+              + w.offloaded_layers * (copy + att))
     seconds = dict.fromkeys(CAUSES, 0.0)
     seconds.update({"attention forward": a_fwd, "attention recompute": a_re, "attention backward": a_bwd,
                     "GEMMs": gemm, "recompute of the rest": w.gemm_recompute / rates.gemm_flops,
@@ -363,11 +376,15 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
     if mem.offload_activations and mem.offload_every_k_layers > 1:
         without.append((f"sparse offload (k={mem.offload_every_k_layers}, against k=1)", dataclasses.replace(
             cfg, memory=dataclasses.replace(mem, offload_every_k_layers=1))))
+    if mem.keep_attention_output and mem.recompute_granularity == "full":
+        without.append(("kept attention output (against recomputing it)", dataclasses.replace(
+            cfg, memory=dataclasses.replace(mem, keep_attention_output=False))))
     if mem.offload_activations:
         without.append(("offload", dataclasses.replace(cfg, memory=dataclasses.replace(
             mem, offload_activations=False, offload_every_k_layers=1))))
     if mem.recompute_granularity != "none":
-        m = dataclasses.replace(mem, recompute_granularity="none", offload_activations=False)
+        m = dataclasses.replace(mem, recompute_granularity="none", offload_activations=False,
+                                keep_attention_output=False)
         without.append((f"{mem.recompute_granularity} recompute (and offload)", dataclasses.replace(cfg, memory=m)))
     if mem.tiled_mlp:
         without.append(("tiled MLP", dataclasses.replace(cfg, memory=dataclasses.replace(mem, tiled_mlp=False))))

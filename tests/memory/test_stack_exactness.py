@@ -126,3 +126,98 @@ def test_sparse_offload_with_fsdp_and_every_context_parallel_backend_matches_sin
     """2 ranks, one after the other in the same processes: Ulysses, Untied Ulysses (norm and o_proj folded into
     it), ring, FSDP alone; with tiled MLP and loss, prefetch and fetch on demand; two optimizer steps each."""
     run_distributed(_sparse_cases, 2)
+
+
+# --- kept attention: the recompute takes the forward's attention output and lse, runs no attention forward ----
+
+
+def _keep(offload=True, **more):
+    return ParallelizeOptions(recompute_granularity="full", offload_activations=offload, keep_attention_output=True,
+                              **more)
+
+
+KEEP_STACKS = {  # name: (options, host slots of attention outputs: the offloaded layers, 3 of 4)
+    "on-the-gpu": (_keep(offload=False), 0),
+    "offloaded": (_keep(), 3),
+    "offloaded-everything-on-demand": (_keep(offload_prefetch=False, mlp_tiles=3, loss_tiles=5), 3),
+    "sparse-k2-everything": (_keep(offload_every_k_layers=2, mlp_tiles=3, loss_tiles=5), 3),
+}
+
+
+def _counting_forwards(monkeypatch):
+    """Count the attention kernel's forward calls (the local backend's kernel, wrapped)."""
+    from megatron_lc.attention import local
+    from megatron_lc.attention.kernels import Kernel
+
+    calls = []
+    real = local.LocalAttention.__call__
+
+    def call(self, *args):
+        if not self.kernel.name.startswith("counted-"):
+            inner = self.kernel
+            self.kernel = Kernel("counted-" + inner.name, lambda *a, **k: (calls.append(1), inner.forward(*a, **k))[1],
+                                 inner.backward)
+        return real(self, *args)
+
+    monkeypatch.setattr(local.LocalAttention, "__call__", call)
+    return calls
+
+
+@pytest.mark.parametrize("stack", sorted(KEEP_STACKS))
+def test_kept_attention_is_bit_identical_to_recomputing_it_and_runs_each_attention_forward_once(stack, monkeypatch):
+    opts, attention_slots = KEEP_STACKS[stack]
+    calls = _counting_forwards(monkeypatch)
+    ref_loss, ref_grads, _ = _sparse_loss_and_grads(ParallelizeOptions())
+    same = dataclasses.replace(opts, keep_attention_output=False)
+    recomputed_loss, recomputed_grads, recomputing = _sparse_loss_and_grads(same)
+    replays = 1 if opts.offload_every_k_layers == 2 else 0  # segments {0, 1}, {2}: layer 1 replays block 0
+    assert len(calls) == 4 + 4 + 4 + replays  # the reference; the forward and the recompute of every block
+    del calls[:]
+    loss, grads, offload = _sparse_loss_and_grads(opts)
+    assert len(calls) == 4 + replays  # the forward (and the sparse replay) only
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert torch.equal(loss, recomputed_loss)  # the kept tensors are those the recompute would make: equal
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        assert torch.equal(g, recomputed_grads[n]), n
+    if offload is not None:  # each offloaded layer's output [B*S, H, d] and fp32 lse [H, B*S] on the host too
+        c, tokens = SPARSE_CONFIG, BATCH["num_samples"] * BATCH["seq_length"]
+        kept = attention_slots * tokens * c.num_attention_heads * (c.kv_channels + 1) * 4
+        assert offload.host_bytes_peak == recomputing.host_bytes_peak + kept
+        assert offload.host_bytes_in_use == 0
+
+
+def test_kept_attention_requires_full_recompute():
+    with pytest.raises(ValueError, match="--keep-attention-output .* needs --recompute-granularity full"):
+        ParallelizeOptions(recompute_granularity="selective", keep_attention_output=True).validate()
+
+
+KEEP_CASES = {  # name: (cp, cp_ring, options)
+    "ulysses-cp2-sparse-k2-everything": (2, 1, _keep(offload_every_k_layers=2, mlp_tiles=3, loss_tiles=5)),
+    "untied-cp2": (2, 1, _keep(cp_impl="untied_ulysses", heads_per_stage=4, mlp_tiles=3, loss_tiles=5)),
+    "ring-cp2-on-the-gpu": (2, 2, _keep(offload=False, mlp_tiles=3, loss_tiles=5)),
+}
+
+
+def _keep_cases(rank, world):
+    from megatron_lc.memory.kept_attention import KeptAttention
+
+    taken, take = [], KeptAttention.take
+    KeptAttention.take = lambda self: (taken.append(self.layer_idx), take(self))[1]
+    try:
+        for name, (cp, ring, opts) in KEEP_CASES.items():
+            try:
+                taken.clear()
+                check_against_reference(rank, world, SPARSE_CONFIG, cp, opts, BATCH, 2, ring)
+                assert sorted(taken) == sorted([0, 1, 2, 3] * 2), taken  # each block's recompute, both steps
+            except Exception as e:
+                raise AssertionError(f"case {name}: {e}") from e
+    finally:
+        KeptAttention.take = take
+
+
+def test_kept_attention_with_fsdp_and_every_context_parallel_backend_matches_single_process():
+    """2 ranks (FSDP over the cp ranks), case after case in the same processes: Ulysses with sparse offload k = 2,
+    Untied Ulysses (norm and o_proj folded into it) offloaded, ring with the attention kept on the GPU; tiled MLP
+    and loss; two optimizer steps each. Every block's recompute takes its kept attention."""
+    run_distributed(_keep_cases, 2)

@@ -45,7 +45,10 @@ DISTRIBUTED["ring-p2p-cp4-full-stack"] = dict(context_parallel_size=4, cp_comm_t
 DISTRIBUTED["untied-2x2-ring-full-stack"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
                                                  cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2],
                                                  **FULL_STACK)
-SINGLE = {"one-rank": {}, "one-rank-full-stack": dict(FULL_STACK)}
+SINGLE = {"one-rank": {}, "one-rank-full-stack": dict(FULL_STACK),
+          # Kept attention outputs and lse: offloaded with the block inputs (host bytes about double), or on the GPU.
+          "one-rank-full-stack-kept-attention": dict(FULL_STACK, keep_attention_output=True),
+          "one-rank-kept-attention-on-the-gpu": dict(recompute_granularity="full", keep_attention_output=True)}
 
 
 def _config(name):

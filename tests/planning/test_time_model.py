@@ -66,6 +66,30 @@ def test_each_memory_layer_adds_the_time_of_the_work_it_adds():
     assert tiled.step_s - base.step_s == pytest.approx(314 * H100.launch_s)
 
 
+def test_kept_attention_drops_the_attention_recompute_for_its_host_copies():
+    stack = ("--recompute-granularity", "full", "--offload-activations", "--tiled-mlp", "--tiled-loss")
+    for impl in ("ulysses", "untied_ulysses"):
+        base = predict(_cfg(*stack, "--cp-impl", impl), 8, H100)
+        kept = predict(_cfg(*stack, "--cp-impl", impl, "--keep-attention-output"), 8, H100)
+        assert base.seconds["attention recompute"] > 0 == kept.seconds["attention recompute"]
+        assert kept.seconds["attention forward"] == base.seconds["attention forward"]
+        # Each of the 31 offloaded layers also moves its output [S/cp, H*d] bf16 and lse [H, S/cp] fp32 to the
+        # host (hidden by the next block's forward) and back (exposed).
+        extra = 131072 * 32 * (128 * 2 + 4) / H100.host_copy_bytes
+        assert kept.seconds["offload stalls"] - base.seconds["offload stalls"] == pytest.approx(31 * extra)
+        if impl == "untied_ulysses":  # no stage runs in the recompute: no q/k/v projection, no forward all-to-all
+            assert kept.seconds["recompute of the rest"] < base.seconds["recompute of the rest"]
+            assert kept.seconds["exposed communication"] < base.seconds["exposed communication"]
+        else:  # Ulysses' recompute still projects and exchanges q, k, v (the backward needs them) and the output
+            assert kept.seconds["recompute of the rest"] == base.seconds["recompute of the rest"]
+            assert kept.seconds["exposed communication"] == base.seconds["exposed communication"]
+    ring = ("--cp-comm-type", "p2p", "--recompute-granularity", "full")
+    assert step_work(_cfg(*ring, "--keep-attention-output"), 8).ring_bytes_fwd \
+        == step_work(_cfg(*ring), 8).ring_bytes_fwd / 2  # the recompute's ring exchange is not run again
+    costs = dict(timing.layer_costs(_cfg(*stack, "--keep-attention-output"), 8, H100))
+    assert costs["kept attention output (against recomputing it)"] < 0  # it saves time
+
+
 def test_fa3_rates_shorten_attention_only():
     cfg = _cfg("--recompute-granularity", "full")
     fa2, fa3 = predict(cfg, 8, H100, family="fa2"), predict(cfg, 8, H100, family="fa3")

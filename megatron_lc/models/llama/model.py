@@ -152,6 +152,9 @@ class BlockMemory:
     """none | full (keep only the block input) | selective (keep attention, recompute the MLP half)."""
     offload: object | None = None
     """An OffloadScheduler for the kept block inputs (full recompute only)."""
+    keep_attention: bool = False
+    """Full recompute: keep the attention output and lse too (with the input: on the host when offloaded), so
+    the recompute does not run the attention forward kernel again (--keep-attention-output)."""
 
 
 class TransformerBlock(nn.Module):
@@ -172,7 +175,8 @@ class TransformerBlock(nn.Module):
             return checkpoint_residual_block((lambda t: self._attention_branch(t, cos, sin, cu_seqlens),
                                               self._mlp_branch), x, offload=self.memory.offload,
                                              layer_idx=self.layer_idx, owns_output_grad=True,
-                                             replay_params=self.gathered_parameters)
+                                             replay_params=self.gathered_parameters,
+                                             keep_attention=self.memory.keep_attention)
         return self._forward(x, cos, sin, cu_seqlens)
 
     @contextlib.contextmanager

@@ -48,6 +48,9 @@ class ParallelizeOptions:
     """Bring offloaded inputs back one layer ahead of need (False: on demand, one input less resident)."""
     offload_every_k_layers: int = 1
     """Sparse offload: only every k-th offloaded layer keeps its input, the others' are recomputed from it."""
+    keep_attention_output: bool = False
+    """Full recompute: each checkpointed block keeps its attention output and lse (on the host where its input
+    is offloaded), and its recompute skips the attention forward kernel."""
     mlp_tiles: int | None = None
     """Sequence tiles of the MLP; None: untiled."""
     loss_tiles: int | None = None
@@ -74,6 +77,9 @@ class ParallelizeOptions:
         if self.offload_every_k_layers > 1 and not self.offload_activations:
             raise ValueError("--offload-every-k-layers keeps every k-th offloaded block input: "
                              "it needs --offload-activations")
+        if self.keep_attention_output and self.recompute_granularity != "full":
+            raise ValueError("--keep-attention-output keeps what full recompute would run again: "
+                             "it needs --recompute-granularity full")
         if not self.offload_prefetch and not self.offload_activations:
             raise ValueError("--no-offload-prefetch changes how offloaded block inputs come back: "
                              "it needs --offload-activations")
@@ -101,6 +107,7 @@ def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: De
         full_block = opts.recompute_granularity == "full"
         layer.memory.recompute = opts.recompute_granularity if not full_block or i < checkpointed else "none"
         layer.memory.offload = offload if layer.memory.recompute == "full" else None
+        layer.memory.keep_attention = opts.keep_attention_output and layer.memory.recompute == "full"
         layer.mlp.num_tiles = opts.mlp_tiles
     model.head.loss_tiles = opts.loss_tiles
     return offload
