@@ -24,7 +24,7 @@ endif
 	touch $(STAMP)
 
 test: install
-	$(PYTHON) -m pytest tests -x --durations=15
+	$(PYTHON) -m pytest tests -x -n 2 --dist loadfile --durations=15
 
 demo: install
 	$(PYTHON) examples/quickstart/demo.py

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import socket
 from dataclasses import dataclass
 
@@ -16,10 +18,33 @@ from megatron_lc.entry import exit_process
 from megatron_lc.context_layout import ContextLayout
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+_port_draws = itertools.count(random.SystemRandom().randrange(1000))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a rendezvous, below the ephemeral range (no connection of another test's processes can
+    take it before the rendezvous binds it) and, under pytest-xdist, in this worker's own share of the ports."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = 10000
+    span = max(1000, (_ephemeral_low() - low) // max(workers, 1))
+    for _ in range(span):
+        port = low + index * span + next(_port_draws) % span
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (or waiting to close): the next one
+            return port
+    raise RuntimeError(f"no free port in {low + index * span}-{low + (index + 1) * span}")
 
 
 def _worker(rank, fn, world_size, port, args):
