@@ -267,7 +267,8 @@ def plan(argv: list[str]) -> int:
             out["reason"] = no_fit_reason(min(result.evaluated, key=lambda e: e.seq_length, default=None),
                                           "the shortest length tried")
         if not planner.json:
-            print(f"longest length that fits: {result.max_seq_length:,} tokens")
+            bound = {"GPU": " (bound by GPU memory)", "host": " (bound by the node's host memory)"}
+            print(f"longest length that fits: {result.max_seq_length:,} tokens{bound.get(result.bound_by, '')}")
             if result.best:
                 print(report.estimate_table(planning_config(cfg, result.max_seq_length), result.best))
             else:

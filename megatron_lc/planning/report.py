@@ -110,6 +110,7 @@ def search_json(result: SearchResult) -> dict:
     shown = result.best or (result.evaluated[0] if result.evaluated else None)
     out = shown.to_json() if shown else {"seq_length": 0, "fits": False, "gpu_peak_gib": None, "host_peak_gib": None}
     out["max_seq_length"] = result.max_seq_length
+    out["bound_by"] = result.bound_by
     out["evaluated"] = [{"seq_length": e.seq_length, "gpu_peak_gib": round(e.gpu_peak_bytes / GIB, 3),
                          "host_peak_gib": round(e.host_bytes_per_node / GIB, 3), "fits": e.fits}
                         for e in result.evaluated]
@@ -118,16 +119,16 @@ def search_json(result: SearchResult) -> dict:
 
 def ablation_table(rows: list[tuple[StackLayer, SearchResult]]) -> str:
     """Markdown: the longest context with each layer of the stack added in turn, and what sets the limit."""
-    lines = ["| stack (added in turn) | longest context | GPU peak there | host per node there | "
-             "largest buffers at the limit |", "| --- | ---: | ---: | ---: | --- |"]
+    lines = ["| stack (added in turn) | longest context | bound by | GPU peak there | host per node there | "
+             "largest buffers at the limit |", "| --- | ---: | --- | ---: | ---: | --- |"]
     for layer, result in rows:
         best = result.best
         if best is None:
-            lines.append(f"| {layer.name} | none fits | | | |")
+            lines.append(f"| {layer.name} | none fits | | | | |")
             continue
         top = "; ".join(f"{count} x {name} ({nbytes / GIB:.1f} GiB)" for name, count, nbytes in best.top_buffers[:2])
-        lines.append(f"| {layer.name} | {result.max_seq_length:,} | {best.gpu_peak_bytes / GIB:.1f} GiB | "
-                     f"{best.host_bytes_per_node / GIB:.0f} GiB | {top} |")
+        lines.append(f"| {layer.name} | {result.max_seq_length:,} | {result.bound_by or '?'} | "
+                     f"{best.gpu_peak_bytes / GIB:.1f} GiB | {best.host_bytes_per_node / GIB:.0f} GiB | {top} |")
     return "\n".join(lines)
 
 

@@ -32,6 +32,15 @@ class SearchResult:
     best: Estimate | None
     evaluated: list[Estimate] = field(default_factory=list)
 
+    @property
+    def bound_by(self) -> str | None:
+        """What stops the next length: "GPU" (its memory), "host" (the node's, GPU fitting) or None (not known)."""
+        longer = [e for e in self.evaluated if e.seq_length > self.max_seq_length and not e.fits]
+        if not longer:
+            return None
+        first = min(longer, key=lambda e: e.seq_length)
+        return "GPU" if not first.fits_gpu else "host"
+
 
 def length_multiple(cfg: TrainConfig) -> int:
     """What every searched length is a multiple of: the cp degree and the token granule."""

@@ -488,6 +488,18 @@ def _best_time(fn, repeats: int = 5) -> float:
     return best
 
 
+COPY_BYTES = 64 << 20
+"""Bytes of the calibration's memory copy: past the caches, so that it measures the memory's bandwidth."""
+
+
+def copy_operands(nbytes: int = COPY_BYTES):
+    """Source and destination fp32 tensors of `nbytes` each for the bandwidth measurement."""
+    import torch
+
+    src = torch.randn(nbytes // 4)
+    return src, torch.empty_like(src)
+
+
 def _measure_local(threads: int, shapes: CalibrationShapes) -> dict:
     """GEMM (a layer's projections, MLP and the output head at the step's shapes), CPU flash attention,
     copy and in-process exchange rates of this machine."""
@@ -512,9 +524,8 @@ def _measure_local(threads: int, shapes: CalibrationShapes) -> dict:
         fwd = attention / _best_time(lambda: kernel.forward(q, k, v, cu), repeats=3)
         bwd = FA2_BACKWARD_WORK * attention / _best_time(
             lambda: kernel.backward(out, q, k, v, out, lse, cu, state=state), repeats=3)
-        src = torch.randn(16 << 20 // 4)
-        dst = torch.empty_like(src)
-        copy = src.numel() * 4 / _best_time(lambda: dst.copy_(src))
+        src, dst = copy_operands()
+        copy = src.numel() * src.element_size() / _best_time(lambda: dst.copy_(src))
         small = torch.randn(8)
         launch = _best_time(lambda: [small.add(1) for _ in range(1000)]) / 1000
     finally:

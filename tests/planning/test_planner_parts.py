@@ -1,6 +1,7 @@
 """The planner's parts: kernel stand-ins, the length search, the command line."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -71,6 +72,24 @@ def test_search_returns_the_longest_fitting_multiple(limit):
     step = length_multiple(cfg)
     assert result.max_seq_length == (limit // step) * step
     assert len(result.evaluated) < 4 * math.log2(max(limit, step) / step + 2) + 8
+
+
+def test_search_says_which_memory_stops_the_next_length():
+    """GPU memory grows slowly and host memory fast: the host stops the search first, then the GPU alone."""
+    cfg = config_from_values(dict(model="debug", context_parallel_size=4))
+    on_gpu = _fake_estimate(40_000)
+
+    def with_host(host_limit):
+        def evaluate(cfg, machine, length):
+            e = on_gpu(cfg, machine, length)
+            return dataclasses.replace(e, host_bytes_per_gpu=int(GIB * length / host_limit))
+        return evaluate
+
+    machine = Machine(num_gpus=4, gpu_memory_gib=10, reserve_gib=0, host_memory_gib=4, host_reserve_gib=0)
+    host_bound = find_max_seq_length(cfg, machine, evaluate=with_host(10_000))
+    gpu_bound = find_max_seq_length(cfg, machine, evaluate=with_host(10**9))
+    assert host_bound.bound_by == "host" and host_bound.max_seq_length < gpu_bound.max_seq_length
+    assert gpu_bound.bound_by == "GPU"
 
 
 def _run_tool(argv):

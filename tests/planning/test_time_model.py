@@ -174,3 +174,9 @@ def test_fa3_behind_torchs_flash_kernel_is_priced_at_fa3s_rates_where_the_gpus_t
     assert TimeModel.for_machine(Machine(), _cfg("--flash-attention-impl", "fa3")).family == "fa3"
     assert TimeModel.for_machine(Machine(node="dgx-a100-80gb", fa3=True), cfg).family == "fa2"  # sm80: no FA3
     assert TimeModel.for_machine(Machine(fa3=True), _cfg("--flash-attention-impl", "default")).family == "fa2"
+
+
+def test_the_bandwidth_calibration_copies_past_the_caches():
+    """A copy of a few KiB would measure the launch cost, not the memory (the elementwise term's rate)."""
+    src, dst = timing.copy_operands()
+    assert src.numel() * src.element_size() == timing.COPY_BYTES >= 64 << 20 and dst.shape == src.shape
