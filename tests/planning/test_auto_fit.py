@@ -186,7 +186,7 @@ def test_strip_memory_flags():
 
 def test_command_line_flags_parse_and_validate():
     base = [*TINY, "--num-gpus", "2", "--reserve-gib", "0", "--gpu-memory-gib", "0.25", "--recompute-granularity",
-            "selective", "--auto-fit", "--json"]
+            "selective", "--auto-fit", "--auto-fit-max-traces", "10", "--json"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         assert estimate_memory.main(base) == 0
