@@ -38,6 +38,18 @@ def test_block_with_offload_offloads_only_the_checkpointed_blocks():
     assert _losses(run) == pytest.approx(_losses(plain), rel=1e-6)
 
 
+def test_block_with_sparse_offload_and_kept_attention_trains_the_same():
+    """The first 3 of 4 blocks checkpointed and offloaded in segments of 2 (inputs of 0 and 2 kept), their
+    attention outputs kept: the same losses as the plain model."""
+    flags = ["--num-layers", "4", *FULL, "--recompute-method", "block", "--recompute-num-layers", "3",
+             "--offload-activations", "--offload-keep-last", "0", "--offload-every-k-layers", "2",
+             "--keep-attention-output"]
+    run = build_run(parse_config(BASE + flags))
+    assert [layer.memory.recompute for layer in run.model.layers] == ["full", "full", "full", "none"]
+    plain = build_run(parse_config(BASE + ["--num-layers", "4"]))
+    assert _losses(run) == pytest.approx(_losses(plain), rel=1e-6)
+
+
 @pytest.mark.parametrize("flags, message", [
     (FULL + ["--recompute-method", "uniform", "--recompute-num-layers", "2"],
      "--recompute-method uniform --recompute-num-layers 2: checkpointing here is per block"),
