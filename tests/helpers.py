@@ -8,12 +8,14 @@ import random
 import socket
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lc.entry import exit_process
 from megatron_lc.context_layout import ContextLayout
 
@@ -119,3 +121,15 @@ class ResidualMLPBlock(nn.Module):
 
     def forward(self, x):
         return x + self.w2(F.silu(self.w1(self.norm(x))))
+
+
+def write_random_dataset(prefix, *, documents: int, lengths: tuple[int, int], vocab: int, seed: int = 0) -> str:
+    """A uint16 `PREFIX.bin/.idx` of `documents` random documents of `lengths` [low, high) tokens with ids in
+    [1, vocab); returns the prefix."""
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16) as builder:
+        for length in rng.integers(*lengths, size=documents):
+            builder.add_item(rng.integers(1, vocab, size=length))
+            builder.end_document()
+        builder.finalize(f"{prefix}.idx")
+    return str(prefix)

@@ -2,12 +2,11 @@
 
 import json
 
-import numpy as np
 import pytest
 
 from megatron_lc.config import ConfigError, parse_config
-from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lc.training.trainer import train
+from tests.helpers import write_random_dataset
 
 MODEL = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "2",
          "--num-query-groups", "1", "--vocab-size", "128", "--device", "cpu", "--seq-length", "16", "--lr", "3e-3",
@@ -15,13 +14,7 @@ MODEL = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", 
 
 
 def _dataset(prefix, seed: int) -> str:
-    rng = np.random.default_rng(seed)
-    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16) as builder:
-        for length in rng.integers(10, 40, size=20):
-            builder.add_item(rng.integers(1, 128, size=length))
-            builder.end_document()
-        builder.finalize(f"{prefix}.idx")
-    return str(prefix)
+    return write_random_dataset(prefix, documents=20, lengths=(10, 40), vocab=128, seed=seed)
 
 
 def _losses(tmp_path, name, *flags):

@@ -1,25 +1,18 @@
 """--skip-train and --full-validation, through the trainer."""
 
-import numpy as np
 import pytest
 
 from megatron_lc.config import ConfigError, parse_config
-from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lc.training import checkpointing
 from megatron_lc.training.trainer import build_run, train
+from tests.helpers import write_random_dataset
 
 MODEL = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "2",
          "--num-query-groups", "1", "--vocab-size", "128", "--device", "cpu", "--seq-length", "16", "--lr", "3e-3"]
 
 
 def _dataset(prefix) -> str:
-    rng = np.random.default_rng(0)
-    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16) as builder:
-        for length in rng.integers(10, 40, size=30):
-            builder.add_item(rng.integers(1, 128, size=length))
-            builder.end_document()
-        builder.finalize(f"{prefix}.idx")
-    return str(prefix)
+    return write_random_dataset(prefix, documents=30, lengths=(10, 40), vocab=128)
 
 
 @pytest.fixture

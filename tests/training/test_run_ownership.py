@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from megatron_lc.config import ConfigError, build_parser, parse_config
-from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lc.training import checkpointing, save_lock
 from megatron_lc.training.trainer import train
+from tests.helpers import write_random_dataset
 
 BASE = ["--mock-data", "--seq-length", "32", "--lr", "3e-3", "--adam-eps", "1e-4", "--device", "cpu"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -222,13 +222,7 @@ def test_the_save_probe_writes_data(tmp_path, monkeypatch):
 
 
 def _dataset(prefix: Path) -> str:
-    rng = np.random.default_rng(0)
-    with IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16) as builder:
-        for length in rng.integers(10, 60, size=60):
-            builder.add_item(rng.integers(1, 512, size=length))
-            builder.end_document()
-        builder.finalize(f"{prefix}.idx")
-    return str(prefix)
+    return write_random_dataset(prefix, documents=60, lengths=(10, 60), vocab=512)
 
 
 def test_every_evaluation_is_logged_at_its_step_whatever_the_log_interval(tmp_path, capsys):
