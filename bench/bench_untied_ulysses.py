@@ -171,10 +171,11 @@ def _speed_worker(rank, world, args, results):
     reference_state = build_model(config, device="cpu", seed=0).state_dict()
     pstate = ParallelState(ParallelDims(world_size=world, cp=world))
     models = {}
-    for name, stage_heads in _speed_backends(args):
+    for name, stage_heads, overlap in _speed_backends(args):
         model = build_model(config, device="meta")
         cp_impl = "ulysses" if stage_heads is None else "untied_ulysses"
-        parallelize_llama(model, pstate, ParallelizeOptions(cp_impl=cp_impl, heads_per_stage=stage_heads), cpu)
+        opts = ParallelizeOptions(cp_impl=cp_impl, heads_per_stage=stage_heads, untied_overlap=overlap)
+        parallelize_llama(model, pstate, opts, cpu)
         materialize(model, cpu)
         set_model_state_dict(model, reference_state, options=StateDictOptions(full_state_dict=True))
         models[name] = model
@@ -186,10 +187,12 @@ def _speed_worker(rank, world, args, results):
         results.put(timed)
 
 
-def _speed_backends(args) -> list[tuple[str, int | None]]:
-    """(name, heads per stage) of each timed model; None is Ulysses."""
+def _speed_backends(args) -> list[tuple[str, int | None, bool]]:
+    """(name, heads per stage, pipelined stages) of each timed model; None is Ulysses. Each U is timed with
+    synchronous and with pipelined stages (`--untied-overlap-stages`)."""
     stages = args.heads_per_stage or [args.world, 2 * args.world]
-    return [("ulysses", None)] + [(f"untied_ulysses U={u}", u) for u in stages]
+    return [("ulysses", None, False)] + [(f"untied_ulysses U={u}{' overlapped' if overlap else ''}", u, overlap)
+                                         for u in stages for overlap in (False, True)]
 
 
 def run_speed(args) -> dict:
@@ -207,6 +210,8 @@ def run_speed(args) -> dict:
         for key in ("median_s", "min_s", "cpu_s"):
             row[key.replace("_s", "_ratio")] = row[key] / summary["ulysses"][key]
         row["loss"] = out["losses"][name]
+        synchronous = summary.get(name.removesuffix(" overlapped"))
+        row["vs_synchronous"] = row["median_s"] / synchronous["median_s"] if name.endswith("overlapped") else None
     return {"summary": summary, "times": times, "cpu_times": cpu_times}
 
 
@@ -215,11 +220,12 @@ def print_speed(args, result) -> None:
           f"({args.kv_heads[0]} kv), d={args.head_dim}, {args.seq_length} tokens, FSDP + cp={args.world}, "
           f"{args.world} gloo processes, {args.steps} timed steps after {args.warmup} warm-up")
     print("| backend | median step (s) | min step (s) | CPU s (all ranks) | median / Ulysses | min / Ulysses "
-          "| CPU / Ulysses | loss |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| CPU / Ulysses | median / synchronous | loss |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in result["summary"].items():
+        sync = "" if r["vs_synchronous"] is None else f"{r['vs_synchronous']:.3f}"
         print(f"| {name} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['cpu_s']:.2f} | {r['median_ratio']:.3f} | "
-              f"{r['min_ratio']:.3f} | {r['cpu_ratio']:.3f} | {r['loss']:.6f} |")
+              f"{r['min_ratio']:.3f} | {r['cpu_ratio']:.3f} | {sync} | {r['loss']:.6f} |")
 
 
 # --- main ----------------------------------------------------------------------------------

@@ -80,6 +80,9 @@ class ParallelArgs:
         "A x R = --context-parallel-size")
     untied_heads_per_stage: int | None = flag(None, "Untied Ulysses heads per stage (a multiple of the all-to-all "
                                               "degree; default that degree)")
+    untied_overlap_stages: bool = flag(False, "Untied Ulysses: the next stage's projections and all-to-alls in "
+                                       "flight while a stage attends, forward and backward (one more set of "
+                                       "stage buffers)")
     data_parallel_replicate: int = flag(1, "HSDP replicas (outer data-parallel dimension); the rest is sharded")
     attention_kernel: str = flag("auto", "local attention kernel",
                                  choices=("auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash",
@@ -342,6 +345,7 @@ class TrainConfig:
         dtype = torch.bfloat16 if self.train.bf16 else torch.float32
         return ParallelizeOptions(
             cp_impl=par.cp_impl, seq_length=self.data.seq_length, attention_kernel=par.attention_kernel, heads_per_stage=par.untied_heads_per_stage,
+            untied_overlap=par.untied_overlap_stages,
             recompute_granularity=mem.recompute_granularity, recompute_layers=(self.recomputed_layers(c.num_layers)
                                                                      if mem.recompute_method == "block" else None),
             offload_activations=mem.offload_activations,
@@ -459,6 +463,9 @@ class TrainConfig:
         layout = self.context_layout()
         layout.check(d.seq_length)
         a2a = layout.a2a_size
+        if p.untied_overlap_stages and (p.cp_impl != "untied_ulysses" or cp == 1):
+            raise ValueError("--untied-overlap-stages pipelines the stages of Untied Ulysses: it needs "
+                             "--cp-impl untied_ulysses and --context-parallel-size > 1")
         if cp > 1 and a2a == 1 and (p.cp_impl != "ulysses" or p.untied_heads_per_stage):
             raise ValueError(f"--cp-impl {p.cp_impl} and --untied-heads-per-stage choose the all-to-all level, which "
                              f"--cp-comm-type {p.cp_comm_type} with a ring of all {cp} ranks does not have")

@@ -20,13 +20,13 @@ CP_IMPLS = ("ulysses", "untied_ulysses")
 
 def build_attention_backend(name: str, head_dim: int, device: torch.device, pstate: ParallelState, *,
                             kernel: str = "auto", heads_per_stage: int | None = None,
-                            num_heads: int, num_kv_heads: int, seq_length: int | None = None):
+                            overlap: bool = False, num_heads: int, num_kv_heads: int, seq_length: int | None = None):
     """The backend `name` on `device`, checked against the head counts and the cp layout.
 
     `name` is the all-to-all level (`--cp-impl`); with a ring (`--cp-comm-type p2p` or
     `a2a+p2p`) its local kernel is ring attention over `pstate.ring_group`, which needs
     the `seq_length` it cuts into chunks. `heads_per_stage` (Untied Ulysses only)
-    defaults to the all-to-all degree: one head per rank per stage.
+    defaults to the all-to-all degree: one head per rank per stage; `overlap` pipelines its stages.
     """
     local_kernel = select_kernel(device, kernel)
     if name == "local" or pstate.cp_size == 1:
@@ -40,14 +40,15 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
         local_kernel = RingAttention(local_kernel, pstate.ring_group, layout, seq_length).as_kernel()
     if layout.a2a_size == 1:
         return LocalAttention(head_dim, local_kernel)  # the ring alone: every head on every rank
-    return _all_to_all_backend(name, head_dim, local_kernel, pstate, heads_per_stage, num_heads, num_kv_heads)
+    return _all_to_all_backend(name, head_dim, local_kernel, pstate, heads_per_stage, overlap, num_heads,
+                               num_kv_heads)
 
 
 def _all_to_all_backend(name: str, head_dim: int, kernel: Kernel, pstate: ParallelState,
-                        heads_per_stage: int | None, num_heads: int, num_kv_heads: int):
+                        heads_per_stage: int | None, overlap: bool, num_heads: int, num_kv_heads: int):
     a2a = pstate.context_layout.a2a_size
     check_ulysses_shapes(num_heads, num_kv_heads, a2a)
     if name == "ulysses":
         return UlyssesAttention(head_dim, kernel, pstate.a2a_group, a2a)
     plan = check_untied_shapes(num_heads, num_kv_heads, a2a, a2a if heads_per_stage is None else heads_per_stage)
-    return UntiedUlyssesAttention(head_dim, kernel, pstate.a2a_group, plan)
+    return UntiedUlyssesAttention(head_dim, kernel, pstate.a2a_group, plan, overlap=overlap)

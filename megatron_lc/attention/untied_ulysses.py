@@ -36,9 +36,15 @@ backend object and reused across stages, layers and steps; it is the only state.
 buffers are transient (freed before the attention kernels run, so they never add to the
 peak). Blocks that travel at the same time share one all-to-all, so a forward stage costs
 one exchange each way; a backward stage sends its output and output gradient in two
-exchanges of their own (the kernels want their rows contiguous, see `_stage_backward`). Exchanges are synchronous: overlapping one stage's exchange with the
-previous stage's attention would need a second set of stage buffers, which is the
-memory this backend exists to save.
+exchanges of their own (the kernels want their rows contiguous, see `_send_backward_inputs`).
+
+Exchanges are synchronous by default. With `overlap` (`--untied-overlap-stages`) the stages
+are pipelined: in forward the next stage's projections and exchange are in flight while a
+stage attends; in backward the next stage's q, o and do, and the previous stage's gradients
+on their way back, are in flight while a stage's kernel runs. That costs a second set of
+stage buffers (a third receive buffer for q in backward) and keeps the send buffers of
+exchanges in flight alive through the kernel: the planner traces both. The arithmetic and
+its order are the same either way, so the results are bit for bit the same.
 """
 
 from __future__ import annotations
@@ -234,9 +240,9 @@ class _Call:
     cu_seqlens: tuple
     out: torch.Tensor  # [B, s, H*d], written in forward, read in backward
     lses: list  # per stage (lse [U/cp, B*S], *kernel state), appended in forward, read in backward
-    dout: "OutputGradient | None" = None
+    dout: OutputGradient | None = None
     dx: torch.Tensor | None = None
-    norm: "InputNorm | None" = None  # x is the block input, normed on the fly by every projection
+    norm: InputNorm | None = None  # x is the block input, normed on the fly by every projection
 
     @property
     def batch(self) -> int:
@@ -327,7 +333,7 @@ class InputNorm:
     rstd: torch.Tensor  # [B, s] fp32
 
     @staticmethod
-    def of(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> "InputNorm":
+    def of(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> InputNorm:
         """rstd = 1 / sqrt(mean(x^2) + eps) per token, in fp32, a row chunk at a time (no fp32 copy of x)."""
         eps = torch.finfo(x.dtype).eps if eps is None else eps  # F.rms_norm's default
         rstd = torch.empty(x.shape[:2], dtype=torch.float32, device=x.device)
@@ -363,6 +369,55 @@ class OutputGradient:
 
 
 @dataclass
+class _InFlight:
+    """An all-to-all started and not yet waited for (already done when the backend does not overlap)."""
+
+    recv: torch.Tensor  # [B, cp, s, columns]
+    works: list
+    send: torch.Tensor | None  # what is being sent: referenced until the exchange completes
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        self.works, self.send = [], None
+        return self.recv
+
+
+@dataclass
+class _Sent:
+    """An exchange of blocks of heads, started. Only what the receiver needs is kept: the projected blocks
+    (their weight rows, for the gradients' way back) and the column range of every block; the tensors
+    that were packed are freed once sent."""
+
+    heads: list  # the projected blocks (_Heads), first in the exchange
+    columns: list  # column slice of every block, projected first
+    exchange: _InFlight
+    kv: _Sent | None = None  # the round's k and v, in an exchange of their own started just before
+    carried: tuple = ()  # forward: the stages whose outputs travel after the heads
+
+
+@dataclass
+class _BackwardSent:
+    """The exchanges one backward stage needs: q (maybe with k, v), its output, its output gradient."""
+
+    q: _Sent
+    o: _Sent
+    do: _Sent
+
+
+@dataclass
+class _Weights:
+    """The q/k/v weights and their gradient buffers (None where not needed)."""
+
+    wq: torch.Tensor
+    dwq: torch.Tensor | None
+    wk: torch.Tensor
+    dwk: torch.Tensor | None
+    wv: torch.Tensor
+    dwv: torch.Tensor | None
+
+
+@dataclass
 class UntiedUlyssesAttention:
     """The `untied_ulysses` backend: Ulysses attention in stages of `plan.heads_per_stage` heads.
 
@@ -387,6 +442,9 @@ class UntiedUlyssesAttention:
     kernel: Kernel
     group: object
     plan: StagePlan
+    overlap: bool = False
+    """Pipeline the stages (`--untied-overlap-stages`): the next stage's projections and exchanges are in
+    flight while this stage attends, forward and backward, in a second set of stage buffers."""
     workspace: StageWorkspace = field(default_factory=StageWorkspace)
 
     @property
@@ -415,34 +473,71 @@ class UntiedUlyssesAttention:
         """The output [B, S/cp, H*d] and each stage's (log-sum-exp [U/cp, B*S], *kernel state)."""
         out = x.new_empty(*x.shape[:2], self.plan.num_heads * self.head_dim)
         call = self._begin(x, cos, sin, cu_seqlens, out, [], norm)
-        pending = None  # the last stage's (output, stage), not yet sent back
-        for kv_round in range(self.plan.num_rounds):
-            kv = [self._k_heads(wk, None, kv_round), self._v_heads(wv, None, kv_round)]
-            if not self._kv_with_stage:
-                k, v = map(self._full_sequence, self._exchange(call, kv, "recv_kv"))
-            for stage in self.plan.stages(kv_round):
-                blocks = [*(kv if self._kv_with_stage else []), self._q_heads(wq, None, stage)]
-                received = self._exchange_with_output(call, blocks, pending)
-                if self._kv_with_stage:
-                    k, v = received[:2]
-                o, lse, state = self.kernel.forward(received[-1], k, v, cu_seqlens)
-                call.lses.append((lse, *state))
-                pending = (o, stage)
-        self._exchange_with_output(call, [], pending)
+        weights = _Weights(wq, None, wk, None, wv, None)
+        pending: list = []  # (output, stage) of stages attended whose output is not yet sent back
+        sent, k, v = None, None, None
+        for stage in range(self.plan.num_stages):
+            sent = sent or self._send_stage_inputs(call, weights, stage, pending)
+            q, round_k, round_v = self._receive_stage_inputs(call, sent)
+            k, v = (round_k, round_v) if round_k is not None else (k, v)
+            sent = None
+            if self.overlap and stage + 1 < self.plan.num_stages:  # in flight while this stage attends
+                sent = self._send_stage_inputs(call, weights, stage + 1, pending)
+            o, lse, state = self.kernel.forward(q, k, v, cu_seqlens)
+            call.lses.append((lse, *state))
+            pending.append((o, stage))
+            del q, o
+        self._receive_stage_inputs(call, self._send_with_outputs(call, [], pending, self._role("recv_stage", 0)))
         self.workspace.release()
         return out, call.lses
 
-    def _exchange_with_output(self, call: _Call, blocks: list[_Heads], pending) -> list[torch.Tensor]:
-        """Exchange `blocks` together with the pending stage output (written into out); returns the
-        blocks over the full sequence."""
-        if pending is not None:
-            o, stage = pending
-            blocks = [*blocks, _Heads(o.shape[1] * self.head_dim, full=o)]
-        received = self._exchange(call, blocks, "recv_stage")
-        if pending is not None:  # this rank's tokens, every source rank's heads of that stage
-            back = received.pop().unflatten(-1, (-1, self.head_dim))
-            self._output_piece(call.out, stage).copy_(back.transpose(1, 2))
-        return [self._full_sequence(t) for t in received]
+    def _send_stage_inputs(self, call: _Call, weights: _Weights, stage: int, pending: list) -> _Sent:
+        """Start the exchange of a forward stage's q (with its round's k and v when they travel with it, or
+        in an exchange of their own just before it when the stage opens a round) together with the
+        `pending` outputs, which it empties."""
+        kv_round = stage // self.plan.stages_per_round
+        kv = [self._k_heads(weights.wk, None, kv_round), self._v_heads(weights.wv, None, kv_round)]
+        kv_sent = None
+        if not self._kv_with_stage and stage == self.plan.stages(kv_round)[0]:
+            kv_sent = self._send(call, kv, self._role("recv_kv", kv_round))
+        heads = [*(kv if self._kv_with_stage else []), self._q_heads(weights.wq, None, stage)]
+        return self._send_with_outputs(call, heads, pending, self._role("recv_stage", stage), kv_sent)
+
+    def _send_with_outputs(self, call: _Call, heads: list[_Heads], pending: list, role: str,
+                           kv_sent: _Sent | None = None) -> _Sent:
+        """Start exchanging `heads` and the `pending` (output, stage) pairs, which it empties."""
+        outputs = [_Heads(o.shape[1] * self.head_dim, full=o) for o, _ in pending]
+        carried = tuple(stage for _, stage in pending)
+        pending.clear()  # the send buffer holds the outputs now
+        sent = self._send(call, [*heads, *outputs], role, kv_sent)
+        sent.heads, sent.carried = heads, carried
+        return sent
+
+    def _send(self, call: _Call, blocks: list[_Heads], role: str, kv_sent: _Sent | None = None) -> _Sent:
+        return _Sent(blocks, self._columns(blocks), self._start_all_to_all(call, blocks, role), kv_sent)
+
+    def _receive_stage_inputs(self, call: _Call, sent: _Sent):
+        """Wait for `sent` and write the outputs it carried back into `call.out`. Returns the stage's q and
+        its round's k, v when they came with it (else None), over the full sequence."""
+        k_v = [self._full_sequence(t) for t in self._receive(sent.kv)] if sent.kv is not None else [None, None]
+        received = self._receive(sent)
+        n = len(sent.heads)
+        for stage, back in zip(sent.carried, received[n:]):  # this rank's tokens, every source rank's heads
+            self._output_piece(call.out, stage).copy_(back.unflatten(-1, (-1, self.head_dim)).transpose(1, 2))
+        heads = [self._full_sequence(t) for t in received[:n]]
+        if self._kv_with_stage and heads:
+            k_v = heads[:2]
+        return (heads[-1] if heads else None), *k_v
+
+    def _receive(self, sent: _Sent) -> list[torch.Tensor]:
+        """Wait for `sent`; each of its blocks as a view [B, cp, s, width] (index 1: the source rank)."""
+        recv = sent.exchange.wait()
+        return [recv[..., cols] for cols in sent.columns]
+
+    def _role(self, name: str, index: int, period: int = 2) -> str:
+        """The workspace role of stage or round `index`: with overlap `period` of them take turns, so the
+        next one's exchange lands while this one's buffer is in use."""
+        return f"{name}{index % period}" if self.overlap else name
 
     # --- backward ---
 
@@ -453,48 +548,73 @@ class UntiedUlyssesAttention:
         call = self._begin(x, cos, sin, cu_seqlens, out, lses, norm)
         call.dout = dout
         call.dx, dwq, dwk, dwv = (torch.zeros_like(t) if need else None for t, need in zip((x, wq, wk, wv), needs))
-        for kv_round in range(self.plan.num_rounds):
-            kv = [self._k_heads(wk, dwk, kv_round), self._v_heads(wv, dwv, kv_round)]
+        weights = _Weights(wq, dwq, wk, dwk, wv, dwv)
+        sent, k, v, round_kv, sums = None, None, None, None, None
+        returning: list[_Sent] = []  # gradients on their way back (with overlap: while the next kernel runs)
+        for stage in range(self.plan.num_stages):
+            sent = sent or self._send_backward_inputs(call, weights, stage)
+            q, o, do, got_k, got_v = self._receive_backward_inputs(sent)
+            if got_k is not None:
+                k, v = got_k, got_v
+            if sent.q.kv is not None:
+                round_kv = sent.q.kv.heads
+            blocks = sent.q.heads
+            sent = None
+            if self.overlap and stage + 1 < self.plan.num_stages:  # in flight while this stage's kernel runs
+                sent = self._send_backward_inputs(call, weights, stage + 1)
+            lse, *state = call.lses[stage]
+            dq, dk, dv = self.kernel.backward(do, q, k, v, o, lse, call.cu_seqlens, state=tuple(state))
+            del q, o, do
+            self._finish_grads(call, returning)  # the previous stage's, in the order they were sent
             if self._kv_with_stage:
-                self._stage_backward(call, self.plan.stages(kv_round)[0], (wq, dwq), kv_heads=kv)
+                grads = [dk, dv, dq]
             else:
-                self._round_backward(call, kv_round, (wq, dwq), kv)
+                sums, grads = self._sum_kv_grads(sums, dk, dv), [dq]
+            del dq, dk, dv  # `grads` holds the kernel's gradients until they are sent
+            # The received blocks are consumed: their buffer takes the gradients (with overlap, one of three:
+            # this stage's gradients arrive while the next stage attends and the one after arrives).
+            returning.append(self._send_grads(call, blocks, grads, self._role("recv_stage", stage, period=3)))
+            kv_round = stage // self.plan.stages_per_round
+            if not self._kv_with_stage and stage == self.plan.stages(kv_round)[-1]:
+                k = v = None  # consumed: their buffer takes dk, dv, summed over the round and sent back once
+                returning.append(self._send_grads(call, round_kv, list(sums), self._role("recv_kv", kv_round)))
+                sums = None
+            if not self.overlap:
+                self._finish_grads(call, returning)
+        self._finish_grads(call, returning)
         self.workspace.release()
         return call.dx, dwq, dwk, dwv
 
-    def _round_backward(self, call: _Call, kv_round: int, wq_dwq, kv: list[_Heads]) -> None:
-        """Stages sharing a round's k and v: their kv gradients are summed, then sent back once."""
-        k, v = map(self._full_sequence, self._exchange(call, kv, "recv_kv"))
-        sums = None
-        for stage in self.plan.stages(kv_round):
-            sums = self._stage_backward(call, stage, wq_dwq, kv=(k, v), sums=sums)
-        self._return_grads(call, kv, list(sums), "recv_kv")  # k and v are consumed: recv_kv takes dk, dv
-
-    def _stage_backward(self, call: _Call, stage: int, wq_dwq, *, kv_heads=(), kv=None, sums=None):
-        """One stage: exchange q, o, do (with `kv_heads` when k, v travel with it, else `kv` is given),
-        attention backward, gradients back into dx and dW. Returns the running sums of dk, dv when
-        k, v travel apart."""
+    def _send_backward_inputs(self, call: _Call, weights: _Weights, stage: int) -> _BackwardSent:
+        """Start the exchanges a backward stage needs: its q, re-projected (with its round's k and v when
+        they travel with it, or in an exchange of their own just before it when the stage opens a round),
+        then its output and its output gradient, each in an exchange of its own: torch's flash backward
+        copies an `out` or `grad_out` whose rows are not contiguous (a column slice of a packed exchange),
+        which at the backward's peak would cost two more [S, U/cp, d] tensors."""
         u = self.plan.stage_heads_per_rank * self.head_dim
-        q_heads = self._q_heads(*wq_dwq, stage)
-        received = self._exchange(call, [*kv_heads, q_heads], "recv_stage")
-        k, v = kv if kv is not None else map(self._full_sequence, received[:2])
-        q = self._full_sequence(received[-1])
-        # The output and its gradient each arrive in a buffer of their own: torch's flash backward copies
-        # an `out` or `grad_out` whose rows are not contiguous (a column slice of a packed exchange),
-        # which at the backward's peak would cost two more [S, U/cp, d] tensors.
-        o, do = (self._full_sequence(self._all_to_all(call, [_Heads(u, piece=piece)], role))
-                 for piece, role in ((self._output_piece(call.out, stage), "recv_out"),
-                                     (self._output_grad_piece(call.dout, stage), "recv_dout")))
-        lse, *state = call.lses[stage]
-        dq, dk, dv = self.kernel.backward(do, q, k, v, o, lse, call.cu_seqlens, state=tuple(state))
-        if kv is None:
-            blocks, grads = [*kv_heads, q_heads], [dk, dv, dq]
-        else:
-            sums, blocks, grads = self._sum_kv_grads(sums, dk, dv), [q_heads], [dq]
-        del dq, dk, dv  # `grads` holds the kernel's gradients until they are sent
-        # The received blocks are consumed: recv_stage takes the gradients.
-        self._return_grads(call, blocks, grads, "recv_stage")
-        return sums
+        kv_round = stage // self.plan.stages_per_round
+        kv = [self._k_heads(weights.wk, weights.dwk, kv_round), self._v_heads(weights.wv, weights.dwv, kv_round)]
+        kv_sent = None
+        if not self._kv_with_stage and stage == self.plan.stages(kv_round)[0]:
+            kv_sent = self._send(call, kv, self._role("recv_kv", kv_round))
+        heads = [*(kv if self._kv_with_stage else []), self._q_heads(weights.wq, weights.dwq, stage)]
+        q_sent = self._send(call, heads, self._role("recv_stage", stage, period=3), kv_sent)
+        o_sent = self._send(call, [_Heads(u, piece=self._output_piece(call.out, stage))],
+                            self._role("recv_out", stage))
+        do_sent = self._send(call, [_Heads(u, piece=self._output_grad_piece(call.dout, stage))],
+                             self._role("recv_dout", stage))
+        o_sent.heads = do_sent.heads = []  # pieces, not projections: freed once packed
+        return _BackwardSent(q_sent, o_sent, do_sent)
+
+    def _receive_backward_inputs(self, sent: _BackwardSent):
+        """Wait for a backward stage's exchanges: its q, o, do and its round's k, v when they came with it
+        (else None), over the full sequence."""
+        k_v = [self._full_sequence(t) for t in self._receive(sent.q.kv)] if sent.q.kv is not None else [None, None]
+        heads = [self._full_sequence(t) for t in self._receive(sent.q)]
+        o, do = (self._full_sequence(self._receive(s)[0]) for s in (sent.o, sent.do))
+        if self._kv_with_stage:
+            k_v = heads[:2]
+        return heads[-1], o, do, *k_v
 
     def _sum_kv_grads(self, sums, dk: torch.Tensor, dv: torch.Tensor):
         """Running sums of a round's dk and dv over its stages, in fp32 workspace buffers (cast once, when
@@ -505,18 +625,26 @@ class UntiedUlyssesAttention:
                                                                                           ("dv_sum", dv)))
         return sums[0].add_(dk), sums[1].add_(dv)
 
-    def _return_grads(self, call: _Call, blocks: list[_Heads], grads: list[torch.Tensor], role: str) -> None:
-        """Send each projected block's gradient [B*S, heads, d] back to its tokens' ranks, in one
-        all-to-all; accumulate dx and the blocks' weight-gradient rows. Empties `grads`, so the
-        gradients are freed once sent."""
+    def _send_grads(self, call: _Call, blocks: list[_Heads], grads: list[torch.Tensor], role: str) -> _Sent:
+        """Start sending each projected block's gradient [B*S, heads, d] back to its tokens' ranks, in one
+        all-to-all. Empties `grads`, so the gradients are freed once sent."""
         returned = [_Heads(b.width, full=g) for b, g in zip(blocks, grads)]
         grads.clear()
-        received = self._all_to_all(call, returned, role)  # this rank's tokens, every source rank's heads
-        del returned
-        for block, cols in zip(blocks, self._columns(blocks)):
-            if block.rotary:
-                _rotate_(received[..., cols].unflatten(-1, (-1, self.head_dim)), call.cos, call.sin, inverse=True)
-        self._project_back(call, blocks, received)
+        sent = self._send(call, returned, role)
+        sent.heads = blocks
+        return sent
+
+    def _finish_grads(self, call: _Call, returning: list[_Sent]) -> None:
+        """Wait for each returned gradient (this rank's tokens, every source rank's heads), in order, and
+        accumulate dx and the blocks' weight-gradient rows; empties `returning`."""
+        for sent in returning:
+            received = sent.exchange.wait()
+            for block, cols in zip(sent.heads, sent.columns):
+                if block.rotary:
+                    _rotate_(received[..., cols].unflatten(-1, (-1, self.head_dim)), call.cos, call.sin,
+                             inverse=True)
+            self._project_back(call, sent.heads, received)
+        returning.clear()
 
     # --- blocks of heads ---
 
@@ -585,14 +713,9 @@ class UntiedUlyssesAttention:
         """A received block [B, cp, s, width] (index 1: the source rank's tokens) as [B*S, heads, d]; a view."""
         return received.view(-1, received.shape[-1] // self.head_dim, self.head_dim)  # never a copy
 
-    def _exchange(self, call: _Call, blocks: list[_Heads], role: str) -> list[torch.Tensor]:
-        """`_all_to_all`, returning each received block as a view [B, cp, s, width] (index 1: the source rank)."""
-        recv = self._all_to_all(call, blocks, role)
-        return [recv[..., cols] for cols in self._columns(blocks)]
-
-    def _all_to_all(self, call: _Call, blocks: list[_Heads], role: str) -> torch.Tensor:
-        """Build every block for every rank and exchange them in one all-to-all into role's buffer
-        [B, cp, s, columns] (index 1: the source rank)."""
+    def _start_all_to_all(self, call: _Call, blocks: list[_Heads], role: str) -> _InFlight:
+        """Build every block for every rank and start exchanging them in one all-to-all into role's buffer
+        [B, cp, s, columns] (index 1: the source rank); asynchronous with overlap, else done on return."""
         B, s = call.batch, call.local_len
         if len(blocks) == 1 and blocks[0].full is not None and blocks[0].full.dtype == call.x.dtype:
             # already in exchange layout
@@ -600,9 +723,9 @@ class UntiedUlyssesAttention:
         else:
             send = self._pack(call, blocks)
         recv = self.workspace.get(role, send.shape, send)
-        for b in range(B):
-            dist.all_to_all_single(recv[b], send[b], group=self.group)
-        return recv
+        works = [dist.all_to_all_single(recv[b], send[b], group=self.group, async_op=self.overlap)
+                 for b in range(B)]
+        return _InFlight(recv, works, send) if self.overlap else _InFlight(recv, [], None)
 
     def _pack(self, call: _Call, blocks: list[_Heads]) -> torch.Tensor:
         """A send buffer [B, cp, s, columns] holding the blocks side by side (projected ones first)."""

@@ -10,6 +10,11 @@ moves to the host and back. Each item's time is work over the machine's rate for
 
 - compute (GEMMs, attention, the optimizer) is serial on one stream;
 - all-to-all exchanges (Ulysses, Untied Ulysses) are synchronous: exposed in full;
+- with `--untied-overlap-stages` the inputs of every Untied Ulysses stage but the first travel
+  while the stage before it attends (forward, recompute and backward), and in backward a stage's
+  gradients travel back while the next one's kernel runs: what exceeds that attention is
+  exposed, and so are the first stage's inputs, a forward's last outputs and the backward's last
+  gradients;
 - ring attention's K/V and dK/dV exchange overlaps the attention on the block in hand:
   what exceeds that attention is exposed;
 - FSDP's all-gathers and reduce-scatters run on their own streams, prefetched one layer
@@ -166,6 +171,29 @@ class Work:
     """FSDP all-gathers of replayed blocks beyond those the backward makes anyway (exposed)."""
     kept_attention_bytes_per_layer: float = 0.0
     """--keep-attention-output: the attention output and lse each offloaded layer copies to the host and back."""
+    pipelined_a2a: tuple = ()
+    """--untied-overlap-stages: the all-to-alls of pipelined stages (PipelinedExchange), not in `a2a_bytes`."""
+
+
+@dataclass(frozen=True)
+class PipelinedExchange:
+    """The all-to-alls of pipelined Untied Ulysses stages in one kind of pass, over every layer and pass."""
+
+    kind: str
+    """fwd (forward, recompute, sparse offload's replays) or bwd: the attention rate that hides them."""
+    inputs_bytes: float
+    """Bytes of the stages' exchanges that attention can hide (in backward the gradients sent back too); one
+    stage's worth is exposed."""
+    attention_flops: float
+    """The attention of those passes."""
+    stages: int
+    exposed_bytes: float
+    """Bytes nothing hides besides: the forward's last outputs."""
+
+    def exposed_s(self, link: float, attention_rate: float) -> float:
+        """Seconds of exchange not hidden behind attention (stages of equal size)."""
+        t, a, n = self.inputs_bytes / link, self.attention_flops / attention_rate, self.stages
+        return t / n + self.exposed_bytes / link + (n - 1) / n * max(0.0, t - a)
 
 
 def sparse_offload_counts(offloaded: int, k: int) -> tuple[int, int, int]:
@@ -205,6 +233,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     recompute += L * 4 * T * h * f if mlp_tiles else 0  # gate and up again, tile by tile
     a2a = (_a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full and not (keep and untied)) * R
            + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, False) * (L - R))
+    attention_recomputed = R if full and not keep else 0
     ring_fwd = ring_bwd = 0.0
     if layout.ring_size > 1:
         kv = T * 2 * max(Hkv, 1) * d * item
@@ -225,6 +254,14 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     recompute += replayed * layer_gemm
     a2a += replayed * _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
     launches += replayed * ((mlp_tiles or 0) + stages)
+    pipelined = ()
+    if untied and par.untied_overlap_stages:
+        q, kv, o = _a2a_parts(T, H, Hkv, d, item, layout.a2a_size)
+        forwards = L + attention_recomputed + replayed  # passes that run the stages forward
+        pipelined = (PipelinedExchange("fwd", forwards * (q + kv + o), forwards * attention, stages, forwards * o / stages),
+                     PipelinedExchange("bwd", L * (2 * q + 2 * kv + 2 * o), L * attention * FA2_BACKWARD_WORK,
+                                       stages, 0.0))
+        a2a = 0.0
     total_params = L * params_layer + 2 * V * h
     # Per layer forward: two norms (read, write), two residual adds (2 reads, 1 write), rotary of q and k,
     # SwiGLU (2 reads, 1 write of [T, f]), the attention inputs and output packed for the exchange; the
@@ -233,28 +270,32 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     layer_bytes = T * item * (10 * h + 2 * (H + Hkv) * d + 3 * f + 2 * (2 * H + 2 * Hkv) * d)
     passes_fwd = 2 if full else 1
     elementwise = (L * (passes_fwd + 2) + replayed) * layer_bytes + 6 * T * V * 4
-    attention_recomputed = R if full and not keep else 0
     return Work(L * layer_gemm + head_gemm, recompute, L * attention,
                 attention_recomputed * attention + replayed * attention,
                 L * attention * FA2_BACKWARD_WORK, a2a, ring_fwd * (L + attention_recomputed + replayed), ring_bwd * L,
                 fsdp, T * h * item, offloaded,
                 L, launches, elementwise, 28 * total_params / max(shards, 1),
                 3 * (L * layer_gemm + head_gemm + L * attention), kept, replayed, replay_gathers,
-                T * H * (d * item + 4) if keep else 0.0)
+                T * H * (d * item + 4) if keep else 0.0, pipelined)
+
+
+def _a2a_parts(T, H, Hkv, d, item, a2a) -> tuple[float, float, float]:
+    """Bytes one rank sends of a layer's q, of its k and v, and of its output, in one exchange of each."""
+    rep = max(1, a2a // Hkv)  # kv heads replicated when there are fewer than ranks
+    off_rank = item * (a2a - 1) / a2a
+    return T * H * d * off_rank, T * 2 * Hkv * rep * d * off_rank, T * H * d * off_rank
 
 
 def _a2a_bytes(T, H, Hkv, d, item, a2a, untied, full, forward_only: bool = False) -> float:
     """Bytes one rank sends in a layer's all-to-alls (Ulysses or Untied Ulysses), all passes (or one forward)."""
     if a2a <= 1:
         return 0.0
-    rep = max(1, a2a // Hkv)  # kv heads replicated when there are fewer than ranks
-    q, kv, o = T * H * d, T * 2 * Hkv * rep * d, T * H * d
+    q, kv, o = _a2a_parts(T, H, Hkv, d, item, a2a)
     forward = q + kv + o
     if forward_only:
-        return forward * item * (a2a - 1) / a2a
+        return forward
     backward = (q + kv + o + o + q + kv) if untied else (o + q + kv)  # Untied re-sends q, k, v and o
-    passes = forward * (2 if full else 1) + backward
-    return passes * item * (a2a - 1) / a2a
+    return forward * (2 if full else 1) + backward
 
 
 # --- time -----------------------------------------------------------------------------------
@@ -319,6 +360,7 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
     a2a_link = rates.intra_node_bytes if layout.a2a_size <= gpus_per_node else rates.inter_node_bytes
     ring_link = rates.intra_node_bytes if cp <= gpus_per_node else rates.inter_node_bytes
     exposed = w.a2a_bytes / a2a_link
+    exposed += sum(p.exposed_s(a2a_link, fwd_rate if p.kind == "fwd" else bwd_rate) for p in w.pipelined_a2a)
     exposed += max(0.0, w.ring_bytes_fwd / ring_link - a_fwd - a_re) + max(0.0, w.ring_bytes_bwd / ring_link - a_bwd)
     fsdp_link = rates.intra_node_bytes if num_gpus <= gpus_per_node else rates.inter_node_bytes
     layer_compute = (gemm + a_fwd + a_re + a_bwd) / max(w.layers, 1)
@@ -390,9 +432,12 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
         without.append(("tiled MLP", dataclasses.replace(cfg, memory=dataclasses.replace(mem, tiled_mlp=False))))
     if mem.tiled_loss:
         without.append(("tiled loss", dataclasses.replace(cfg, memory=dataclasses.replace(mem, tiled_loss=False))))
+    if par.untied_overlap_stages:
+        without.append(("pipelined Untied stages (against synchronous)",
+                        dataclasses.replace(cfg, parallel=dataclasses.replace(par, untied_overlap_stages=False))))
     if par.cp_impl == "untied_ulysses" and par.context_parallel_size > 1:
-        without.append(("Untied Ulysses (against Ulysses)",
-                        dataclasses.replace(cfg, parallel=dataclasses.replace(par, cp_impl="ulysses"))))
+        without.append(("Untied Ulysses (against Ulysses)", dataclasses.replace(
+            cfg, parallel=dataclasses.replace(par, cp_impl="ulysses", untied_overlap_stages=False))))
     return [(name, base - predict(other, num_gpus, rates, gpus_per_node, family).step_s) for name, other in without]
 
 

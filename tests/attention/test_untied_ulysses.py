@@ -104,6 +104,19 @@ def test_registry_builds_untied_ulysses_and_checks_the_stage_width():
         build_attention_backend("untied_ulysses", 16, CPU, pstate, heads_per_stage=2, num_heads=8, num_kv_heads=2)
     with pytest.raises(ValueError, match="--num-attention-heads 6 is not divisible"):
         build_attention_backend("untied_ulysses", 16, CPU, pstate, num_heads=6, num_kv_heads=2)
+    assert build_attention_backend("untied_ulysses", 16, CPU, pstate, overlap=True, num_heads=8,
+                                   num_kv_heads=2).overlap
+
+
+@pytest.mark.parametrize("flags", [["--context-parallel-size", "2"], ["--cp-impl", "untied_ulysses"]])
+def test_pipelined_stages_without_untied_ulysses_are_refused_naming_the_flag(flags):
+    from megatron_lc.config import parse_config
+
+    base = ["--model", "debug", "--mock-data", "--seq-length", "64", "--device", "cpu"]
+    parse_config([*base, "--context-parallel-size", "2", "--cp-impl", "untied_ulysses",
+                  "--untied-overlap-stages"]).validate(world_size=2)
+    with pytest.raises(ValueError, match="^--untied-overlap-stages pipelines the stages of Untied Ulysses: it needs"):
+        parse_config([*base, *flags, "--untied-overlap-stages"]).validate(world_size=2)
 
 
 # --- pieces -------------------------------------------------------------------------------------
@@ -154,6 +167,8 @@ MODEL_CASES = [
     ("cp4-U4-kv2", 4, 2, 4, {}, BATCH),
     ("cp4-U8-kv1-one-segment", 4, 1, 8, {}, ONE_SEGMENT),
     ("cp4-U4-kv1-everything", 4, 1, 4, EVERYTHING, BATCH),
+    ("cp2-U2-kv2-overlap", 2, 2, 2, {"untied_overlap": True}, BATCH),  # 2 kv rounds of 2 stages
+    ("cp4-U4-kv1-everything-overlap", 4, 1, 4, {**EVERYTHING, "untied_overlap": True}, BATCH),
 ]
 
 
@@ -187,6 +202,12 @@ def _check_direct(pstate: ParallelState, case) -> None:
     assert untied.workspace.nbytes() == 0, "stage buffers are released when the op returns"
     again, _ = _output_and_grads(untied, *local)  # a second step gives the same output
     torch.testing.assert_close(again, out, rtol=0, atol=0)
+    overlapped = UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, untied.plan, overlap=True)
+    overlapped_out, overlapped_grads = _output_and_grads(overlapped, *local)
+    assert overlapped.workspace.nbytes() == 0, "both sets of stage buffers are released when the op returns"
+    assert torch.equal(overlapped_out, out), "pipelined stages compute exactly what synchronous ones do"
+    for grad, expected in zip(overlapped_grads, grads):
+        assert torch.equal(grad, expected)
     ulysses_out, ulysses_grads = _output_and_grads(UlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, cp), *local)
     torch.testing.assert_close(out, ulysses_out)
     for grad, expected in zip(grads, ulysses_grads):
@@ -219,7 +240,7 @@ def _named(name, fn, *args):
 
 def test_untied_ulysses_equals_ulysses_and_single_process_on_4_ranks():
     """cp 2 (x dp 2) and 4; U = cp and 2 cp; GQA with cp > kv heads; packed documents; FSDP;
-    full recompute + offload + tiled MLP and loss."""
+    full recompute + offload + tiled MLP and loss; pipelined stages (bit for bit the synchronous ones)."""
     run_distributed(_run_all, 4)
 
 

@@ -35,6 +35,8 @@ class ParallelizeOptions:
     """Local attention kernel: auto | flash_attn | sdpa_flash | cpu_flash | reference."""
     heads_per_stage: int | None = None
     """Untied Ulysses heads per stage (a multiple of cp); None: cp."""
+    untied_overlap: bool = False
+    """Untied Ulysses: the next stage's projections and exchanges in flight while a stage attends."""
     recompute_granularity: str = "none"
     """none | full | selective."""
     recompute_layers: int | None = None
@@ -90,7 +92,7 @@ def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: Par
     c = model.config
     model.set_attention_backend(build_attention_backend(
         opts.cp_impl if pstate.cp_size > 1 else "local", c.kv_channels, devices.accelerator, pstate,
-        kernel=opts.attention_kernel, heads_per_stage=opts.heads_per_stage,
+        kernel=opts.attention_kernel, heads_per_stage=opts.heads_per_stage, overlap=opts.untied_overlap,
         num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups, seq_length=opts.seq_length,
     ))
 
