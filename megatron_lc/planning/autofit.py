@@ -84,6 +84,8 @@ class Candidate:
     """--offload-every-k-layers (with offload only): every k-th block input kept, the rest recomputed."""
     keep_attention: bool = False
     """--keep-attention-output (full recompute only): the recompute runs no attention forward."""
+    untied_overlap: bool = False
+    """--untied-overlap-stages (Untied Ulysses only): its stages pipelined, one more set of stage buffers."""
 
     def flags(self) -> list[str]:
         """The training flags of this stack (defaults left out)."""
@@ -102,6 +104,7 @@ class Candidate:
             out += ["--tiled-loss", "--tiled-loss-tiles", str(self.loss_tiles)]
         if self.cp_impl == "untied_ulysses":
             out += ["--cp-impl", self.cp_impl, "--untied-heads-per-stage", str(self.heads_per_stage)]
+            out += ["--untied-overlap-stages"] if self.untied_overlap else []
         return out
 
     def apply(self, cfg: TrainConfig) -> TrainConfig:
@@ -114,14 +117,15 @@ class Candidate:
             tiled_mlp_tiles=self.mlp_tiles, tiled_loss=self.loss_tiles is not None, tiled_loss_tiles=self.loss_tiles)
         parallel = cfg.parallel
         if self.cp_impl is not None:
-            parallel = dataclasses.replace(parallel, cp_impl=self.cp_impl, untied_heads_per_stage=self.heads_per_stage)
+            parallel = dataclasses.replace(parallel, cp_impl=self.cp_impl, untied_heads_per_stage=self.heads_per_stage,
+                                           untied_overlap_stages=self.untied_overlap and self.cp_impl == "untied_ulysses")
         return dataclasses.replace(cfg, memory=memory, parallel=parallel)
 
 
 MEMORY_FLAGS = {"--recompute-granularity": 1, "--offload-activations": 0, "--no-offload-prefetch": 0,
                 "--offload-every-k-layers": 1, "--keep-attention-output": 0,
                 "--tiled-mlp": 0, "--tiled-mlp-tiles": 1, "--tiled-loss": 0, "--tiled-loss-tiles": 1,
-                "--cp-impl": 1, "--untied-heads-per-stage": 1}
+                "--cp-impl": 1, "--untied-heads-per-stage": 1, "--untied-overlap-stages": 0}
 """The flags auto-fit chooses, with the number of values each takes."""
 
 
@@ -160,8 +164,9 @@ class SearchSpace:
     """MLP tile counts (None: not tiled)."""
     loss_tiles: tuple[int | None, ...]
     """Loss tile counts (None: not tiled)."""
-    attention: tuple[tuple[str | None, int | None], ...]
-    """(cp_impl, heads_per_stage) levels."""
+    attention: tuple[tuple[str | None, int | None, bool], ...]
+    """(cp_impl, heads_per_stage, pipelined stages) levels: Ulysses, then Untied Ulysses by heads per stage,
+    descending, synchronous, then the same pipelined."""
     offload_every: tuple[int, ...] = (1,)
     """Sparse-offload k levels (ascending; they apply to the offloading modes only)."""
     keep_attention: tuple[bool, ...] = (False,)
@@ -184,10 +189,10 @@ class SearchSpace:
         return (*point[:4], k, keep)
 
     def candidate(self, point: tuple[int, ...]) -> Candidate:
-        (rec, off), mlp, loss, (impl, u) = (self.modes[point[0]], self.mlp_tiles[point[1]],
-                                            self.loss_tiles[point[2]], self.attention[point[3]])
+        (rec, off), mlp, loss, (impl, u, overlap) = (self.modes[point[0]], self.mlp_tiles[point[1]],
+                                                     self.loss_tiles[point[2]], self.attention[point[3]])
         return Candidate(rec, off, mlp, loss, impl, u, self.offload_every[point[4]] if off != "off" else 1,
-                         self.keep_attention[point[5]] and rec == "full")
+                         self.keep_attention[point[5]] and rec == "full", overlap)
 
     def points(self) -> list[tuple[int, ...]]:
         """Every distinct candidate's point (k levels only with offload)."""
@@ -199,13 +204,14 @@ def search_space(cfg: TrainConfig) -> SearchSpace:
     c, cp = cfg.model_config(), cfg.parallel.context_parallel_size
     tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cp
     plan = plan_chunks(tokens, c.hidden_size, c.ffn_hidden_size, c.vocab_size, 2 if cfg.train.bf16 else 4)
-    attention: list[tuple[str | None, int | None]] = [(None, None)]
+    attention: list[tuple[str | None, int | None, bool]] = [(None, None, False)]
     a2a = cfg.context_layout().a2a_size  # the all-to-all level (the whole cp group without a ring)
     if a2a > 1:
-        attention = [("ulysses", None)]
+        attention = [("ulysses", None, False)]
         if "untied_ulysses" in CP_IMPLS:
             stages = sorted(valid_heads_per_stage(c.num_attention_heads, c.num_query_groups, a2a), reverse=True)
-            attention += [("untied_ulysses", u) for u in stages if u < c.num_attention_heads]
+            attention += [("untied_ulysses", u, overlap) for overlap in (False, True)
+                          for u in stages if u < c.num_attention_heads]
     offloaded = max(0, c.num_layers - cfg.memory.offload_keep_last)
     slots = {}  # k levels that change the host slots (a model of few layers has fewer)
     for k in OFFLOAD_EVERY:
@@ -260,7 +266,7 @@ class _Knowledge:
 
     def __init__(self, space: SearchSpace, offload_modes: set[int]):
         self.space, self.offload_modes = space, offload_modes
-        self.family = [impl for impl, _ in space.attention]
+        self.family = [(impl, overlap) for impl, _, overlap in space.attention]  # pipelined: one of their own
         self.gpu_fits: list[tuple[int, ...]] = []
         self.gpu_fails: list[tuple[int, ...]] = []
         self.offload_host_fits: dict[tuple[int, int], bool] = {}
@@ -318,6 +324,7 @@ def auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None = 
     for levels in sorted(_families(search.space), key=search.floor):
         if best is None or search.floor(levels) < search.cost(best).step_s:
             best = search.family(levels, best)
+    best = search.pipelined(best)
     result = search.result
     if best is not None:
         result.choice, result.estimate = search.space.candidate(best), search.known.estimates[best]
@@ -365,6 +372,26 @@ class _Search:
             status = e.fits
         return status
 
+    def pipelined(self, best: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The answer's memory stack with pipelined Untied stages (`--untied-overlap-stages`): at an Untied
+        answer's stage width or the widest narrower one (any width for a Ulysses answer) that fits and is
+        predicted faster; else `best`. Pipelining costs stage buffers and saves exposed exchange time only,
+        so it is tried on the answer rather than searched as a family of its own: a pipelined stage wider
+        than the answer's holds more than the synchronous one that did not fit."""
+        if best is None:
+            return None
+        impl, u, overlap = self.space.attention[best[3]]
+        if impl not in ("ulysses", "untied_ulysses") or overlap:
+            return best
+        u = u or self.cfg.model_config().num_attention_heads
+        for level, (other, v, pipelined) in enumerate(self.space.attention):
+            point = self.space.canonical((*best[:3], level, *best[4:]))
+            if other == "untied_ulysses" and pipelined and v <= u \
+                    and self.cost(point).step_s < self.cost(best).step_s:
+                if self.fits(point) and self.fits(point, force=True):
+                    return point
+        return best
+
     def family(self, levels: list[int], best: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """The fastest point of one family that fits and is faster than `best` (else `best`)."""
         top = _strongest(self.space, self.known, self.fits, levels)
@@ -406,10 +433,12 @@ def _family_points(space: SearchSpace, levels: list[int]) -> list[tuple[int, ...
 
 
 def _families(space: SearchSpace) -> list[list[int]]:
-    """Attention levels by family (Ulysses; Untied Ulysses by stage width): memory is ordered within one only."""
+    """Attention levels by family (Ulysses; Untied Ulysses by stage width): memory is ordered within one only.
+    Pipelined Untied levels are no family: `_Search.pipelined` tries them on the answer."""
     families: dict[str | None, list[int]] = {}
-    for i, (impl, _) in enumerate(space.attention):
-        families.setdefault(impl, []).append(i)
+    for i, (impl, _, overlap) in enumerate(space.attention):
+        if not overlap:
+            families.setdefault(impl, []).append(i)
     return list(families.values())
 
 

@@ -118,10 +118,11 @@ def _synthetic(space: SearchSpace, cfg):
             "off" if not c.memory.offload_activations else "on_demand" if c.memory.no_offload_prefetch else "prefetch",
             c.memory.tiled_mlp_tiles, c.memory.tiled_loss_tiles,
             c.parallel.cp_impl, c.parallel.untied_heads_per_stage, c.memory.offload_every_k_layers,
-            c.memory.keep_attention_output)]
+            c.memory.keep_attention_output)]  # a pipelined candidate: its synchronous twin's point
         untied, offloads, keep = attn > 0, space.modes[mode][1] != "off", c.memory.keep_attention_output
         layer = 100 - 18 * mode - 9 * mlp - (6 * attn + 5 if untied and mode >= 2 else -4 * untied)
         layer += (1 if offloads else 12) if keep else 0
+        layer += 3 if c.parallel.untied_overlap_stages else 0  # pipelined: a second set of stage buffers
         head = 80 - 7 * loss
         gpu = max(layer, head) * 10 ** 6
         host = 500 * 10 ** 6 // c.memory.offload_every_k_layers + (500 * 10 ** 6 if keep else 0) if offloads else 0
@@ -150,7 +151,10 @@ def test_search_matches_brute_force_on_a_synthetic_planner(host_gib):
     cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "262144", "--context-parallel-size", "8",
                         "--mock-data"])
     space = search_space(cfg)
-    assert [impl for impl, _ in space.attention] == ["ulysses", "untied_ulysses", "untied_ulysses"]
+    assert [impl for impl, _, _ in space.attention] == ["ulysses", *["untied_ulysses"] * 4]
+    assert [overlap for _, _, overlap in space.attention] == [False, False, False, True, True]
+    # Pipelined stages are tried on the answer, not searched: their test is the one below.
+    space = dataclasses.replace(space, attention=tuple(a for a in space.attention if not a[2]))
     evaluate = _synthetic(space, cfg)
     everything = {c: evaluate(c.apply(cfg), _machine(GIB), 0) for c in map(space.candidate, space.points())}
     step_s = {c: _step_s(c, cfg, _machine(GIB, host_gib)) for c in everything}  # the rates do not depend on the budget
@@ -244,8 +248,9 @@ def test_untied_stage_widths_follow_the_all_to_all_level_of_a_hierarchical_layou
     base = ["--model", "debug", "--mock-data", "--seq-length", "1024", "--context-parallel-size", "8"]
     hierarchical = parse_config(base + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4",
                                         "2"])
-    assert search_space(hierarchical).attention == (("ulysses", None), ("untied_ulysses", 4))
-    assert search_space(parse_config(base + ["--cp-comm-type", "p2p"])).attention == ((None, None),)
+    assert search_space(hierarchical).attention == (("ulysses", None, False), ("untied_ulysses", 4, False),
+                                                    ("untied_ulysses", 4, True))
+    assert search_space(parse_config(base + ["--cp-comm-type", "p2p"])).attention == ((None, None, False),)
 
 
 def test_auto_fit_keeps_a_ring_layout_in_the_command_it_prints():
@@ -261,3 +266,35 @@ def test_auto_fit_keeps_a_ring_layout_in_the_command_it_prints():
     cfg = parse_config(_with_mock_data(command[5:]))
     cfg.validate(2)
     assert cfg.context_layout().ring_size == 2 and fit["gpu_peak_gib"] <= 0.25
+
+
+def test_an_untied_answer_is_pipelined_where_the_pipelined_stages_fit():
+    """At every budget: the answer of the synchronous search with pipelined Untied stages, at its stage width or
+    the widest narrower one (any, for a Ulysses answer) that fits and is predicted faster, else as it was."""
+    cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "1048576", "--context-parallel-size", "8",
+                        "--mock-data"])
+    whole = search_space(cfg)
+    evaluate = _synthetic(dataclasses.replace(whole, attention=tuple(a for a in whole.attention if not a[2])), cfg)
+    # Full recompute and offload, where Untied holds less than Ulysses; every attention level.
+    space = dataclasses.replace(whole, modes=whole.modes[2:4], mlp_tiles=whole.mlp_tiles[-2:],
+                                loss_tiles=whole.loss_tiles[-2:], offload_every=(1,), keep_attention=(False,))
+    synchronous = dataclasses.replace(space, attention=tuple(a for a in space.attention if not a[2]))
+    peaks = sorted({evaluate(c.apply(cfg), _machine(GIB), 0).gpu_peak_bytes
+                    for c in map(space.candidate, space.points())})
+    chosen_pipelined = 0
+    for budget in peaks:
+        machine = _machine(budget)
+        answer = auto_fit(cfg, machine, evaluate=evaluate, space=synchronous).choice
+        want = answer
+        if answer is not None:
+            for _, u, _ in (a for a in space.attention if a[0] == "untied_ulysses" and a[2]):
+                piped = dataclasses.replace(answer, cp_impl="untied_ulysses", heads_per_stage=u, untied_overlap=True)
+                if u <= (answer.heads_per_stage or 32) and _step_s(piped, cfg, machine) < _step_s(answer, cfg, machine) \
+                        and evaluate(piped.apply(cfg), machine, 0).fits:
+                    want = piped
+                    break
+        got = auto_fit(cfg, machine, evaluate=evaluate, space=space).choice
+        assert got == want, budget
+        chosen_pipelined += bool(got and got.untied_overlap)
+        assert got is None or ("--untied-overlap-stages" in got.flags()) == got.untied_overlap
+    assert chosen_pipelined > 0
