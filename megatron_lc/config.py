@@ -121,6 +121,10 @@ class MemoryArgs:
     offload_keep_last: int = flag(1, "last layers whose block inputs stay on the accelerator")
     no_offload_prefetch: bool = flag(False, "bring an offloaded block input back only when its own layer's backward "
                                      "needs it: one block input less on the accelerator, the copy no longer overlaps")
+    offload_prefetch_early: bool = flag(False, "start bringing the previous layer's offloaded input back when a "
+                                        "layer's backward starts, so the copy runs during that backward: one "
+                                        "more block input on the accelerator at its peak; default: when it ends, "
+                                        "the copy mostly exposed")
     offload_every_k_layers: int = flag(1, "sparse offload: keep only every k-th offloaded block input (the first "
                                        "of each segment of k layers) and recompute the others from it in backward: "
                                        "about k x less host memory for (k-1)/2 more block forwards per layer")
@@ -350,6 +354,7 @@ class TrainConfig:
                                                                      if mem.recompute_method == "block" else None),
             offload_activations=mem.offload_activations,
             offload_keep_last=mem.offload_keep_last, offload_prefetch=not mem.no_offload_prefetch,
+            offload_prefetch_early=mem.offload_prefetch_early,
             offload_every_k_layers=mem.offload_every_k_layers, keep_attention_output=mem.keep_attention_output,
             mlp_tiles=plan.mlp_tiles if mem.tiled_mlp else None, loss_tiles=plan.loss_tiles if mem.tiled_loss else None,
             param_dtype=dtype, reduce_dtype=torch.float32, reshard_after_forward=not par.no_reshard_after_forward, fsdp_cpu_offload=par.fsdp_cpu_offload,

@@ -7,7 +7,8 @@ the block with autograd on, and calls ``torch.autograd.backward`` on it; only th
 the block's memory peak, does it ask the scheduler to start bringing back the previous
 layer's input (the copy then overlaps the hand-off to that layer and costs no memory at
 this block's peak; a prefetch at the start of the backward would keep one more block
-input through it): parameter gradients accumulate into ``.grad`` exactly
+input through it, which is what the scheduler's ``prefetch_early`` chooses, so that the copy
+runs during this backward): parameter gradients accumulate into ``.grad`` exactly
 as with reentrant checkpointing, which FSDP2's hooks rely on.
 
 The backward starts from the recomputed output's gradient edge, not from the output
@@ -107,6 +108,7 @@ class _CheckpointBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x = _restore_input(ctx)
+        _prefetch_previous(ctx, early=True)
         x = x.detach().requires_grad_(True)
         with torch.enable_grad(), contextlib.ExitStack() as stack, kept_attention.replaying(ctx.kept):
             _replay_autocast(ctx.autocast, stack)
@@ -116,7 +118,7 @@ class _CheckpointBlock(torch.autograd.Function):
             del y  # freed here unless the graph saved it
             torch.autograd.backward(edge, grad_y)
         grad_x = x.grad if ctx.needs_input_grad[1] else None
-        _prefetch_previous(ctx)
+        _prefetch_previous(ctx, early=False)
         return None, grad_x, None, None, None, None, None
 
 
@@ -135,6 +137,7 @@ class _CheckpointResidualBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x = _restore_input(ctx)
+        _prefetch_previous(ctx, early=True)
         leaves, edges = [], []
         with torch.enable_grad(), contextlib.ExitStack() as stack, kept_attention.replaying(ctx.kept):
             _replay_autocast(ctx.autocast, stack)
@@ -157,7 +160,7 @@ class _CheckpointResidualBlock(torch.autograd.Function):
             owned = owned or summed is not grad  # a new buffer, or the branch's gradient, is this backward's own
             grad = summed
             del leaf, edge
-        _prefetch_previous(ctx)
+        _prefetch_previous(ctx, early=False)
         return None, grad if ctx.needs_input_grad[1] else None, None, None, None, None, None, None
 
 
@@ -273,9 +276,10 @@ def _recompute_input(ctx) -> torch.Tensor:
     return x
 
 
-def _prefetch_previous(ctx) -> None:
-    """Start bringing back the previous layer's input (a no-op without offload or prefetch)."""
-    if ctx.offload is not None and ctx.layer_idx > 0:
+def _prefetch_previous(ctx, early: bool) -> None:
+    """Start bringing back the previous layer's input (a no-op without offload or prefetch), at the start of
+    this backward (`early`) or its end, as the scheduler's `prefetch_early` says."""
+    if ctx.offload is not None and ctx.layer_idx > 0 and ctx.offload.prefetch_early == early:
         ctx.offload.prefetch(ctx.layer_idx - 1)
 
 

@@ -190,6 +190,11 @@ class OffloadScheduler:
             passed its memory peak (the copy overlaps the hand-off between the layers and costs
             no memory at the peak); False: fetch each input only when its own layer's
             backward needs it.
+        prefetch_early: with prefetch, start that copy when the next layer's backward starts
+            instead (``memory/checkpoint.py`` asks then): the side stream waits only for the
+            compute queued before that backward, so the copy runs during it, at the cost of one
+            more block input on the accelerator through its peak. Without it the copy waits for the
+            whole backward queued before it and the layer that needs it waits for the copy.
         page_locked: page-lock the arenas (default: when the accelerator is cuda and the host cpu).
         every_k: keep the input of every k-th offloaded layer only (the first of each segment of k);
             the others are recomputed from it in backward (1: every offloaded layer keeps its input).
@@ -204,6 +209,7 @@ class OffloadScheduler:
         accelerator: torch.device | str,
         host: torch.device | str = "cpu",
         prefetch: bool = True,
+        prefetch_early: bool = False,
         page_locked: bool | None = None,
         every_k: int = 1,
     ) -> None:
@@ -215,7 +221,9 @@ class OffloadScheduler:
             raise ValueError(f"keep_last={keep_last} and keep_first={keep_first} must be >= 0")
         self.num_layers, self.keep_last, self.keep_first = num_layers, keep_last, keep_first
         self.every_k = every_k
-        self.prefetch_enabled = prefetch
+        if prefetch_early and not prefetch:
+            raise ValueError("prefetch_early needs prefetch")
+        self.prefetch_enabled, self.prefetch_early = prefetch, prefetch_early
         self.accelerator, self.host = torch.device(accelerator), torch.device(host)
         self._is_cuda = self.accelerator.type == "cuda"
         self._pin = (self._is_cuda and self.host.type == "cpu") if page_locked is None else page_locked

@@ -57,7 +57,8 @@ from megatron_lc.memory.chunks import plan_chunks
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.timing import StepTime, TimeModel
 
-MODES = (("none", "off"), ("selective", "off"), ("full", "off"), ("full", "prefetch"), ("full", "on_demand"))
+MODES = (("none", "off"), ("selective", "off"), ("full", "off"), ("full", "early"), ("full", "prefetch"),
+         ("full", "on_demand"))
 """(recompute granularity, offload) from the least memory saving to the most."""
 DEFAULT_MAX_TRACES = 40
 OFFLOAD_EVERY = (1, 2, 4)
@@ -71,7 +72,8 @@ class Candidate:
     recompute: str
     """--recompute-granularity: none, selective or full."""
     offload: str
-    """off, prefetch (--offload-activations) or on_demand (with --no-offload-prefetch)."""
+    """off, early (--offload-activations --offload-prefetch-early), prefetch (--offload-activations) or
+    on_demand (with --no-offload-prefetch)."""
     mlp_tiles: int | None
     """--tiled-mlp-tiles, or None for no tiled MLP."""
     loss_tiles: int | None
@@ -94,6 +96,8 @@ class Candidate:
             out.append("--offload-activations")
         if self.offload == "on_demand":
             out.append("--no-offload-prefetch")
+        if self.offload == "early":
+            out.append("--offload-prefetch-early")
         if self.offload != "off" and self.offload_every > 1:
             out += ["--offload-every-k-layers", str(self.offload_every)]
         if self.keep_attention and self.recompute == "full":
@@ -111,7 +115,7 @@ class Candidate:
         """`cfg` with this stack in place of its own."""
         memory = dataclasses.replace(
             cfg.memory, recompute_granularity=self.recompute, offload_activations=self.offload != "off",
-            no_offload_prefetch=self.offload == "on_demand",
+            no_offload_prefetch=self.offload == "on_demand", offload_prefetch_early=self.offload == "early",
             offload_every_k_layers=self.offload_every if self.offload != "off" else 1,
             keep_attention_output=self.keep_attention and self.recompute == "full", tiled_mlp=self.mlp_tiles is not None,
             tiled_mlp_tiles=self.mlp_tiles, tiled_loss=self.loss_tiles is not None, tiled_loss_tiles=self.loss_tiles)
@@ -123,6 +127,7 @@ class Candidate:
 
 
 MEMORY_FLAGS = {"--recompute-granularity": 1, "--offload-activations": 0, "--no-offload-prefetch": 0,
+                "--offload-prefetch-early": 0,
                 "--offload-every-k-layers": 1, "--keep-attention-output": 0,
                 "--tiled-mlp": 0, "--tiled-mlp-tiles": 1, "--tiled-loss": 0, "--tiled-loss-tiles": 1,
                 "--cp-impl": 1, "--untied-heads-per-stage": 1, "--untied-overlap-stages": 0}

@@ -162,7 +162,8 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
     p = cfg.parallel
     fsdp = with_(cfg, context_parallel_size=1, cp_impl="ulysses", cp_comm_type="a2a",
                  hierarchical_context_parallel_sizes=[], recompute_granularity="none",
-                 offload_activations=False, no_offload_prefetch=False, tiled_mlp=False, tiled_loss=False)
+                 offload_activations=False, no_offload_prefetch=False, offload_prefetch_early=False,
+                 tiled_mlp=False, tiled_loss=False)
     cp = default_cp(cfg, num_gpus)
     ulysses = with_(fsdp, context_parallel_size=cp, cp_comm_type=p.cp_comm_type,  # the configured layout
                     hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes)

@@ -22,6 +22,8 @@ moves to the host and back. Each item's time is work over the machine's rate for
 - an offloaded block input goes to the host on a side stream during the next block's
   forward (what exceeds it is exposed) and comes back exposed: the prefetch is queued
   behind the compute already issued and waited for at once by the layer that needs it;
+  with `--offload-prefetch-early` it comes back during the next layer's backward (what
+  exceeds that backward is exposed);
 - sparse offload (`--offload-every-k-layers k`): only one input per segment of k offloaded
   layers goes to the host, each layer's backward still brings one back (its segment's kept
   one), and a segment of r layers replays r(r-1)/2 block forwards (memory/checkpoint.py):
@@ -171,6 +173,8 @@ class Work:
     """FSDP all-gathers of replayed blocks beyond those the backward makes anyway (exposed)."""
     kept_attention_bytes_per_layer: float = 0.0
     """--keep-attention-output: the attention output and lse each offloaded layer copies to the host and back."""
+    prefetch_early: bool = False
+    """--offload-prefetch-early: offloaded tensors come back during the backward of the layer after theirs."""
     pipelined_a2a: tuple = ()
     """--untied-overlap-stages: the all-to-alls of pipelined stages (PipelinedExchange), not in `a2a_bytes`."""
 
@@ -276,7 +280,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
                 fsdp, T * h * item, offloaded,
                 L, launches, elementwise, 28 * total_params / max(shards, 1),
                 3 * (L * layer_gemm + head_gemm + L * attention), kept, replayed, replay_gathers,
-                T * H * (d * item + 4) if keep else 0.0, pipelined)
+                T * H * (d * item + 4) if keep else 0.0, mem.offload_prefetch_early and offloaded > 0, pipelined)
 
 
 def _a2a_parts(T, H, Hkv, d, item, a2a) -> tuple[float, float, float]:
@@ -371,8 +375,10 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
     copy = w.offload_bytes_per_layer / rates.host_copy_bytes
     att = w.kept_attention_bytes_per_layer / rates.host_copy_bytes  # every offloaded layer's, kept input or not
     kept = w.offloaded_layers if w.kept_inputs is None else w.kept_inputs
+    block_bwd = ((2 * w.gemm_fwd + w.gemm_recompute) / rates.gemm_flops + a_re + a_bwd) / max(w.layers, 1)
+    back = max(0.0, copy + att - block_bwd) if w.prefetch_early else copy + att  # each offloaded layer's copy back
     stalls = (kept * max(0.0, copy + att - block_fwd) + (w.offloaded_layers - kept) * max(0.0, att - block_fwd)
-              + w.offloaded_layers * (copy + att))
+              + w.offloaded_layers * back)
     seconds = dict.fromkeys(CAUSES, 0.0)
     seconds.update({"attention forward": a_fwd, "attention recompute": a_re, "attention backward": a_bwd,
                     "GEMMs": gemm, "recompute of the rest": w.gemm_recompute / rates.gemm_flops,
@@ -421,12 +427,15 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
     if mem.keep_attention_output and mem.recompute_granularity == "full":
         without.append(("kept attention output (against recomputing it)", dataclasses.replace(
             cfg, memory=dataclasses.replace(mem, keep_attention_output=False))))
+    if mem.offload_activations and mem.offload_prefetch_early:
+        without.append(("early prefetch (against prefetch at the end of a backward)", dataclasses.replace(
+            cfg, memory=dataclasses.replace(mem, offload_prefetch_early=False))))
     if mem.offload_activations:
         without.append(("offload", dataclasses.replace(cfg, memory=dataclasses.replace(
-            mem, offload_activations=False, offload_every_k_layers=1))))
+            mem, offload_activations=False, offload_every_k_layers=1, offload_prefetch_early=False))))
     if mem.recompute_granularity != "none":
         m = dataclasses.replace(mem, recompute_granularity="none", offload_activations=False,
-                                keep_attention_output=False)
+                                keep_attention_output=False, offload_prefetch_early=False)
         without.append((f"{mem.recompute_granularity} recompute (and offload)", dataclasses.replace(cfg, memory=m)))
     if mem.tiled_mlp:
         without.append(("tiled MLP", dataclasses.replace(cfg, memory=dataclasses.replace(mem, tiled_mlp=False))))

@@ -60,12 +60,13 @@ def _loss_and_grads(blocks, mode, offload=None, owned=True, tokens=64):
 
 
 @pytest.mark.parametrize("owned", [True, False])
-@pytest.mark.parametrize("offload", [None, "prefetch", "on-demand"])
+@pytest.mark.parametrize("offload", [None, "prefetch", "early", "on-demand"])
 def test_residual_checkpoint_gives_the_plain_blocks_loss_and_gradients(owned, offload):
     blocks = _stack()
     want_loss, want = _loss_and_grads(blocks, "plain")
     scheduler = None if offload is None else OffloadScheduler(3, keep_last=1, accelerator=CPU,
-                                                              prefetch=offload == "prefetch")
+                                                              prefetch=offload != "on-demand",
+                                                              prefetch_early=offload == "early")
     loss, got = _loss_and_grads(blocks, "residual", scheduler, owned)
     torch.testing.assert_close(loss, want_loss, rtol=0, atol=0)
     for name, g in want.items():
@@ -96,25 +97,39 @@ def test_without_grad_the_branches_run_plainly():
         torch.testing.assert_close(_run(blocks, x, "residual"), _run(blocks, x, "plain"), rtol=0, atol=0)
 
 
+def _backward_peak_and_prefetched(mode, tokens=8192, hidden=16, **scheduler):
+    """A 4-block step's peak and whether layer 1's input was back on the accelerator during block 2's backward."""
+    blocks = _stack(n=4, hidden=hidden, ffn=hidden)
+    offload = OffloadScheduler(4, keep_last=1, accelerator=CPU, **scheduler)
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    started = []
+    blocks[2].mix.weight.register_post_accumulate_grad_hook(  # inside block 2's backward, its last branch
+        lambda _: started.append([h.on_accelerator is not None for h in offload._pending.get(1, [])]))
+
+    def step():
+        (_run(blocks, x, mode, offload) ** 2).mean().backward()
+
+    return measure_peak(step, blocks).total("cpu"), started
+
+
 @pytest.mark.parametrize("mode", ["checkpoint", "residual"])
 def test_offload_prefetch_costs_no_memory_at_a_blocks_backward_peak(mode):
     """The previous layer's input comes back once a block's backward is done: prefetch on and on demand
     peak alike (a prefetch at the start of the backward kept one more block input through it)."""
-    peaks = {}
-    for prefetch in (True, False):
-        blocks = _stack(n=4, hidden=16, ffn=16)
-        offload = OffloadScheduler(4, keep_last=1, accelerator=CPU, prefetch=prefetch)
-        x = torch.randn(8192, 16, requires_grad=True)
-        started = []
-        blocks[2].mix.weight.register_post_accumulate_grad_hook(  # inside block 2's backward, its last branch
-            lambda _: started.append([h.on_accelerator is not None for h in offload._pending.get(1, [])]))
+    (prefetch, started), (on_demand, _) = (_backward_peak_and_prefetched(mode, prefetch=p) for p in (True, False))
+    assert started == [[False]], "layer 1's input came back during block 2's backward"
+    assert prefetch == on_demand, (prefetch, on_demand)
 
-        def step():
-            (_run(blocks, x, mode, offload) ** 2).mean().backward()
 
-        peaks[prefetch] = measure_peak(step, blocks).total("cpu")
-        assert started == [[False]], "layer 1's input came back during block 2's backward"
-    assert peaks[True] == peaks[False], peaks
+@pytest.mark.parametrize("mode", ["checkpoint", "residual"])
+def test_early_prefetch_brings_the_previous_input_back_during_a_blocks_backward_for_one_input_more(mode):
+    """With prefetch_early the previous layer's input is asked for when a block's backward starts, so on a GPU
+    the copy runs during that backward; it is then resident through the block's peak: one block input more."""
+    late, _ = _backward_peak_and_prefetched(mode)
+    early, started = _backward_peak_and_prefetched(mode, prefetch_early=True)
+    assert started == [[True]], started
+    # One block input more, up to the small per-row tensors (norm statistics) that move the peak a little.
+    assert early - late == pytest.approx(8192 * 16 * 4, rel=0.01), (early, late)
 
 
 def test_a_branch_without_input_gradient_leaves_the_callers_gradient_untouched():

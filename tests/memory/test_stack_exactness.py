@@ -22,6 +22,8 @@ STACKS = {
                                      loss_tiles=5),
     "everything-fetch-on-demand": ParallelizeOptions(recompute_granularity="full", offload_activations=True,
                                                      offload_prefetch=False, mlp_tiles=3, loss_tiles=5),
+    "everything-prefetch-early": ParallelizeOptions(recompute_granularity="full", offload_activations=True,
+                                                    offload_prefetch_early=True, mlp_tiles=3, loss_tiles=5),
 }
 
 
@@ -53,9 +55,19 @@ def test_fetch_on_demand_requires_offload():
         ParallelizeOptions(recompute_granularity="full", offload_prefetch=False).validate()
 
 
+@pytest.mark.parametrize("flags", [{"recompute_granularity": "full"},
+                                   {"recompute_granularity": "full", "offload_activations": True,
+                                    "offload_prefetch": False}])
+def test_early_prefetch_requires_offload_with_prefetch(flags):
+    with pytest.raises(ValueError, match="--offload-prefetch-early .* needs --offload-activations, without "
+                                         "--no-offload-prefetch"):
+        ParallelizeOptions(offload_prefetch_early=True, **flags).validate()
+
+
 @pytest.mark.parametrize("world, cp, stack", [(2, 2, "everything"), (4, 4, "everything"),
-                                              (2, 2, "everything-fetch-on-demand")],
-                         ids=["cp2", "cp4", "cp2-fetch-on-demand"])
+                                              (2, 2, "everything-fetch-on-demand"),
+                                              (2, 2, "everything-prefetch-early")],
+                         ids=["cp2", "cp4", "cp2-fetch-on-demand", "cp2-prefetch-early"])
 def test_whole_stack_with_fsdp_and_ulysses_matches_single_process(world, cp, stack):
     run_distributed(check_against_reference, world, get_config("debug"), cp, STACKS[stack], BATCH)
 

@@ -42,6 +42,9 @@ if "untied_ulysses" in CP_IMPLS:
 DISTRIBUTED["ulysses-cp4-full-stack-sparse-k2-10-layers"] = dict(context_parallel_size=4, num_layers=10,
                                                                  offload_every_k_layers=2, **FULL_STACK)
 DISTRIBUTED["ring-p2p-cp4-full-stack"] = dict(context_parallel_size=4, cp_comm_type="p2p", **FULL_STACK)
+# Early prefetch: the previous layer's input resident through each block's backward.
+DISTRIBUTED["ulysses-cp2-full-stack-prefetch-early"] = dict(context_parallel_size=2, offload_prefetch_early=True,
+                                                            **FULL_STACK)
 # Pipelined stages: a second set of stage buffers, and send buffers alive through the kernels.
 DISTRIBUTED["untied-cp4-overlap-full-stack"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
                                                     untied_overlap_stages=True, num_query_groups=1, **FULL_STACK)

@@ -211,3 +211,25 @@ def test_pipelined_untied_stages_hide_their_exchanges_behind_attention():
     a = fwd.attention_flops / slow.attention_fwd_flops["fa2"]
     assert fwd.exposed_s(slow.intra_node_bytes, slow.attention_fwd_flops["fa2"]) == pytest.approx(
         t / 4 + fwd.exposed_bytes / slow.intra_node_bytes + 3 / 4 * (t - a))
+
+
+def test_early_prefetch_hides_the_copy_back_behind_the_next_layers_backward():
+    stack = ("--recompute-granularity", "full", "--offload-activations", "--tiled-mlp", "--tiled-loss")
+    late = predict(_cfg(*stack), 8, H100)
+    early = predict(_cfg(*stack, "--offload-prefetch-early"), 8, H100)
+    copy = 131072 * 4096 * 2 / H100.host_copy_bytes  # one [S/cp, hidden] bf16 block input
+    assert late.seconds["offload stalls"] == pytest.approx(31 * copy)  # back exposed, 31 offloaded layers
+    assert early.seconds["offload stalls"] == 0  # a layer's backward at 1M tokens is far longer than a copy
+    assert {k: v for k, v in early.seconds.items() if k != "offload stalls"} \
+        == {k: v for k, v in late.seconds.items() if k != "offload stalls"}
+    costs = dict(timing.layer_costs(_cfg(*stack, "--offload-prefetch-early"), 8, H100))
+    assert costs["early prefetch (against prefetch at the end of a backward)"] == pytest.approx(-31 * copy)
+    # A host link too slow for the backward: the excess is exposed.
+    slow = dataclasses.replace(H100, host_copy_bytes=H100.host_copy_bytes / 1e4)
+    w = step_work(_cfg(*stack, "--offload-prefetch-early"), 8)
+    block_bwd = ((2 * w.gemm_fwd + w.gemm_recompute) / slow.gemm_flops + w.attention_recompute
+                 / slow.attention_fwd_flops["fa2"] + w.attention_bwd / slow.attention_bwd_flops["fa2"]) / w.layers
+    slow_copy = copy * 1e4
+    block_fwd = (w.gemm_fwd / slow.gemm_flops + w.attention_fwd / slow.attention_fwd_flops["fa2"]) / w.layers
+    assert predict(_cfg(*stack, "--offload-prefetch-early"), 8, slow).seconds["offload stalls"] == pytest.approx(
+        31 * (slow_copy - block_fwd) + 31 * (slow_copy - block_bwd))

@@ -48,6 +48,9 @@ class ParallelizeOptions:
     """Last layers whose inputs stay on the accelerator (needed first in backward)."""
     offload_prefetch: bool = True
     """Bring offloaded inputs back one layer ahead of need (False: on demand, one input less resident)."""
+    offload_prefetch_early: bool = False
+    """Start that copy when the layer before it starts its backward (it runs during it; one input more resident
+    at that backward's peak), not when it ends."""
     offload_every_k_layers: int = 1
     """Sparse offload: only every k-th offloaded layer keeps its input, the others' are recomputed from it."""
     keep_attention_output: bool = False
@@ -82,6 +85,9 @@ class ParallelizeOptions:
         if self.keep_attention_output and self.recompute_granularity != "full":
             raise ValueError("--keep-attention-output keeps what full recompute would run again: "
                              "it needs --recompute-granularity full")
+        if self.offload_prefetch_early and not (self.offload_activations and self.offload_prefetch):
+            raise ValueError("--offload-prefetch-early starts the prefetch of offloaded block inputs sooner: it needs "
+                             "--offload-activations, without --no-offload-prefetch")
         if not self.offload_prefetch and not self.offload_activations:
             raise ValueError("--no-offload-prefetch changes how offloaded block inputs come back: "
                              "it needs --offload-activations")
@@ -104,7 +110,7 @@ def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: De
     if opts.offload_activations and checkpointed:  # the checkpointed blocks' inputs: the first `checkpointed`
         offload = OffloadScheduler(checkpointed, keep_last=opts.offload_keep_last,
                                    accelerator=devices.accelerator, host=devices.host, prefetch=opts.offload_prefetch,
-                                   every_k=opts.offload_every_k_layers)
+                                   prefetch_early=opts.offload_prefetch_early, every_k=opts.offload_every_k_layers)
     for i, layer in enumerate(model.layers):
         full_block = opts.recompute_granularity == "full"
         layer.memory.recompute = opts.recompute_granularity if not full_block or i < checkpointed else "none"
