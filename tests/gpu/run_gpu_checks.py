@@ -81,6 +81,8 @@ STACKS = {  # the ratios section, in order: each adds one layer of the memory st
     "offload_prefetch": {**NO_STACK, "recompute_granularity": "full", "offload_activations": True},
     "offload_on_demand": {**NO_STACK, "recompute_granularity": "full", "offload_activations": True,
                           "no_offload_prefetch": True},
+    "offload_prefetch_early": {**NO_STACK, "recompute_granularity": "full", "offload_activations": True,
+                               "offload_prefetch_early": True},  # the copy back during the layer above's backward
     "full_stack": FULL_STACK,
 }
 PEAK_BF16_FLOPS = 989e12

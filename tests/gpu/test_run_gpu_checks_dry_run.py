@@ -29,7 +29,7 @@ def test_dry_run_writes_every_section(tmp_path):
         assert abs(run["predicted_over_measured"] - 1) < 0.01, run
         assert abs(run["host_predicted_over_measured"] - 1) < 0.001, run
     ratios = results["ratios"]["result"]["ratio_to_no_stack"]
-    assert set(ratios) >= {"checkpoint", "offload_prefetch", "offload_on_demand", "full_stack",
+    assert set(ratios) >= {"checkpoint", "offload_prefetch", "offload_on_demand", "offload_prefetch_early", "full_stack",
                            "untied_over_ulysses_cp_rank_compute_only"}
     for run in results["cp_rank"]["result"].values():  # the fake group moves nothing: no plain timing figure
         assert "compute_only_step_seconds" in run["measured"] and "compute_only_tokens_per_s" in run
