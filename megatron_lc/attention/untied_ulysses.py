@@ -495,13 +495,18 @@ class UntiedUlyssesAttention:
         """Start the exchange of a forward stage's q (with its round's k and v when they travel with it, or
         in an exchange of their own just before it when the stage opens a round) together with the
         `pending` outputs, which it empties."""
+        heads, kv_sent = self._stage_heads(call, weights, stage)
+        return self._send_with_outputs(call, heads, pending, self._role("recv_stage", stage), kv_sent)
+
+    def _stage_heads(self, call: _Call, weights: _Weights, stage: int) -> tuple[list[_Heads], _Sent | None]:
+        """A stage's q heads (after its round's k and v when they travel with it), and when the stage opens
+        a round whose k and v travel apart, their exchange, started here."""
         kv_round = stage // self.plan.stages_per_round
-        kv = [self._k_heads(weights.wk, None, kv_round), self._v_heads(weights.wv, None, kv_round)]
+        kv = [self._k_heads(weights.wk, weights.dwk, kv_round), self._v_heads(weights.wv, weights.dwv, kv_round)]
         kv_sent = None
         if not self._kv_with_stage and stage == self.plan.stages(kv_round)[0]:
             kv_sent = self._send(call, kv, self._role("recv_kv", kv_round))
-        heads = [*(kv if self._kv_with_stage else []), self._q_heads(weights.wq, None, stage)]
-        return self._send_with_outputs(call, heads, pending, self._role("recv_stage", stage), kv_sent)
+        return [*(kv if self._kv_with_stage else []), self._q_heads(weights.wq, weights.dwq, stage)], kv_sent
 
     def _send_with_outputs(self, call: _Call, heads: list[_Heads], pending: list, role: str,
                            kv_sent: _Sent | None = None) -> _Sent:
@@ -509,12 +514,13 @@ class UntiedUlyssesAttention:
         outputs = [_Heads(o.shape[1] * self.head_dim, full=o) for o, _ in pending]
         carried = tuple(stage for _, stage in pending)
         pending.clear()  # the send buffer holds the outputs now
-        sent = self._send(call, [*heads, *outputs], role, kv_sent)
-        sent.heads, sent.carried = heads, carried
-        return sent
+        return self._send(call, [*heads, *outputs], role, heads=heads, kv_sent=kv_sent, carried=carried)
 
-    def _send(self, call: _Call, blocks: list[_Heads], role: str, kv_sent: _Sent | None = None) -> _Sent:
-        return _Sent(blocks, self._columns(blocks), self._start_all_to_all(call, blocks, role), kv_sent)
+    def _send(self, call: _Call, blocks: list[_Heads], role: str, *, heads: list[_Heads] | None = None,
+              kv_sent: _Sent | None = None, carried: tuple = ()) -> _Sent:
+        """Start exchanging `blocks`; the `_Sent` keeps `heads` (default: `blocks`), not the packed tensors."""
+        return _Sent(blocks if heads is None else heads, self._columns(blocks),
+                     self._start_all_to_all(call, blocks, role), kv_sent, carried)
 
     def _receive_stage_inputs(self, call: _Call, sent: _Sent):
         """Wait for `sent` and write the outputs it carried back into `call.out`. Returns the stage's q and
@@ -592,18 +598,13 @@ class UntiedUlyssesAttention:
         copies an `out` or `grad_out` whose rows are not contiguous (a column slice of a packed exchange),
         which at the backward's peak would cost two more [S, U/cp, d] tensors."""
         u = self.plan.stage_heads_per_rank * self.head_dim
-        kv_round = stage // self.plan.stages_per_round
-        kv = [self._k_heads(weights.wk, weights.dwk, kv_round), self._v_heads(weights.wv, weights.dwv, kv_round)]
-        kv_sent = None
-        if not self._kv_with_stage and stage == self.plan.stages(kv_round)[0]:
-            kv_sent = self._send(call, kv, self._role("recv_kv", kv_round))
-        heads = [*(kv if self._kv_with_stage else []), self._q_heads(weights.wq, weights.dwq, stage)]
-        q_sent = self._send(call, heads, self._role("recv_stage", stage, period=3), kv_sent)
+        heads, kv_sent = self._stage_heads(call, weights, stage)
+        q_sent = self._send(call, heads, self._role("recv_stage", stage, period=3), kv_sent=kv_sent)
+        # Pieces, not projections: the _Sent keeps none of them, so each is freed once packed.
         o_sent = self._send(call, [_Heads(u, piece=self._output_piece(call.out, stage))],
-                            self._role("recv_out", stage))
+                            self._role("recv_out", stage), heads=[])
         do_sent = self._send(call, [_Heads(u, piece=self._output_grad_piece(call.dout, stage))],
-                             self._role("recv_dout", stage))
-        o_sent.heads = do_sent.heads = []  # pieces, not projections: freed once packed
+                             self._role("recv_dout", stage), heads=[])
         return _BackwardSent(q_sent, o_sent, do_sent)
 
     def _receive_backward_inputs(self, sent: _BackwardSent):
@@ -630,9 +631,7 @@ class UntiedUlyssesAttention:
         all-to-all. Empties `grads`, so the gradients are freed once sent."""
         returned = [_Heads(b.width, full=g) for b, g in zip(blocks, grads)]
         grads.clear()
-        sent = self._send(call, returned, role)
-        sent.heads = blocks
-        return sent
+        return self._send(call, returned, role, heads=blocks)
 
     def _finish_grads(self, call: _Call, returning: list[_Sent]) -> None:
         """Wait for each returned gradient (this rank's tokens, every source rank's heads), in order, and
