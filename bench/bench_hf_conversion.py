@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron_lc.models.llama import build_model, get_config
-from megatron_lc.models.llama.conversion import MODEL_PREFIX, StreamingSavePlanner
+from megatron_lc.training.hf_conversion import MODEL_PREFIX, StreamingSavePlanner
 from megatron_lc.training import checkpointing
 
 REPO = Path(__file__).resolve().parents[1]

@@ -171,7 +171,7 @@ def prepare(work: Path) -> None:
     sys.path.insert(0, str(REPO))
     from megatron_lc.memory.chunks import plan_chunks
     from megatron_lc.models.llama import build_model, count_parameters
-    from megatron_lc.models.llama.conversion import save_safetensors
+    from megatron_lc.training.hf_conversion import save_safetensors
     from megatron_lc.models.llama.hf import to_hf_config, to_hf_state_dict
     from tests.helpers import make_batch
 

@@ -17,15 +17,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-EXIT_CONFIG_ERROR = 2
+from megatron_lc.errors import EXIT_CONFIG_ERROR, ConfigError, UsageError
 
-
-class ConfigError(ValueError):
-    """A setting that cannot work, named with its flag: one line from rank 0, exit status 2."""
-
-
-class UsageError(ConfigError):
-    """A command line argparse refuses (unknown flag, missing value, bad choice)."""
+__all__ = ["EXIT_CONFIG_ERROR", "ArgumentParser", "ConfigError", "UsageError", "check_writable",
+           "report_tool_error", "run_tool"]
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -17,7 +17,8 @@ from typing import Any, get_type_hints
 
 import torch
 
-from megatron_lc.cli import ArgumentParser, ConfigError, check_writable
+from megatron_lc.errors import ConfigError
+from megatron_lc.cli import ArgumentParser
 from megatron_lc.data.sources import validate_data_flags
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 
@@ -403,14 +404,16 @@ class TrainConfig:
                                          p.hierarchical_context_parallel_sizes)
 
     def validate(self, world_size: int) -> None:
-        """Every impossible combination, with the reason and the fix, before any GPU time is spent."""
-        checks = ("_check_data", "_check_parallel", "_check_memory", "_check_model", "_check_run",
-                  "_check_schedule", "_check_checkpoint", "_check_megatron_flags", "_check_environment")
+        """Every impossible combination, with the reason and the fix, before any GPU time is spent. Rules
+        only: what the run needs of disks, packages and hardware is `training.preflight`'s (the planner,
+        which plans for another machine, does not run it)."""
         try:
             self._check_flag_sources()
             resolved = self.resolved(world_size)
-            for check in checks:
-                getattr(resolved, check)(world_size)
+            for check in (resolved._check_data, resolved._check_parallel, resolved._check_memory,
+                          resolved._check_model, resolved._check_run, resolved._check_schedule,
+                          resolved._check_checkpoint, resolved._check_megatron_flags):
+                check(world_size)
         except ConfigError:
             raise
         except (ValueError, OSError, ImportError) as e:  # a missing file or package named by the check
@@ -529,14 +532,6 @@ class TrainConfig:
                                   "(the default here)")
         if m.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} must be >= 1")
-        if d.tokenizer_type:
-            try:
-                vocab = self.tokenizer_spec().build().vocab_size
-            except (ValueError, OSError) as error:
-                raise ConfigError(f"--tokenizer-type {d.tokenizer_type}: {error}") from None
-            if self.vocab_size_override() is not None and self.vocab_size_override() < vocab:
-                raise ConfigError(f"--vocab-size {self.model.vocab_size} is smaller than the vocabulary of "
-                                  f"--tokenizer-model {d.tokenizer_model} ({vocab} ids)")
         self.model_config()  # validates the flavour and overrides
 
     def _check_schedule(self, world_size: int) -> None:
@@ -605,23 +600,11 @@ class TrainConfig:
                          ("--ckpt-step", c.ckpt_step is not None)):
             if on and not c.load:
                 raise ConfigError(f"{name} reads the checkpoint in --load: give --load DIR")
-        if c.load and (c.ckpt_step is not None or c.exit_on_missing_checkpoint):
-            from megatron_lc.training.checkpointing import checkpoint_to_load
-
-            checkpoint_to_load(c.load, c.ckpt_step, c.exit_on_missing_checkpoint)  # refuses a missing one
+        if self.data.eod_mask_loss and not self.data.tokenizer_type:
+            raise ConfigError("--eod-mask-loss masks the token after each end-of-document, whose id comes from the "
+                              "tokenizer: give --tokenizer-type (and --tokenizer-model)")
         if c.keep_last_checkpoints < 0:
             raise ConfigError(f"--keep-last-checkpoints {c.keep_last_checkpoints}: 0 keeps all, N > 0 the newest N")
-        if c.save:
-            from megatron_lc.training.checkpointing import check_save_directory
-
-            check_save_directory(c.save)
-            check_writable(c.save, "--save")
-        if self.logging.wandb_project:
-            import importlib.util
-
-            if importlib.util.find_spec("wandb") is None:
-                raise ConfigError(f"--wandb-project {self.logging.wandb_project} needs the wandb package: "
-                                  "pip install wandb")
 
     def _check_megatron_flags(self, world_size: int) -> None:
         """Megatron-LM flags of parallelisms this framework replaces: refused, saying what it does instead."""
@@ -640,21 +623,6 @@ class TrainConfig:
         if p.use_distributed_optimizer:
             raise ConfigError("--use-distributed-optimizer: FSDP2 + context parallelism shard the optimizer state "
                               "over all ranks already, always; drop the flag")
-
-    def _check_environment(self, world_size: int) -> None:
-        """What the run needs of this machine, checked before the model is built: a GPU when --device
-        cuda asks for one, the EOD id --eod-mask-loss masks, and every directory the run writes."""
-        if self.train.device == "cuda" and not torch.cuda.is_available():
-            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise ConfigError(f"--device cuda: no CUDA device is visible (torch {torch.__version__}, {build}); "
-                              "use --device cpu, or auto to take a GPU when there is one")
-        if self.data.eod_mask_loss and not self.data.tokenizer_type:
-            raise ConfigError("--eod-mask-loss masks the token after each end-of-document, whose id comes from the "
-                              "tokenizer: give --tokenizer-type (and --tokenizer-model)")
-        for name, directory in (("--log-dir", self.logging.log_dir), ("--tensorboard-dir", self.logging.tensorboard_dir),
-                                ("--data-cache-path", self.data.data_cache_path)):
-            if directory:
-                check_writable(directory, name, create=False)  # the run creates them when it starts
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

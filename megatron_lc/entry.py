@@ -19,7 +19,7 @@ from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
-from megatron_lc.config import ConfigError
+from megatron_lc.errors import ConfigError
 from megatron_lc.parallel_state import detect_launch
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG_ERROR = 0, 1, 2

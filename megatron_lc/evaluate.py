@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.cli import ArgumentParser
-from megatron_lc.config import ConfigError, config_from_values
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import config_from_values
 from megatron_lc.context_layout import CP_COMM_TYPES
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import SampleSource
@@ -32,7 +33,8 @@ from megatron_lc.data.sources import SPLIT_NAMES, build_datasets
 from megatron_lc.devices import resolve_devices, set_cuda_allocator_settings
 from megatron_lc.entry import run_entry_point
 from megatron_lc.models.llama import build_model
-from megatron_lc.models.llama.conversion import config_from_meta
+from megatron_lc.training.hf_conversion import config_from_meta
+from megatron_lc.training.preflight import preflight
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelDims, ParallelState, detect_launch, init_distributed, warm_up_collectives
 from megatron_lc.training import checkpointing
@@ -75,6 +77,7 @@ def evaluate(args) -> dict:
                               "hierarchical_context_parallel_sizes": args.hierarchical_context_parallel_sizes or [],
                               "seq_length": args.seq_length, "data_path": args.data_path, "split": args.split})
     cfg.validate(launch.world_size)
+    preflight(cfg)
     source = evaluation_source(args, config.vocab_size)
     total = min(args.num_samples or len(source), len(source))
     per_step = args.micro_batch_size * ParallelDims(launch.world_size, cp=args.context_parallel_size).dp

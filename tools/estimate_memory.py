@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_lc.cli import ArgumentParser, ConfigError, run_tool
+from megatron_lc.errors import ConfigError
+from megatron_lc.cli import ArgumentParser, run_tool
 from megatron_lc.config import build_parser, parse_config
 from megatron_lc.planning.estimate import Machine, estimate, planning_config
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES

@@ -14,7 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron_lc.cli import ArgumentParser, ConfigError, check_writable, run_tool  # noqa: E402
+from megatron_lc.cli import ArgumentParser, check_writable, run_tool  # noqa: E402
+from megatron_lc.errors import ConfigError  # noqa: E402
 from megatron_lc.data.indexed_dataset import IndexedDatasetError, idx_path, merge_datasets  # noqa: E402
 
 

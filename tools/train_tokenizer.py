@@ -19,7 +19,8 @@ from typing import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron_lc.cli import ArgumentParser, ConfigError, check_writable, run_tool  # noqa: E402
+from megatron_lc.cli import ArgumentParser, check_writable, run_tool  # noqa: E402
+from megatron_lc.errors import ConfigError  # noqa: E402
 from megatron_lc.data.corpus import InputProblems, InvalidInputError, ReadOptions, expand_inputs, read_documents  # noqa: E402
 from megatron_lc.data.tokenizers import SENTENCEPIECE_MAX_SENTENCE_BYTES, train_sentencepiece  # noqa: E402
 

@@ -28,7 +28,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from megatron_lc.cli import ArgumentParser, ConfigError, check_writable, report_tool_error
+from megatron_lc.errors import ConfigError
+from megatron_lc.cli import ArgumentParser, check_writable, report_tool_error
 from megatron_lc.data.corpus import (
     BytesRead,
     Document,

@@ -64,7 +64,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import kept_attention
+import megatron_lc.memory.kept_attention as kept_attention
 from .kept_attention import KeptAttention
 from .offload import OffloadScheduler
 

@@ -26,7 +26,7 @@ from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.planning.standins import NcclSettings, nccl_bytes
 from megatron_lc.planning.timing import StepTime, TimeModel
 from megatron_lc.planning.trace import StepTrace, trace_step
-from megatron_lc.planning import machine as machine_terms
+import megatron_lc.planning.machine as machine_terms
 from megatron_lc.planning.machine import DEFAULT_NODE, GIB, NODES, Term
 from megatron_lc.planning.tracker import CATEGORIES, PhasePeak
 

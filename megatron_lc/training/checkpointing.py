@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from megatron_lc.config import ConfigError
+from megatron_lc.errors import ConfigError
 from megatron_lc.parallel_state import detect_launch
 
 LATEST = "latest_checkpointed_iteration.txt"

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron_lc.config import ConfigError
+from megatron_lc.errors import ConfigError
 from megatron_lc.processes import process_alive, process_start_ticks
 
 LOCK = ".save.lock"

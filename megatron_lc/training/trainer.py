@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron_lc.attention.kernels import activate_flash_impl
-from megatron_lc.config import ConfigError, TrainConfig
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import TrainConfig
+from megatron_lc.training.preflight import preflight
 from megatron_lc.data.blending import normalize
 from megatron_lc.data.index_cache import dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset
@@ -173,6 +175,7 @@ def build_run(cfg: TrainConfig) -> Run:
     launch = detect_launch()
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
     cfg = cfg.resolved(launch.world_size)  # --train-samples, --data-args-path, ... filled in
+    preflight(cfg)  # what the run needs of this machine's disks, packages and devices
     set_allocator_defaults()
     devices = resolve_devices(cfg.train.device, launch.local_rank)
     if devices.is_cuda:

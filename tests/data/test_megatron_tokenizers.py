@@ -14,8 +14,10 @@ import pytest
 import regex
 from adversarial import adversarial_texts
 
-from megatron_lc.cli import EXIT_CONFIG_ERROR
-from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.errors import EXIT_CONFIG_ERROR
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import parse_config
+from megatron_lc.training.preflight import preflight
 from megatron_lc.data.corpus import InvalidInputError
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.preprocess import PreprocessOptions, main, preprocess
@@ -228,5 +230,6 @@ def test_training_config_takes_both_tokenizers(gpt2_files):
     tokenizer = gpt2.tokenizer_spec().build()
     assert gpt2.model_config(vocab_size=tokenizer.vocab_size).vocab_size == tokenizer.vocab_size
     gpt2.validate(1)
+    preflight(gpt2)
     with pytest.raises(ConfigError, match="--tokenizer-type GPT2BPETokenizer: GPT2BPETokenizer needs --merge-file"):
-        parse_config(["--mock-data", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_path]).validate(1)
+        preflight(parse_config(["--mock-data", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_path]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_lc.cli import EXIT_CONFIG_ERROR
+from megatron_lc.errors import EXIT_CONFIG_ERROR
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.preprocess import PreprocessOptions, main, preprocess
 from megatron_lc.data.sentences import sentence_splitter

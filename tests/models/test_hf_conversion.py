@@ -10,7 +10,7 @@ import torch
 
 from megatron_lc.config import parse_config
 from megatron_lc.models.llama import build_model
-from megatron_lc.models.llama.conversion import checkpoint_to_hf, config_from_meta, hf_to_checkpoint, plan_shards
+from megatron_lc.training.hf_conversion import checkpoint_to_hf, config_from_meta, hf_to_checkpoint, plan_shards
 from megatron_lc.training import checkpointing
 from megatron_lc.training.trainer import train
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron_lc.config import parse_config
 from megatron_lc.data.tokenizers import build_tokenizer, train_sentencepiece
-from megatron_lc.models.llama.conversion import checkpoint_to_hf
+from megatron_lc.training.hf_conversion import checkpoint_to_hf
 from megatron_lc.training.trainer import train
 
 transformers = pytest.importorskip("transformers")

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import parse_config
+from megatron_lc.training.preflight import preflight
 from megatron_lc.training import checkpointing
 from megatron_lc.training.trainer import train
 
@@ -37,7 +39,7 @@ def test_checkpoint_without_optimizer_resumes_with_a_fresh_one_as_no_load_optim(
 def test_missing_checkpoint_stops_the_run_instead_of_starting_from_scratch(tmp_path):
     (tmp_path / "typo").mkdir()
     with pytest.raises(ConfigError, match=r"^--exit-on-missing-checkpoint: --load .*typo holds no checkpoint"):
-        parse_config(BASE + ["--load", str(tmp_path / "typo"), "--exit-on-missing-checkpoint"]).validate(1)
+        preflight(parse_config(BASE + ["--load", str(tmp_path / "typo"), "--exit-on-missing-checkpoint"]))
     with pytest.raises(ConfigError, match="--exit-on-missing-checkpoint reads the checkpoint in --load"):
         parse_config(BASE + ["--exit-on-missing-checkpoint"]).validate(1)
 
@@ -49,4 +51,4 @@ def test_ckpt_step_loads_that_step_not_the_newest(tmp_path):
     assert [m["step"] for m in again] == [3, 4]
     assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in whole[2:]], rel=1e-6)
     with pytest.raises(ConfigError, match=r"^--ckpt-step 3: no checkpoint of step 3 in --load"):
-        parse_config(BASE + ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "3"]).validate(1)
+        preflight(parse_config(BASE + ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "3"]))

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import parse_config
 from megatron_lc.training.trainer import train
 from tests.helpers import write_random_dataset
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import parse_config
 from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lc.training.trainer import train
 

@@ -9,7 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import parse_config
+from megatron_lc.training.preflight import preflight
 from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lc.training.trainer import train
 from tests.helpers import free_port
@@ -65,7 +67,7 @@ def test_attention_crosses_documents_unless_reset_attention_mask_both_as_transfo
 
     from megatron_lc.data.indexed_dataset import IndexedDataset
     from megatron_lc.data.samples import LongSequenceSamples
-    from megatron_lc.models.llama.conversion import checkpoint_to_hf
+    from megatron_lc.training.hf_conversion import checkpoint_to_hf
 
     hf = transformers.LlamaForCausalLM.from_pretrained(
         checkpoint_to_hf(str(trained / "ckpt"), str(tmp_path / "hf"), dtype=torch.float32),
@@ -105,7 +107,7 @@ def test_sequence_longer_than_the_data_is_refused_not_reported_as_zero_loss(trai
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="the test environment has no wandb")
 def test_wandb_without_its_package_is_refused_before_any_work():
     with pytest.raises(ConfigError, match="--wandb-project p needs the wandb package"):
-        parse_config(["--mock-data", "--wandb-project", "p"]).validate(1)
+        preflight(parse_config(["--mock-data", "--wandb-project", "p"]))
 
 
 def test_ids_beyond_the_vocabulary_are_refused_in_one_line_as_training_does(trained):

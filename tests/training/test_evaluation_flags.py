@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import parse_config
 from megatron_lc.training import checkpointing
 from megatron_lc.training.trainer import build_run, train
 from tests.helpers import write_random_dataset

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import parse_config
 from megatron_lc.training.trainer import build_run, train_one_step
 
 BASE = ["--mock-data", "--seq-length", "16", "--num-layers", "3", "--hidden-size", "32", "--ffn-hidden-size", "64",

@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import parse_config
+from megatron_lc.training.preflight import preflight
 from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lc.training import checkpointing
 from megatron_lc.training.logging import format_duration
@@ -149,7 +151,7 @@ def test_unwritable_save_directory_is_refused_before_any_work(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(ConfigError, match=f"--save {blocker}/ckpt: not writable"):
-        parse_config(BASE + ["--save", str(blocker / "ckpt")]).validate(1)
+        preflight(parse_config(BASE + ["--save", str(blocker / "ckpt")]))
 
 
 def _lrs(log_dir: Path) -> list[float]:

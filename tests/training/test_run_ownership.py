@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_lc.config import ConfigError, build_parser, parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import build_parser, parse_config
+from megatron_lc.training.preflight import preflight
 from megatron_lc.training import checkpointing, save_lock
 from megatron_lc.training.trainer import train
 from tests.helpers import write_random_dataset
@@ -130,9 +132,9 @@ def test_load_of_a_copied_checkpoint_directory_moves_forward_and_save_into_one_i
     copy = tmp_path / "copy"
     shutil.copytree(checkpointing.checkpoint_dir(run, 1), copy)
     with pytest.raises(ConfigError, match=f"--save {copy}: is the checkpoint {copy} .*save into its parent"):
-        parse_config(BASE + ["--save", str(copy)]).validate(1)
+        preflight(parse_config(BASE + ["--save", str(copy)]))
     with pytest.raises(ConfigError, match=f"is inside the checkpoint {copy}"):
-        parse_config(BASE + ["--save", str(copy / "more")]).validate(1)
+        preflight(parse_config(BASE + ["--save", str(copy / "more")]))
     # Saved into it by an earlier version: the nested, later checkpoint is the one to resume.
     shutil.copytree(checkpointing.checkpoint_dir(run, 3), checkpointing.checkpoint_dir(copy, 3))
     assert checkpointing.latest_checkpoint(copy) == checkpointing.checkpoint_dir(copy, 3)

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import parse_config
 from megatron_lc.training.schedule import LRSchedule, schedule_from_config
 
 

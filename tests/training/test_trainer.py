@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lc.config import ConfigError, parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.config import parse_config
 from megatron_lc.training import checkpointing
 from megatron_lc.training.trainer import NonFiniteError, train
 from tests.helpers import free_port

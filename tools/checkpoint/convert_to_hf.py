@@ -10,10 +10,11 @@ import argparse
 
 import torch
 
-from megatron_lc.cli import ArgumentParser, ConfigError
+from megatron_lc.errors import ConfigError
+from megatron_lc.cli import ArgumentParser
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 from megatron_lc.entry import run_entry_point
-from megatron_lc.models.llama.conversion import checkpoint_to_hf
+from megatron_lc.training.hf_conversion import checkpoint_to_hf
 
 
 def parse_size(text: str) -> int:

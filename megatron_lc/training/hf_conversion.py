@@ -17,7 +17,7 @@ from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.hf import from_hf_config, to_hf_config, to_hf_name
 from megatron_lc.models.llama.model import LlamaConfig
 from megatron_lc.models.llama.zoo import config_from_dict
-from megatron_lc.config import ConfigError
+from megatron_lc.errors import ConfigError
 from megatron_lc.training import checkpointing
 from megatron_lc.training.save_lock import acquire_save_lock
 

@@ -1,0 +1,15 @@
+"""The error types every room raises for a setting that cannot work; a leaf module (imports nothing).
+
+An entry point reports a `ConfigError` as one line from rank 0 and exit status 2 (`entry.py`,
+`cli.run_tool`); any other exception is a defect and keeps its traceback.
+"""
+
+EXIT_CONFIG_ERROR = 2
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work, named with its flag: one line from rank 0, exit status 2."""
+
+
+class UsageError(ConfigError):
+    """A command line argparse refuses (unknown flag, missing value, bad choice)."""
