@@ -29,7 +29,7 @@ from megatron_lc.training.step import forward_backward
 
 PSTATE = ParallelState(ParallelDims(world_size=1))
 FULL = dict(recompute_granularity="full")
-OFFLOAD = dict(FULL, offload_activations=True)
+OFFLOAD = dict(FULL, offload_mode="prefetch")
 MLP_TILES = dict(tiled_mlp=True, tiled_mlp_tiles=8)
 LOSS_TILES = dict(tiled_loss=True, tiled_loss_tiles=8)
 # Training flags, switched on cumulatively (memory) and alone (overhead).
@@ -39,7 +39,7 @@ CUMULATIVE = {
     "+ offload block inputs": OFFLOAD,
     "+ tiled MLP": dict(OFFLOAD, **MLP_TILES),
     "+ tiled loss": dict(OFFLOAD, **MLP_TILES, **LOSS_TILES),
-    "+ offload fetch on demand": dict(OFFLOAD, no_offload_prefetch=True, **MLP_TILES, **LOSS_TILES),
+    "+ offload fetch on demand": dict(OFFLOAD, offload_mode="on_demand", **MLP_TILES, **LOSS_TILES),
 }
 ALONE = {
     "checkpointing (full)": FULL,

@@ -45,7 +45,7 @@ def train_config(k: int, args, keep: bool = False):
                  num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
                  kv_channels=c.kv_channels, vocab_size=c.vocab_size)
     return config_from_values({**model, "seq_length": args.seq_length, "mock_data": True,
-                               "recompute_granularity": "full", "offload_activations": True,
+                               "recompute_granularity": "full", "offload_mode": "prefetch",
                                "offload_every_k_layers": k, "keep_attention_output": keep, "tiled_mlp": True, "tiled_mlp_tiles": 4,
                                "tiled_loss": True, "tiled_loss_tiles": 4})
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 MODEL = ("--model debug --num-layers 2 --hidden-size 512 --num-attention-heads 8 --num-query-groups 2 "
          "--kv-channels 64 --ffn-hidden-size 2048 --vocab-size 8000 --seq-length 4096").split()
-STACK = "--recompute-granularity full --offload-activations --tiled-mlp --tiled-loss".split()
+STACK = "--recompute-granularity full --offload-mode prefetch --tiled-mlp --tiled-loss".split()
 CONFIGS = {
     "cp1": (1, []),
     "cp1 full recompute": (1, ["--recompute-granularity", "full"]),

@@ -216,6 +216,7 @@ def ours_worker(work: Path, tag: str, profile: bool) -> None:
     from megatron_lc.attention.ulysses import UlyssesAttention
     from megatron_lc.devices import Devices
     from megatron_lc.entry import exit_process
+    from megatron_lc.memory.stack import MemoryStack
     from megatron_lc.models.llama import build_model, count_parameters
     from megatron_lc.models.llama.parallelize import (
         ParallelizeOptions,
@@ -232,9 +233,9 @@ def ours_worker(work: Path, tag: str, profile: bool) -> None:
     cpu = Devices(torch.device("cpu"), torch.device("cpu"))
     config = _our_config(spec)
     pstate = ParallelState(ParallelDims(world_size=world, cp=world))
-    opts = ParallelizeOptions(cp_impl="ulysses", seq_length=spec["seq_length"], recompute_granularity="full",
-                              mlp_tiles=prepared["mlp_tiles"], loss_tiles=prepared["loss_tiles"],
-                              keep_attention_output=spec["ours_keep_attention_output"])
+    opts = ParallelizeOptions(cp_impl="ulysses", seq_length=spec["seq_length"], memory=MemoryStack(
+        recompute_granularity="full", mlp_tiles=prepared["mlp_tiles"], loss_tiles=prepared["loss_tiles"],
+        keep_attention_output=spec["ours_keep_attention_output"]))
     reference_state = build_model(config, device="cpu", seed=0).state_dict()
     model = build_model(config, device="meta")
     parameters = count_parameters(model)
@@ -246,7 +247,7 @@ def ours_worker(work: Path, tag: str, profile: bool) -> None:
 
     # The stack is what it claims to be.
     assert (opts.cp_impl, opts.recompute_granularity, opts.recompute_layers) == ("ulysses", "full", None), opts
-    assert opts.mlp_tiles >= 1 and opts.loss_tiles >= 1 and not opts.offload_activations, opts
+    assert opts.memory.mlp_tiles >= 1 and opts.memory.loss_tiles >= 1 and not opts.memory.offloads, opts
     assert pstate.cp_size == world == spec["world"] and isinstance(model, FSDPModule)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     for layer in model.layers:

@@ -21,16 +21,8 @@ from megatron_lc.errors import ConfigError
 from megatron_lc.cli import ArgumentParser
 from megatron_lc.data.sources import validate_data_flags
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
-
-
-def flag(default: Any, help: str, **kwargs) -> Any:
-    """A config field with its help text (and optional argparse extras such as choices; `flag_name`
-    when Megatron-LM spells the flag otherwise than the field name with hyphens)."""
-    return field(default=default, metadata={"help": help, **kwargs})
-
-
-def flag_list(help: str, **kwargs) -> Any:
-    return field(default_factory=list, metadata={"help": help, "nargs": "*", **kwargs})
+from megatron_lc.flags import flag, flag_list
+from megatron_lc.memory.stack import OFFLOAD_ALIASES, MemoryArgs, MemoryStack, fold_offload_aliases
 
 
 @dataclass
@@ -105,39 +97,6 @@ class ParallelArgs:
                                    "--context-parallel-size splits the sequence instead")
     use_distributed_optimizer: bool = flag(False, "Megatron-LM's sharded optimizer: refused, as FSDP2 always shards "
                                            "the optimizer state (drop the flag)")
-
-
-@dataclass
-class MemoryArgs:
-    recompute_granularity: str = flag("none", "activation checkpointing: none, full (keep block inputs only), "
-                                      "selective (keep attention, recompute the MLP half)",
-                                      choices=("none", "full", "selective"))
-    recompute_method: str | None = flag(None, "with --recompute-granularity full, which blocks are checkpointed: "
-                                        "block (the first --recompute-num-layers blocks, the rest keep all their "
-                                        "activations) or uniform (groups of --recompute-num-layers blocks; only 1 "
-                                        "here, each block its own group); default every block",
-                                        choices=(None, "uniform", "block"))
-    recompute_num_layers: int | None = flag(None, "blocks per group (uniform) or blocks checkpointed (block)")
-    offload_activations: bool = flag(False, "keep checkpointed block inputs in host memory (needs full recompute)")
-    offload_keep_last: int = flag(1, "last layers whose block inputs stay on the accelerator")
-    no_offload_prefetch: bool = flag(False, "bring an offloaded block input back only when its own layer's backward "
-                                     "needs it: one block input less on the accelerator, the copy no longer overlaps")
-    offload_prefetch_early: bool = flag(False, "start bringing the previous layer's offloaded input back when a "
-                                        "layer's backward starts, so the copy runs during that backward: one "
-                                        "more block input on the accelerator at its peak; default: when it ends, "
-                                        "the copy mostly exposed")
-    offload_every_k_layers: int = flag(1, "sparse offload: keep only every k-th offloaded block input (the first "
-                                       "of each segment of k layers) and recompute the others from it in backward: "
-                                       "about k x less host memory for (k-1)/2 more block forwards per layer")
-    keep_attention_output: bool = flag(False, "with --recompute-granularity full, keep each block's attention "
-                                       "output and log-sum-exp (in host memory with the block input under "
-                                       "--offload-activations) so that the recompute does not run the attention "
-                                       "forward again: about twice the kept bytes per layer, one attention "
-                                       "forward less per layer")
-    tiled_mlp: bool = flag(False, "compute the MLP over sequence tiles, recomputed in backward")
-    tiled_mlp_tiles: int | None = flag(None, "MLP tiles (default: about hidden-size tokens per tile)")
-    tiled_loss: bool = flag(False, "fuse output projection and cross-entropy over sequence tiles")
-    tiled_loss_tiles: int | None = flag(None, "loss tiles (default: about 1 GiB of fp32 logits per tile)")
 
 
 @dataclass
@@ -338,38 +297,28 @@ class TrainConfig:
                           init_std=m.init_method_std, rope_scaling=scaling,
                           tie_embeddings=False if m.untie_embeddings_and_output_weights else None)
 
-    def parallelize_options(self):
-        """The ParallelizeOptions of the run (tile counts resolved by the chunk scheduler)."""
+    def memory_stack(self) -> MemoryStack:
+        """The run's memory stack (`memory.stack`), tile counts resolved by the chunk scheduler."""
         from megatron_lc.memory.chunks import plan_chunks
+
+        c = self.model_config()
+        local_tokens = self.data.micro_batch_size * self.data.seq_length // self.parallel.context_parallel_size
+        chunks = plan_chunks(local_tokens, c.hidden_size, c.ffn_hidden_size, c.vocab_size, 2 if self.train.bf16 else 4,
+                             mlp_tiles=self.memory.tiled_mlp_tiles, loss_tiles=self.memory.tiled_loss_tiles)
+        return self.memory.stack(c.num_layers, chunks)
+
+    def parallelize_options(self):
+        """The ParallelizeOptions of the run."""
         from megatron_lc.models.llama.parallelize import ParallelizeOptions
 
-        c, mem, par = self.model_config(), self.memory, self.parallel
-        local_tokens = self.data.micro_batch_size * self.data.seq_length // par.context_parallel_size
-        plan = plan_chunks(local_tokens, c.hidden_size, c.ffn_hidden_size, c.vocab_size, 2 if self.train.bf16 else 4,
-                           mlp_tiles=mem.tiled_mlp_tiles, loss_tiles=mem.tiled_loss_tiles)
-        dtype = torch.bfloat16 if self.train.bf16 else torch.float32
+        par = self.parallel
         return ParallelizeOptions(
-            cp_impl=par.cp_impl, seq_length=self.data.seq_length, attention_kernel=par.attention_kernel, heads_per_stage=par.untied_heads_per_stage,
-            untied_overlap=par.untied_overlap_stages,
-            recompute_granularity=mem.recompute_granularity, recompute_layers=(self.recomputed_layers(c.num_layers)
-                                                                     if mem.recompute_method == "block" else None),
-            offload_activations=mem.offload_activations,
-            offload_keep_last=mem.offload_keep_last, offload_prefetch=not mem.no_offload_prefetch,
-            offload_prefetch_early=mem.offload_prefetch_early,
-            offload_every_k_layers=mem.offload_every_k_layers, keep_attention_output=mem.keep_attention_output,
-            mlp_tiles=plan.mlp_tiles if mem.tiled_mlp else None, loss_tiles=plan.loss_tiles if mem.tiled_loss else None,
-            param_dtype=dtype, reduce_dtype=torch.float32, reshard_after_forward=not par.no_reshard_after_forward, fsdp_cpu_offload=par.fsdp_cpu_offload,
+            cp_impl=par.cp_impl, seq_length=self.data.seq_length, attention_kernel=par.attention_kernel,
+            heads_per_stage=par.untied_heads_per_stage, untied_overlap=par.untied_overlap_stages,
+            memory=self.memory_stack(),
+            param_dtype=torch.bfloat16 if self.train.bf16 else torch.float32, reduce_dtype=torch.float32,
+            reshard_after_forward=not par.no_reshard_after_forward, fsdp_cpu_offload=par.fsdp_cpu_offload,
         )
-
-    def recomputed_layers(self, num_layers: int) -> int:
-        """Blocks checkpointed under --recompute-granularity full: the first --recompute-num-layers with
-        --recompute-method block, else all of them (0 without full recompute)."""
-        mem = self.memory
-        if mem.recompute_granularity != "full":
-            return 0
-        if mem.recompute_method == "block":
-            return min(mem.recompute_num_layers, num_layers)
-        return num_layers
 
     def global_batch(self, world_size: int) -> int:
         """Samples per optimizer step (--global-batch-size, default micro-batch x data-parallel size)."""
@@ -504,25 +453,8 @@ class TrainConfig:
             check_untied_shapes(c.num_attention_heads, c.num_query_groups, a2a, p.untied_heads_per_stage or a2a)
 
     def _check_memory(self, world_size: int) -> None:
-        mem = self.memory
-        if mem.recompute_method is not None or mem.recompute_num_layers is not None:
-            if mem.recompute_granularity != "full":
-                raise ConfigError(f"--recompute-method {mem.recompute_method} / --recompute-num-layers "
-                                  f"{mem.recompute_num_layers} choose the blocks of --recompute-granularity full "
-                                  f"(given: {mem.recompute_granularity})")
-            if mem.recompute_method is None or mem.recompute_num_layers is None:
-                raise ConfigError("--recompute-method and --recompute-num-layers go together: give both (without "
-                                  "them, --recompute-granularity full checkpoints every block)")
-            layers = self.model_config().num_layers
-            if not 1 <= mem.recompute_num_layers <= layers:
-                raise ConfigError(f"--recompute-num-layers {mem.recompute_num_layers} must be in 1..{layers} "
-                                  "(--num-layers)")
-            if mem.recompute_method == "uniform" and mem.recompute_num_layers != 1:
-                raise ConfigError(f"--recompute-method uniform --recompute-num-layers {mem.recompute_num_layers}: "
-                                  "checkpointing here is per block (each block one FSDP and offload unit that keeps "
-                                  "its own input), so groups of several blocks are not; give 1, or --recompute-method "
-                                  "block to checkpoint only the first N")
-        self.parallelize_options().validate()
+        self.memory.check(self.model_config().num_layers)
+        self.memory_stack().validate()
 
     def _check_model(self, world_size: int) -> None:
         d, m = self.data, self.model
@@ -716,6 +648,8 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls):
             if f.metadata.get("cli", True):  # a field set by the program (from a checkpoint), not a flag
                 _add_field(group, f, hints[f.name])
+    for alias in OFFLOAD_ALIASES:  # old spellings of --offload-mode, folded by config_from_values
+        parser.add_argument(_flag_name(alias), dest=alias, action="store_true", default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -789,6 +723,7 @@ def _parse_preset(path: str) -> dict:
 def config_from_values(values: dict) -> TrainConfig:
     """A TrainConfig from field-name -> value (unknown names are refused, naming them)."""
     cfg = TrainConfig()
+    values = fold_offload_aliases({k.replace("-", "_"): v for k, v in values.items()})
     known = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
     for name, value in values.items():
         name = name.replace("-", "_")

@@ -133,3 +133,15 @@ def write_random_dataset(prefix, *, documents: int, lengths: tuple[int, int], vo
             builder.end_document()
         builder.finalize(f"{prefix}.idx")
     return str(prefix)
+
+
+def parallelize_options(**fields):
+    """ParallelizeOptions from one flat set of named fields: the memory stack's (`MemoryStack`) and the rest."""
+    import dataclasses as dc
+
+    from megatron_lc.memory.stack import MemoryStack
+    from megatron_lc.models.llama.parallelize import ParallelizeOptions
+
+    memory_names = {f.name for f in dc.fields(MemoryStack)}
+    memory = MemoryStack(**{k: v for k, v in fields.items() if k in memory_names})
+    return ParallelizeOptions(memory=memory, **{k: v for k, v in fields.items() if k not in memory_names})

@@ -233,6 +233,9 @@ def validate_plan(planner: argparse.Namespace, cfg, argv: list[str]) -> None:
         raise ConfigError("--auto-fit chooses a stack at one --seq-length: not together with --find-max-seq-length, "
                           "--ablate or --plot")
     checked = cfg
+    if planner.auto_fit and (cfg.memory.recompute_method or cfg.memory.recompute_num_layers):
+        raise ConfigError("--auto-fit chooses the recompute of every block: drop --recompute-method and "
+                          "--recompute-num-layers (or plan that stack without --auto-fit)")
     if planner.auto_fit:
         training = autofit.strip_memory_flags(split_argv(argv)[1])
         checked = parse_config(training + (["--mock-data"] if not cfg.data.data_path else []))

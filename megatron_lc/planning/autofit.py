@@ -54,10 +54,11 @@ from megatron_lc.attention.registry import CP_IMPLS
 from megatron_lc.attention.untied_ulysses import valid_heads_per_stage
 from megatron_lc.config import TrainConfig
 from megatron_lc.memory.chunks import plan_chunks
+from megatron_lc.memory.stack import OffloadMode
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.timing import StepTime, TimeModel
 
-MODES = (("none", "off"), ("selective", "off"), ("full", "off"), ("full", "early"), ("full", "prefetch"),
+MODES = (("none", "none"), ("selective", "none"), ("full", "none"), ("full", "early"), ("full", "prefetch"),
          ("full", "on_demand"))
 """(recompute granularity, offload) from the least memory saving to the most."""
 DEFAULT_MAX_TRACES = 40
@@ -71,9 +72,8 @@ class Candidate:
 
     recompute: str
     """--recompute-granularity: none, selective or full."""
-    offload: str
-    """off, early (--offload-activations --offload-prefetch-early), prefetch (--offload-activations) or
-    on_demand (with --no-offload-prefetch)."""
+    offload: OffloadMode
+    """--offload-mode: none, early, prefetch or on_demand."""
     mlp_tiles: int | None
     """--tiled-mlp-tiles, or None for no tiled MLP."""
     loss_tiles: int | None
@@ -88,17 +88,17 @@ class Candidate:
     """--keep-attention-output (full recompute only): the recompute runs no attention forward."""
     untied_overlap: bool = False
     """--untied-overlap-stages (Untied Ulysses only): its stages pipelined, one more set of stage buffers."""
+    offload_keep_last: int | None = None
+    """--offload-keep-last as the user gave it (with offload only; None: the default)."""
 
     def flags(self) -> list[str]:
         """The training flags of this stack (defaults left out)."""
         out = [] if self.recompute == "none" else ["--recompute-granularity", self.recompute]
-        if self.offload != "off":
-            out.append("--offload-activations")
-        if self.offload == "on_demand":
-            out.append("--no-offload-prefetch")
-        if self.offload == "early":
-            out.append("--offload-prefetch-early")
-        if self.offload != "off" and self.offload_every > 1:
+        if self.offload != "none":
+            out += ["--offload-mode", self.offload]
+        if self.offload != "none" and self.offload_keep_last is not None:
+            out += ["--offload-keep-last", str(self.offload_keep_last)]
+        if self.offload != "none" and self.offload_every > 1:
             out += ["--offload-every-k-layers", str(self.offload_every)]
         if self.keep_attention and self.recompute == "full":
             out.append("--keep-attention-output")
@@ -114,9 +114,9 @@ class Candidate:
     def apply(self, cfg: TrainConfig) -> TrainConfig:
         """`cfg` with this stack in place of its own."""
         memory = dataclasses.replace(
-            cfg.memory, recompute_granularity=self.recompute, offload_activations=self.offload != "off",
-            no_offload_prefetch=self.offload == "on_demand", offload_prefetch_early=self.offload == "early",
-            offload_every_k_layers=self.offload_every if self.offload != "off" else 1,
+            cfg.memory, recompute_granularity=self.recompute, offload_mode=self.offload,
+            offload_keep_last=self.offload_keep_last if self.offload != "none" else None,
+            offload_every_k_layers=self.offload_every if self.offload != "none" else 1,
             keep_attention_output=self.keep_attention and self.recompute == "full", tiled_mlp=self.mlp_tiles is not None,
             tiled_mlp_tiles=self.mlp_tiles, tiled_loss=self.loss_tiles is not None, tiled_loss_tiles=self.loss_tiles)
         parallel = cfg.parallel
@@ -126,9 +126,9 @@ class Candidate:
         return dataclasses.replace(cfg, memory=memory, parallel=parallel)
 
 
-MEMORY_FLAGS = {"--recompute-granularity": 1, "--offload-activations": 0, "--no-offload-prefetch": 0,
-                "--offload-prefetch-early": 0,
-                "--offload-every-k-layers": 1, "--keep-attention-output": 0,
+MEMORY_FLAGS = {"--recompute-granularity": 1, "--offload-mode": 1, "--offload-activations": 0,
+                "--no-offload-prefetch": 0, "--offload-prefetch-early": 0,
+                "--offload-every-k-layers": 1, "--offload-keep-last": 1, "--keep-attention-output": 0,
                 "--tiled-mlp": 0, "--tiled-mlp-tiles": 1, "--tiled-loss": 0, "--tiled-loss-tiles": 1,
                 "--cp-impl": 1, "--untied-heads-per-stage": 1, "--untied-overlap-stages": 0}
 """The flags auto-fit chooses, with the number of values each takes."""
@@ -174,6 +174,8 @@ class SearchSpace:
     descending, synchronous, then the same pipelined."""
     offload_every: tuple[int, ...] = (1,)
     """Sparse-offload k levels (ascending; they apply to the offloading modes only)."""
+    offload_keep_last: int | None = None
+    """--offload-keep-last of every offloading candidate (as the user gave it)."""
     keep_attention: tuple[bool, ...] = (False,)
     """Kept attention levels, (True, False) when searched (they apply to full recompute only; the other
     modes keep their attention anyway and take level 0)."""
@@ -184,7 +186,7 @@ class SearchSpace:
                 len(self.offload_every), len(self.keep_attention))
 
     def offloads(self, point: tuple[int, ...]) -> bool:
-        return self.modes[point[0]][1] != "off"
+        return self.modes[point[0]][1] != "none"
 
     def canonical(self, point: tuple[int, ...]) -> tuple[int, ...]:
         """The point itself, or without offload its k level at 1 (k means nothing there), and without full
@@ -196,8 +198,9 @@ class SearchSpace:
     def candidate(self, point: tuple[int, ...]) -> Candidate:
         (rec, off), mlp, loss, (impl, u, overlap) = (self.modes[point[0]], self.mlp_tiles[point[1]],
                                                      self.loss_tiles[point[2]], self.attention[point[3]])
-        return Candidate(rec, off, mlp, loss, impl, u, self.offload_every[point[4]] if off != "off" else 1,
-                         self.keep_attention[point[5]] and rec == "full", overlap)
+        return Candidate(rec, off, mlp, loss, impl, u, self.offload_every[point[4]] if off != "none" else 1,
+                         self.keep_attention[point[5]] and rec == "full", overlap,
+                         self.offload_keep_last if off != "none" else None)
 
     def points(self) -> list[tuple[int, ...]]:
         """Every distinct candidate's point (k levels only with offload)."""
@@ -217,12 +220,12 @@ def search_space(cfg: TrainConfig) -> SearchSpace:
             stages = sorted(valid_heads_per_stage(c.num_attention_heads, c.num_query_groups, a2a), reverse=True)
             attention += [("untied_ulysses", u, overlap) for overlap in (False, True)
                           for u in stages if u < c.num_attention_heads]
-    offloaded = max(0, c.num_layers - cfg.memory.offload_keep_last)
+    offloading = dataclasses.replace(cfg.memory_stack(), recompute_granularity="full", offload_mode="prefetch")
     slots = {}  # k levels that change the host slots (a model of few layers has fewer)
     for k in OFFLOAD_EVERY:
-        slots.setdefault(-(-offloaded // k), k)
+        slots.setdefault(dataclasses.replace(offloading, offload_every_k_layers=k).host_slots(c.num_layers), k)
     return SearchSpace(MODES, (None, *tile_ladder(plan.mlp_tiles)), (None, *tile_ladder(plan.loss_tiles)),
-                       tuple(attention), tuple(slots.values()), (True, False))
+                       tuple(attention), tuple(slots.values()), cfg.memory.offload_keep_last, (True, False))
 
 
 # --- the search -----------------------------------------------------------------------------
@@ -345,7 +348,7 @@ class _Search:
                  on_estimate: Callable[[Candidate, Estimate], None] | None, space: SearchSpace):
         self.cfg, self.machine, self.time_model, self.max_traces = cfg, machine, time_model, max_traces
         self.evaluate, self.on_estimate, self.space = evaluate, on_estimate, space
-        self.known = _Knowledge(space, {i for i, (_, off) in enumerate(space.modes) if off != "off"})
+        self.known = _Knowledge(space, {i for i, (_, off) in enumerate(space.modes) if off != "none"})
         self.result = AutoFitResult(None, None, None, candidates=len(space.points()), time_model=time_model)
         self.costs: dict[tuple[int, ...], StepTime] = {}
 

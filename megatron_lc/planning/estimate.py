@@ -213,12 +213,12 @@ def anchor_depth(cfg: TrainConfig) -> int:
     2, or one more than the layers whose block input stays on the GPU under offload; with sparse offload
     (k > 1) at least those layers plus one whole segment, so that every position in a segment is an anchor
     at each end."""
-    mem = cfg.memory
-    if not mem.offload_activations:
+    stack = cfg.memory_stack()
+    if not stack.offloads:
         return 2
-    m = max(2, mem.offload_keep_last + 1)
-    k = mem.offload_every_k_layers
-    return m if k == 1 else max(m, mem.offload_keep_last + k)
+    m = max(2, stack.offload_keep_last + 1)
+    k = stack.offload_every_k_layers
+    return m if k == 1 else max(m, stack.offload_keep_last + k)
 
 
 def traced_layer_counts(cfg: TrainConfig) -> tuple[int, ...]:
@@ -227,7 +227,8 @@ def traced_layer_counts(cfg: TrainConfig) -> tuple[int, ...]:
     2m and 2m + 1 layers; with sparse offload (k > 1) the smallest count of at least 2m layers that is
     congruent to the model's modulo k, and k more: the traces and the model then end in the same partial
     segment, and each trace's k more layers add one whole segment (one host slot, k layers of state)."""
-    m, k = anchor_depth(cfg), cfg.memory.offload_every_k_layers if cfg.memory.offload_activations else 1
+    stack = cfg.memory_stack()
+    m, k = anchor_depth(cfg), stack.offload_every_k_layers if stack.offloads else 1
     num_layers = cfg.model_config().num_layers
     first = 2 * m + (num_layers - 2 * m) % k
     return (num_layers,) if num_layers <= first + k else (first, first + k)

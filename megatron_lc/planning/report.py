@@ -26,7 +26,8 @@ def describe_config(cfg: TrainConfig, num_gpus: int) -> str:
             stack.append(f"{p.cp_impl} {layout.a2a_size} x ring {layout.ring_size}")
     if m.recompute_granularity != "none":
         stack.append(f"{m.recompute_granularity} recompute")
-    stack += [name for name, on in (("offload", m.offload_activations),
+    stack += [name for name, on in (("offload" if m.offload_mode == "prefetch" else f"offload ({m.offload_mode})",
+                                     m.offload_mode != "none"),
                                     ("kept attention output", m.keep_attention_output and m.recompute_granularity == "full"),
                                     ("tiled MLP", m.tiled_mlp), ("tiled loss", m.tiled_loss)) if on]
     dtype = "bf16" if cfg.train.bf16 else "fp32"

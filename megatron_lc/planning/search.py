@@ -161,21 +161,22 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
 
     p = cfg.parallel
     fsdp = with_(cfg, context_parallel_size=1, cp_impl="ulysses", cp_comm_type="a2a",
-                 hierarchical_context_parallel_sizes=[], recompute_granularity="none",
-                 offload_activations=False, no_offload_prefetch=False, offload_prefetch_early=False,
-                 tiled_mlp=False, tiled_loss=False)
+                 hierarchical_context_parallel_sizes=[], recompute_granularity="none", recompute_method=None,
+                 recompute_num_layers=None, offload_mode="none", offload_keep_last=None, offload_every_k_layers=1,
+                 keep_attention_output=False, tiled_mlp=False, tiled_mlp_tiles=None, tiled_loss=False,
+                 tiled_loss_tiles=None)
     cp = default_cp(cfg, num_gpus)
     ulysses = with_(fsdp, context_parallel_size=cp, cp_comm_type=p.cp_comm_type,  # the configured layout
                     hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes)
     checkpointing = with_(ulysses, recompute_granularity="full")
-    offload = with_(checkpointing, offload_activations=True)
+    offload = with_(checkpointing, offload_mode="prefetch", offload_keep_last=cfg.memory.offload_keep_last)
     tiling = with_(offload, tiled_mlp=True, tiled_loss=True)
     layers = [StackLayer("FSDP", fsdp), StackLayer(f"+ Ulysses (cp={cp})", ulysses),
               StackLayer("+ activation checkpointing", checkpointing), StackLayer("+ CPU offload", offload),
               StackLayer("+ tiled MLP and loss", tiling)]
     if "untied_ulysses" in CP_IMPLS and cp > 1:
         layers.append(StackLayer("+ Untied Ulysses", with_(tiling, cp_impl="untied_ulysses")))
-    layers.append(StackLayer("+ offload fetched on demand", with_(layers[-1].config, no_offload_prefetch=True)))
+    layers.append(StackLayer("+ offload fetched on demand", with_(layers[-1].config, offload_mode="on_demand")))
     return layers
 
 

@@ -200,21 +200,13 @@ class PipelinedExchange:
         return t / n + self.exposed_bytes / link + (n - 1) / n * max(0.0, t - a)
 
 
-def sparse_offload_counts(offloaded: int, k: int) -> tuple[int, int, int]:
-    """(kept inputs, replayed block forwards, extra all-gathers) of `offloaded` layers in segments of `k`."""
-    full, rest = divmod(offloaded, k)
-    sizes = [k] * full + ([rest] if rest else [])
-    return (len(sizes), sum(r * (r - 1) // 2 for r in sizes),
-            sum((r - 1) * (r - 2) // 2 for r in sizes if r > 1))
-
-
 def _stage_width(cfg: TrainConfig, a2a: int) -> int:
     return cfg.parallel.untied_heads_per_stage or a2a
 
 
 def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     """The work of one micro-batch on one rank of `cfg` on `num_gpus` GPUs."""
-    c, mem, par = cfg.model_config(), cfg.memory, cfg.parallel
+    c, par = cfg.model_config(), cfg.parallel
     cp, layout = par.context_parallel_size, cfg.context_layout()
     B, S = cfg.data.micro_batch_size, cfg.data.seq_length
     T, h, f, H, Hkv, d, V, L = B * S // cp, c.hidden_size, c.ffn_hidden_size, c.num_attention_heads, \
@@ -225,12 +217,12 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     layer_gemm = qkv + 2 * T * H * d * h + mlp
     head_gemm = 2 * T * h * V
     attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
-    full, selective = mem.recompute_granularity == "full", mem.recompute_granularity == "selective"
+    stack = cfg.memory_stack()
+    full, selective = stack.recompute_granularity == "full", stack.recompute_granularity == "selective"
     untied = cp > 1 and par.cp_impl == "untied_ulysses" and layout.a2a_size > 1
-    opts = cfg.parallelize_options()
-    mlp_tiles = opts.mlp_tiles
-    R = cfg.recomputed_layers(L)  # blocks checkpointed under full recompute (--recompute-method block: the first N)
-    keep = full and mem.keep_attention_output  # the recompute takes the forward's attention output and lse
+    mlp_tiles = stack.mlp_tiles
+    R = stack.checkpointed_layers(L)  # blocks checkpointed under full recompute (--recompute-method block: the first N)
+    keep = full and stack.keep_attention_output  # the recompute takes the forward's attention output and lse
     recompute = R * layer_gemm if full else L * mlp if selective else 0
     recompute -= R * qkv if keep and untied else 0  # Untied Ulysses runs no stage in such a recompute
     recompute += L * qkv if untied else 0  # its backward projects q, k, v again
@@ -247,10 +239,10 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     shards = num_gpus // par.data_parallel_replicate
     share = (shards - 1) / shards if shards > 1 else 0.0
     fsdp = (params_layer * item * share, params_layer * 4 * share)
-    offloaded = max(0, R - mem.offload_keep_last) if mem.offload_activations else 0
-    kept, replayed, replay_gathers = sparse_offload_counts(offloaded, mem.offload_every_k_layers) \
-        if offloaded else (0, 0, 0)
-    loss_tiles = opts.loss_tiles or 0
+    offloaded = stack.offloaded_layers(L)
+    sparse = stack.sparse_offload(L)
+    kept, replayed, replay_gathers = sparse.kept_inputs, sparse.replayed_forwards, sparse.replay_gathers
+    loss_tiles = stack.loss_tiles or 0
     stages = (H // _stage_width(cfg, layout.a2a_size)) if untied else (1 if layout.a2a_size > 1 else 0)
     passes = 3 if full else 2
     launches = L * ((mlp_tiles or 0) * passes + stages * (passes - (keep and untied))) + loss_tiles
@@ -280,7 +272,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
                 fsdp, T * h * item, offloaded,
                 L, launches, elementwise, 28 * total_params / max(shards, 1),
                 3 * (L * layer_gemm + head_gemm + L * attention), kept, replayed, replay_gathers,
-                T * H * (d * item + 4) if keep else 0.0, mem.offload_prefetch_early and offloaded > 0, pipelined)
+                T * H * (d * item + 4) if keep else 0.0, stack.offload_mode == "early" and offloaded > 0, pipelined)
 
 
 def _a2a_parts(T, H, Hkv, d, item, a2a) -> tuple[float, float, float]:
@@ -420,23 +412,25 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
     """The time each memory layer of `cfg` costs: its step against the same step without it (seconds)."""
     base = predict(cfg, num_gpus, rates, gpus_per_node, family).step_s
     mem, par = cfg.memory, cfg.parallel
+    stack = cfg.memory_stack()
     without = []
-    if mem.offload_activations and mem.offload_every_k_layers > 1:
-        without.append((f"sparse offload (k={mem.offload_every_k_layers}, against k=1)", dataclasses.replace(
+    if stack.offloads and stack.offload_every_k_layers > 1:
+        without.append((f"sparse offload (k={stack.offload_every_k_layers}, against k=1)", dataclasses.replace(
             cfg, memory=dataclasses.replace(mem, offload_every_k_layers=1))))
-    if mem.keep_attention_output and mem.recompute_granularity == "full":
+    if stack.keep_attention_output:
         without.append(("kept attention output (against recomputing it)", dataclasses.replace(
             cfg, memory=dataclasses.replace(mem, keep_attention_output=False))))
-    if mem.offload_activations and mem.offload_prefetch_early:
+    if stack.offload_mode == "early":
         without.append(("early prefetch (against prefetch at the end of a backward)", dataclasses.replace(
-            cfg, memory=dataclasses.replace(mem, offload_prefetch_early=False))))
-    if mem.offload_activations:
+            cfg, memory=dataclasses.replace(mem, offload_mode="prefetch"))))
+    if stack.offloads:
         without.append(("offload", dataclasses.replace(cfg, memory=dataclasses.replace(
-            mem, offload_activations=False, offload_every_k_layers=1, offload_prefetch_early=False))))
-    if mem.recompute_granularity != "none":
-        m = dataclasses.replace(mem, recompute_granularity="none", offload_activations=False,
-                                keep_attention_output=False, offload_prefetch_early=False)
-        without.append((f"{mem.recompute_granularity} recompute (and offload)", dataclasses.replace(cfg, memory=m)))
+            mem, offload_mode="none", offload_every_k_layers=1, offload_keep_last=None))))
+    if stack.recompute_granularity != "none":
+        m = dataclasses.replace(mem, recompute_granularity="none", offload_mode="none", offload_every_k_layers=1,
+                                offload_keep_last=None, keep_attention_output=False, recompute_method=None,
+                                recompute_num_layers=None)
+        without.append((f"{stack.recompute_granularity} recompute (and offload)", dataclasses.replace(cfg, memory=m)))
     if mem.tiled_mlp:
         without.append(("tiled MLP", dataclasses.replace(cfg, memory=dataclasses.replace(mem, tiled_mlp=False))))
     if mem.tiled_loss:

@@ -28,27 +28,24 @@ from megatron_lc.attention.untied_ulysses import (
 )
 from megatron_lc.context_layout import ContextLayout
 from megatron_lc.models.llama import get_config
-from megatron_lc.models.llama.parallelize import ParallelizeOptions
+
 from megatron_lc.parallel_state import ParallelDims, ParallelState
-from tests.helpers import run_distributed
+from tests.helpers import parallelize_options, run_distributed
 from tests.parallel.test_fsdp_ulysses_exactness import BATCH, ONE_SEGMENT, check_against_reference
 
 CPU = torch.device("cpu")
 
 # --- the stage plan -------------------------------------------------------------------------
 
-
 def _rank_stage_heads(plan: StagePlan, rank: int, stage: int) -> list[int]:
     """Natural q heads rank `rank` attends in `stage` (the rows the op projects for it)."""
     u = plan.stage_heads_per_rank
     return [rank * plan.q_heads_per_rank + stage * u + i for i in range(u)]
 
-
 def _rank_round_kv_heads(plan: StagePlan, rank: int, kv_round: int) -> list[int]:
     """Original kv heads rank `rank` receives in `kv_round`."""
     kh, rep = plan.kv_heads_per_round, plan.kv_replication
     return [(rank * plan.kv_heads_per_rank + kv_round * kh + i) // rep for i in range(kh)]
-
 
 @pytest.mark.parametrize("heads, kv_heads, cp", [(8, 2, 2), (8, 2, 4), (8, 1, 4), (8, 8, 2), (16, 4, 4), (32, 8, 8)])
 def test_every_stage_pairs_each_rank_with_its_own_kv_heads(heads, kv_heads, cp):
@@ -68,14 +65,11 @@ def test_every_stage_pairs_each_rank_with_its_own_kv_heads(heads, kv_heads, cp):
         assert sorted(seen) == list(range(heads))
         assert plan.num_rounds * plan.kv_heads_per_round == plan.kv_heads_per_rank
 
-
 def test_default_stage_is_one_head_per_rank():
     plan = check_untied_shapes(32, 8, 8, 8)
     assert (plan.stage_heads_per_rank, plan.num_stages, plan.stages_per_round, plan.num_rounds) == (1, 4, 4, 1)
 
-
 # --- configuration errors ---------------------------------------------------------------------
-
 
 @pytest.mark.parametrize("stage_heads, match", [
     (3, "must be a positive multiple of --context-parallel-size 2"),
@@ -88,12 +82,10 @@ def test_bad_heads_per_stage_is_refused_naming_the_flag(stage_heads, match):
     assert match in str(info.value)
     assert "valid values here: 2, 4, 8" in str(info.value)
 
-
 def test_stages_not_aligned_with_gqa_groups_are_refused():
     # 24 heads, 8 kv heads (3 q heads each), cp 4: 8 heads per stage is 2 per rank, which splits groups.
     with pytest.raises(ValueError, match="--untied-heads-per-stage 8: .* 3 q heads sharing a kv head"):
         check_untied_shapes(24, 8, 4, 8)
-
 
 def test_registry_builds_untied_ulysses_and_checks_the_stage_width():
     assert "untied_ulysses" in CP_IMPLS
@@ -107,7 +99,6 @@ def test_registry_builds_untied_ulysses_and_checks_the_stage_width():
     assert build_attention_backend("untied_ulysses", 16, CPU, pstate, overlap=True, num_heads=8,
                                    num_kv_heads=2).overlap
 
-
 @pytest.mark.parametrize("flags", [["--context-parallel-size", "2"], ["--cp-impl", "untied_ulysses"]])
 def test_pipelined_stages_without_untied_ulysses_are_refused_naming_the_flag(flags):
     from megatron_lc.config import parse_config
@@ -118,9 +109,7 @@ def test_pipelined_stages_without_untied_ulysses_are_refused_naming_the_flag(fla
     with pytest.raises(ValueError, match="^--untied-overlap-stages pipelines the stages of Untied Ulysses: it needs"):
         parse_config([*base, *flags, "--untied-overlap-stages"]).validate(world_size=2)
 
-
 # --- pieces -------------------------------------------------------------------------------------
-
 
 def test_in_place_rotary_matches_apply_rotary_and_its_transpose_is_the_gradient():
     g = torch.Generator().manual_seed(0)
@@ -135,7 +124,6 @@ def test_in_place_rotary_matches_apply_rotary_and_its_transpose_is_the_gradient(
     _rotate_(grad, cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
     torch.testing.assert_close(grad, leaf.grad)
 
-
 def test_workspace_reuses_one_buffer_per_role_and_drops_them_on_a_new_input_shape():
     ws = StageWorkspace()
     x = torch.zeros(1, 8, 4)
@@ -147,7 +135,6 @@ def test_workspace_reuses_one_buffer_per_role_and_drops_them_on_a_new_input_shap
     ws.begin(torch.zeros(1, 16, 4))  # another sequence length: buffers of the old shapes go
     assert ws.nbytes() == 0
 
-
 # --- exactness, multi-process -------------------------------------------------------------------
 
 HEAD_DIM, HIDDEN = 16, 32
@@ -158,7 +145,7 @@ DIRECT_CASES = {
     4: [(1, 64, 8, 1, 4), (2, 64, 8, 2, 8), (1, 64, 16, 16, 8)],  # kv replicated x4, x2; MHA
 }
 
-EVERYTHING = {"recompute_granularity": "full", "offload_activations": True, "mlp_tiles": 3, "loss_tiles": 5}
+EVERYTHING = {"recompute_granularity": "full", "offload_mode": "prefetch", "mlp_tiles": 3, "loss_tiles": 5}
 
 # (name, cp, num_query_groups, heads per stage, memory stack, batch) for the whole model under FSDP.
 MODEL_CASES = [
@@ -171,7 +158,6 @@ MODEL_CASES = [
     ("cp4-U4-kv1-everything-overlap", 4, 1, 4, {**EVERYTHING, "untied_overlap": True}, BATCH),
 ]
 
-
 def _direct_inputs(B, S, H, Hkv):
     """x, weights, output gradient and rotary tables of a global batch with two documents per sample."""
     g = torch.Generator().manual_seed(0)
@@ -182,13 +168,11 @@ def _direct_inputs(B, S, H, Hkv):
     cu = sum(((b * S, b * S + S // 3 + 1) for b in range(B)), ()) + (B * S,)
     return x, (wq, wk, wv), dout, cos, sin, cu
 
-
 def _output_and_grads(backend, x, weights, dout, cos, sin, cu):
     leaves = [t.clone().requires_grad_() for t in (x, *weights)]
     out = backend(*leaves, cos, sin, cu)
     out.backward(dout)
     return out.detach(), [t.grad for t in leaves]
-
 
 def _check_direct(pstate: ParallelState, case) -> None:
     """Untied output and local gradients equal Ulysses' on the same inputs, and the whole equals one process."""
@@ -219,7 +203,6 @@ def _check_direct(pstate: ParallelState, case) -> None:
         dist.all_reduce(grad, group=pstate.cp_group)  # each rank holds its tokens' share
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
 
-
 def _run_all(rank, world):
     for cp, cases in DIRECT_CASES.items():
         pstate = ParallelState(ParallelDims(world_size=world, cp=cp))
@@ -227,9 +210,8 @@ def _run_all(rank, world):
             _named(f"direct cp{cp} {case}", _check_direct, pstate, case)
     for name, cp, kv_heads, stage_heads, stack, batch in MODEL_CASES:
         config = dataclasses.replace(get_config("debug"), num_query_groups=kv_heads)
-        opts = ParallelizeOptions(cp_impl="untied_ulysses", heads_per_stage=stage_heads, **stack)
+        opts = parallelize_options(cp_impl="untied_ulysses", heads_per_stage=stage_heads, **stack)
         _named(f"model {name}", check_against_reference, rank, world, config, cp, opts, batch)
-
 
 def _named(name, fn, *args):
     try:
@@ -237,12 +219,10 @@ def _named(name, fn, *args):
     except Exception as e:
         raise AssertionError(f"case {name}: {e}") from e
 
-
 def test_untied_ulysses_equals_ulysses_and_single_process_on_4_ranks():
     """cp 2 (x dp 2) and 4; U = cp and 2 cp; GQA with cp > kv heads; packed documents; FSDP;
     full recompute + offload + tiled MLP and loss; pipelined stages (bit for bit the synchronous ones)."""
     run_distributed(_run_all, 4)
-
 
 # --- bf16: as close to the fp32 reference as the plain bf16 computation -------------------------
 
@@ -250,10 +230,8 @@ BF16_CASES = {4: [(1, 256, 8, 2, 4), (2, 128, 16, 4, 4)]}  # several stages per 
 BF16_SLACK = 2.0
 """Untied/Ulysses bf16 error may exceed the plain bf16 error by this factor (measured up to 1.43: see the test)."""
 
-
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max() / want.abs().max())
-
 
 def _bf16_errors(pstate: ParallelState, case) -> dict[str, list[float]]:
     """Error of each bf16 backend's output and gradients against the fp32 single-process reference."""
@@ -279,7 +257,6 @@ def _bf16_errors(pstate: ParallelState, case) -> dict[str, list[float]]:
         errors[name] += [_relative_error(g, w) for g, w in zip(weight_grads, ref_grads[1:])]
     return errors
 
-
 def _run_bf16(rank, world, out_path):
     results = {}
     for cp, cases in BF16_CASES.items():
@@ -292,7 +269,6 @@ def _run_bf16(rank, world, out_path):
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
 
-
 def test_bf16_untied_and_ulysses_are_as_close_to_fp32_as_plain_bf16(tmp_path):
     """Output, dx, dWq, dWk, dWv in bf16: max error over max value against the fp32 reference.
 
@@ -304,11 +280,9 @@ def test_bf16_untied_and_ulysses_are_as_close_to_fp32_as_plain_bf16(tmp_path):
         for name in ("untied", "ulysses"):
             assert errors[name] <= BF16_SLACK * errors["plain"], (case, errors)
 
-
 # --- with o_proj and the input norm folded in (the model's call) --------------------------------
 
 NORM_EPS = 1e-5
-
 
 def _layer_output_and_grads(backend, fused, x, weights, wo, norm_weight, dy, cos, sin, cu):
     """y = o_proj(attention(rms_norm(x))) and the gradients of x, wq, wk, wv, wo and the norm weight."""
@@ -321,7 +295,6 @@ def _layer_output_and_grads(backend, fused, x, weights, wo, norm_weight, dy, cos
                                                wq, wk, wv, cos, sin, cu), wo_)
     y.backward(dy)
     return y.detach(), [t.grad for t in leaves]
-
 
 def _fused_errors(rank, world, out_path):
     """fp32: the folded call equals the composed layer on one process; bf16: its error against that fp32
@@ -359,7 +332,6 @@ def _fused_errors(rank, world, out_path):
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
         Path(out_path).write_text(json.dumps(dict(zip(("untied", "plain"), worst.tolist()))))
-
 
 def test_folded_norm_and_output_projection_match_the_composed_layer(tmp_path):
     """The model's call (block input, o_proj and RMSNorm weights): fp32 equal to norm -> attention -> o_proj on

@@ -73,16 +73,14 @@ from megatron_lc.planning.tracker import make_tracker
 from megatron_lc.training.step import step_autocast, train_step
 
 LOG = logging.getLogger("gpu_checks")
-NO_STACK = dict(recompute_granularity="none", offload_activations=False, tiled_mlp=False, tiled_loss=False)
-FULL_STACK = dict(recompute_granularity="full", offload_activations=True, tiled_mlp=True, tiled_loss=True)
+NO_STACK = dict(recompute_granularity="none", offload_mode="none", tiled_mlp=False, tiled_loss=False)
+FULL_STACK = dict(recompute_granularity="full", offload_mode="prefetch", tiled_mlp=True, tiled_loss=True)
 STACKS = {  # the ratios section, in order: each adds one layer of the memory stack
     "none": NO_STACK,
     "checkpoint": {**NO_STACK, "recompute_granularity": "full"},
-    "offload_prefetch": {**NO_STACK, "recompute_granularity": "full", "offload_activations": True},
-    "offload_on_demand": {**NO_STACK, "recompute_granularity": "full", "offload_activations": True,
-                          "no_offload_prefetch": True},
-    "offload_prefetch_early": {**NO_STACK, "recompute_granularity": "full", "offload_activations": True,
-                               "offload_prefetch_early": True},  # the copy back during the layer above's backward
+    "offload_prefetch": {**NO_STACK, "recompute_granularity": "full", "offload_mode": "prefetch"},
+    "offload_on_demand": {**NO_STACK, "recompute_granularity": "full", "offload_mode": "on_demand"},
+    "offload_prefetch_early": {**NO_STACK, "recompute_granularity": "full", "offload_mode": "early"},  # the copy back during the layer above's backward
     "full_stack": FULL_STACK,
 }
 PEAK_BF16_FLOPS = 989e12

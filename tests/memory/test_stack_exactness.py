@@ -9,21 +9,22 @@ from megatron_lc.models.llama import build_model, get_config
 from megatron_lc.models.llama.parallelize import ParallelizeOptions, apply_memory_stack
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from megatron_lc.training.step import forward_backward
-from tests.helpers import make_batch, run_distributed
+from megatron_lc.errors import ConfigError
+from tests.helpers import make_batch, parallelize_options, run_distributed
 from tests.parallel.test_fsdp_ulysses_exactness import BATCH, CPU, check_against_reference
 
 STACKS = {
-    "full": ParallelizeOptions(recompute_granularity="full"),
-    "selective": ParallelizeOptions(recompute_granularity="selective"),
-    "full+offload": ParallelizeOptions(recompute_granularity="full", offload_activations=True),
-    "tiled-mlp": ParallelizeOptions(mlp_tiles=3),
-    "tiled-loss": ParallelizeOptions(loss_tiles=5),
-    "everything": ParallelizeOptions(recompute_granularity="full", offload_activations=True, mlp_tiles=3,
+    "full": parallelize_options(recompute_granularity="full"),
+    "selective": parallelize_options(recompute_granularity="selective"),
+    "full+offload": parallelize_options(recompute_granularity="full", offload_mode="prefetch"),
+    "tiled-mlp": parallelize_options(mlp_tiles=3),
+    "tiled-loss": parallelize_options(loss_tiles=5),
+    "everything": parallelize_options(recompute_granularity="full", offload_mode="prefetch", mlp_tiles=3,
                                      loss_tiles=5),
-    "everything-fetch-on-demand": ParallelizeOptions(recompute_granularity="full", offload_activations=True,
-                                                     offload_prefetch=False, mlp_tiles=3, loss_tiles=5),
-    "everything-prefetch-early": ParallelizeOptions(recompute_granularity="full", offload_activations=True,
-                                                    offload_prefetch_early=True, mlp_tiles=3, loss_tiles=5),
+    "everything-fetch-on-demand": parallelize_options(recompute_granularity="full", offload_mode="on_demand",
+                                                      mlp_tiles=3, loss_tiles=5),
+    "everything-prefetch-early": parallelize_options(recompute_granularity="full", offload_mode="early",
+                                                     mlp_tiles=3, loss_tiles=5),
 }
 
 
@@ -45,23 +46,10 @@ def test_memory_technique_matches_plain_model_in_one_process(stack):
         torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
-def test_offload_requires_full_recompute():
-    with pytest.raises(ValueError, match="--recompute-granularity full"):
-        ParallelizeOptions(offload_activations=True).validate()
-
-
-def test_fetch_on_demand_requires_offload():
-    with pytest.raises(ValueError, match="--no-offload-prefetch .* needs --offload-activations"):
-        ParallelizeOptions(recompute_granularity="full", offload_prefetch=False).validate()
-
-
-@pytest.mark.parametrize("flags", [{"recompute_granularity": "full"},
-                                   {"recompute_granularity": "full", "offload_activations": True,
-                                    "offload_prefetch": False}])
-def test_early_prefetch_requires_offload_with_prefetch(flags):
-    with pytest.raises(ValueError, match="--offload-prefetch-early .* needs --offload-activations, without "
-                                         "--no-offload-prefetch"):
-        ParallelizeOptions(offload_prefetch_early=True, **flags).validate()
+@pytest.mark.parametrize("mode", ["on_demand", "prefetch", "early"])
+def test_offload_requires_full_recompute(mode):
+    with pytest.raises(ConfigError, match=f"--offload-mode {mode} .* needs --recompute-granularity full"):
+        parallelize_options(recompute_granularity="selective", offload_mode=mode).validate()
 
 
 @pytest.mark.parametrize("world, cp, stack", [(2, 2, "everything"), (4, 4, "everything"),
@@ -84,8 +72,8 @@ k = 3 makes {0, 1, 2}: a replay of two blocks, the first of them gathered and sh
 
 
 def _sparse(k, **more):
-    return ParallelizeOptions(recompute_granularity="full", offload_activations=True, offload_every_k_layers=k,
-                              **more)
+    more.setdefault("offload_mode", "prefetch")
+    return parallelize_options(recompute_granularity="full", offload_every_k_layers=k, **more)
 
 
 def _sparse_loss_and_grads(opts):
@@ -100,7 +88,8 @@ def _sparse_loss_and_grads(opts):
 def test_sparse_offload_is_bit_identical_to_keeping_every_input_with_k_times_fewer_on_the_host(k, prefetch, slots):
     ref_loss, ref_grads, _ = _sparse_loss_and_grads(ParallelizeOptions())
     dense_loss, dense_grads, dense = _sparse_loss_and_grads(_sparse(1, mlp_tiles=3, loss_tiles=5))
-    loss, grads, offload = _sparse_loss_and_grads(_sparse(k, offload_prefetch=prefetch, mlp_tiles=3, loss_tiles=5))
+    loss, grads, offload = _sparse_loss_and_grads(_sparse(k, offload_mode="prefetch" if prefetch else "on_demand",
+                                                          mlp_tiles=3, loss_tiles=5))
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     assert torch.equal(loss, dense_loss)  # the replay is the forward again: not close, equal
     for n, g in grads.items():
@@ -112,8 +101,8 @@ def test_sparse_offload_is_bit_identical_to_keeping_every_input_with_k_times_few
 
 
 def test_sparse_offload_requires_offload():
-    with pytest.raises(ValueError, match="--offload-every-k-layers .* needs --offload-activations"):
-        ParallelizeOptions(recompute_granularity="full", offload_every_k_layers=2).validate()
+    with pytest.raises(ConfigError, match="--offload-every-k-layers .* needs --offload-mode"):
+        parallelize_options(recompute_granularity="full", offload_every_k_layers=2).validate()
     with pytest.raises(ValueError, match="--offload-every-k-layers 0: expected an integer >= 1"):
         _sparse(0).validate()
 
@@ -121,7 +110,7 @@ def test_sparse_offload_requires_offload():
 SPARSE_CASES = {  # name: (cp, cp_ring, options)
     "ulysses-cp2": (2, 1, _sparse(2, mlp_tiles=3, loss_tiles=5)),
     "untied-cp2-k3": (2, 1, _sparse(3, cp_impl="untied_ulysses", heads_per_stage=4, mlp_tiles=3, loss_tiles=5)),
-    "ring-cp2": (2, 2, _sparse(2, mlp_tiles=3, loss_tiles=5, offload_prefetch=False)),
+    "ring-cp2": (2, 2, _sparse(2, mlp_tiles=3, loss_tiles=5, offload_mode="on_demand")),
     "fsdp-dp2-k3": (1, 1, _sparse(3, loss_tiles=5)),
 }
 
@@ -144,14 +133,14 @@ def test_sparse_offload_with_fsdp_and_every_context_parallel_backend_matches_sin
 
 
 def _keep(offload=True, **more):
-    return ParallelizeOptions(recompute_granularity="full", offload_activations=offload, keep_attention_output=True,
-                              **more)
+    mode = more.pop("offload_mode", "prefetch" if offload else "none")
+    return parallelize_options(recompute_granularity="full", offload_mode=mode, keep_attention_output=True, **more)
 
 
 KEEP_STACKS = {  # name: (options, host slots of attention outputs: the offloaded layers, 3 of 4)
     "on-the-gpu": (_keep(offload=False), 0),
     "offloaded": (_keep(), 3),
-    "offloaded-everything-on-demand": (_keep(offload_prefetch=False, mlp_tiles=3, loss_tiles=5), 3),
+    "offloaded-everything-on-demand": (_keep(offload_mode="on_demand", mlp_tiles=3, loss_tiles=5), 3),
     "sparse-k2-everything": (_keep(offload_every_k_layers=2, mlp_tiles=3, loss_tiles=5), 3),
 }
 
@@ -180,9 +169,9 @@ def test_kept_attention_is_bit_identical_to_recomputing_it_and_runs_each_attenti
     opts, attention_slots = KEEP_STACKS[stack]
     calls = _counting_forwards(monkeypatch)
     ref_loss, ref_grads, _ = _sparse_loss_and_grads(ParallelizeOptions())
-    same = dataclasses.replace(opts, keep_attention_output=False)
+    same = dataclasses.replace(opts, memory=dataclasses.replace(opts.memory, keep_attention_output=False))
     recomputed_loss, recomputed_grads, recomputing = _sparse_loss_and_grads(same)
-    replays = 1 if opts.offload_every_k_layers == 2 else 0  # segments {0, 1}, {2}: layer 1 replays block 0
+    replays = 1 if opts.memory.offload_every_k_layers == 2 else 0  # segments {0, 1}, {2}: layer 1 replays block 0
     assert len(calls) == 4 + 4 + 4 + replays  # the reference; the forward and the recompute of every block
     del calls[:]
     loss, grads, offload = _sparse_loss_and_grads(opts)
@@ -201,7 +190,7 @@ def test_kept_attention_is_bit_identical_to_recomputing_it_and_runs_each_attenti
 
 def test_kept_attention_requires_full_recompute():
     with pytest.raises(ValueError, match="--keep-attention-output .* needs --recompute-granularity full"):
-        ParallelizeOptions(recompute_granularity="selective", keep_attention_output=True).validate()
+        parallelize_options(recompute_granularity="selective", keep_attention_output=True).validate()
 
 
 KEEP_CASES = {  # name: (cp, cp_ring, options)

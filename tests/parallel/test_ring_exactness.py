@@ -10,12 +10,12 @@ from megatron_lc.config import parse_config
 from megatron_lc.models.llama import get_config
 from megatron_lc.models.llama.parallelize import ParallelizeOptions
 from megatron_lc.training.trainer import train
-from tests.helpers import run_distributed
+from tests.helpers import parallelize_options, run_distributed
 from tests.parallel.test_fsdp_ulysses_exactness import BATCH, ONE_SEGMENT, check_against_reference
 from tests.training.test_trainer import BASE, _losses, _torchrun
 
 DEBUG = get_config("debug")  # 8 heads, 2 kv heads
-STACK = ParallelizeOptions(recompute_granularity="full", offload_activations=True, mlp_tiles=3, loss_tiles=5)
+STACK = parallelize_options(recompute_granularity="full", offload_mode="prefetch", mlp_tiles=3, loss_tiles=5)
 
 
 @pytest.mark.parametrize("cp_impl", ["ulysses", "untied_ulysses"])

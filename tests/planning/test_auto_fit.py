@@ -81,7 +81,7 @@ def test_generous_budget_needs_no_memory_technique(tiny):
     evaluate, _ = _cached(traced)
     result = auto_fit(cfg, _machine(peak * 1.01), evaluate=evaluate, space=space)
     assert result.choice.flags() == []
-    assert result.choice.recompute == "none" and result.choice.offload == "off"
+    assert result.choice.recompute == "none" and result.choice.offload == "none"
 
 
 def test_tight_budget_needs_the_whole_stack(tiny):
@@ -117,12 +117,11 @@ def _synthetic(space: SearchSpace, cfg):
     def evaluate(c, machine, seq_length):
         mode, mlp, loss, attn, _, _ = points[Candidate(
             c.memory.recompute_granularity,
-            "off" if not c.memory.offload_activations else "on_demand" if c.memory.no_offload_prefetch
-            else "early" if c.memory.offload_prefetch_early else "prefetch",
+            c.memory.offload_mode,
             c.memory.tiled_mlp_tiles, c.memory.tiled_loss_tiles,
             c.parallel.cp_impl, c.parallel.untied_heads_per_stage, c.memory.offload_every_k_layers,
             c.memory.keep_attention_output)]  # a pipelined candidate: its synchronous twin's point
-        untied, offloads, keep = attn > 0, space.modes[mode][1] != "off", c.memory.keep_attention_output
+        untied, offloads, keep = attn > 0, space.modes[mode][1] != "none", c.memory.keep_attention_output
         layer = 100 - 18 * mode - 9 * mlp - (6 * attn + 5 if untied and mode >= 2 else -4 * untied)
         layer += (1 if offloads else 12) if keep else 0
         layer += 3 if c.parallel.untied_overlap_stages else 0  # pipelined: a second set of stage buffers
@@ -172,8 +171,8 @@ def test_search_matches_brute_force_on_a_synthetic_planner(host_gib):
         assert chosen == (best and step_s[best]), budget
         assert len(calls) <= 40 and not result.capped, len(calls)
         if host_gib < 0.2 and result.choice:
-            assert result.choice.offload == "off"
-        elif host_gib < 1 and result.choice and result.choice.offload != "off":
+            assert result.choice.offload == "none"
+        elif host_gib < 1 and result.choice and result.choice.offload != "none":
             assert result.choice.offload_every >= 2  # 500 MB of block inputs do not fit 0.4 GiB, 250 MB do
 
 
@@ -208,7 +207,7 @@ def test_command_line_flags_parse_and_validate():
     assert command[-len(fit["flags"]):] == fit["flags"]
     cfg = parse_config(_with_mock_data(command[5:]))
     cfg.validate(2)
-    assert (cfg.memory.recompute_granularity, cfg.memory.offload_activations) in {(r, o != "off") for r, o in MODES}
+    assert (cfg.memory.recompute_granularity, cfg.memory.offload_mode) in set(MODES)
     assert cfg.memory.tiled_loss and cfg.memory.tiled_loss_tiles == 1  # the untiled loss cannot fit 0.25 GiB
 
 

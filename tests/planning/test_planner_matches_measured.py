@@ -26,7 +26,7 @@ WORLD = 4
 # Debug shapes; the "-6-layers" configurations have more layers than the planner traces (4 and 5), so its
 # extrapolation is checked against a real run of all of them.
 BASE = dict(model="debug", num_layers=2, seq_length=256, mock_data=True, clip_grad=1.0)
-FULL_STACK = dict(recompute_granularity="full", offload_activations=True, tiled_mlp=True, tiled_loss=True,
+FULL_STACK = dict(recompute_granularity="full", offload_mode="prefetch", tiled_mlp=True, tiled_loss=True,
                   tiled_mlp_tiles=3, tiled_loss_tiles=5)
 DISTRIBUTED = {
     "fsdp-cp1": dict(context_parallel_size=1),
@@ -37,14 +37,14 @@ DISTRIBUTED = {
 }
 if "untied_ulysses" in CP_IMPLS:
     DISTRIBUTED["untied-cp4-full-stack-fetch-on-demand"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
-                                                                no_offload_prefetch=True, **FULL_STACK)
+                                                                **{**FULL_STACK, "offload_mode": "on_demand"})
 # Sparse offload, k = 2: the planner traces 6 and 8 layers (congruent to 10 modulo 2) and extrapolates to 10.
 DISTRIBUTED["ulysses-cp4-full-stack-sparse-k2-10-layers"] = dict(context_parallel_size=4, num_layers=10,
                                                                  offload_every_k_layers=2, **FULL_STACK)
 DISTRIBUTED["ring-p2p-cp4-full-stack"] = dict(context_parallel_size=4, cp_comm_type="p2p", **FULL_STACK)
 # Early prefetch: the previous layer's input resident through each block's backward.
-DISTRIBUTED["ulysses-cp2-full-stack-prefetch-early"] = dict(context_parallel_size=2, offload_prefetch_early=True,
-                                                            **FULL_STACK)
+DISTRIBUTED["ulysses-cp2-full-stack-prefetch-early"] = dict(context_parallel_size=2,
+                                                            **{**FULL_STACK, "offload_mode": "early"})
 # Pipelined stages: a second set of stage buffers, and send buffers alive through the kernels.
 DISTRIBUTED["untied-cp4-overlap-full-stack"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
                                                     untied_overlap_stages=True, num_query_groups=1, **FULL_STACK)

@@ -114,20 +114,20 @@ def test_command_line_json_contract():
 
 def test_stack_table_switches_on_one_layer_per_row():
     # Whatever the user switched on, the table starts from plain FSDP and adds one layer per row.
-    cfg = config_from_values(dict(model="debug", recompute_granularity="selective", offload_activations=True,
-                                  tiled_mlp=True, no_offload_prefetch=True))
+    cfg = config_from_values(dict(model="debug", recompute_granularity="selective", offload_mode="on_demand",
+                                  tiled_mlp=True))
     rows = [(layer.name, layer.config.parallel.context_parallel_size, layer.config.parallel.cp_impl,
-             layer.config.memory.recompute_granularity, layer.config.memory.offload_activations,
-             layer.config.memory.tiled_mlp and layer.config.memory.tiled_loss, layer.config.memory.no_offload_prefetch)
+             layer.config.memory.recompute_granularity, layer.config.memory.offload_mode,
+             layer.config.memory.tiled_mlp and layer.config.memory.tiled_loss)
             for layer in stack_layers(cfg, num_gpus=4)]
     assert rows == [
-        ("FSDP", 1, "ulysses", "none", False, False, False),
-        ("+ Ulysses (cp=4)", 4, "ulysses", "none", False, False, False),
-        ("+ activation checkpointing", 4, "ulysses", "full", False, False, False),
-        ("+ CPU offload", 4, "ulysses", "full", True, False, False),
-        ("+ tiled MLP and loss", 4, "ulysses", "full", True, True, False),
-        ("+ Untied Ulysses", 4, "untied_ulysses", "full", True, True, False),
-        ("+ offload fetched on demand", 4, "untied_ulysses", "full", True, True, True),
+        ("FSDP", 1, "ulysses", "none", "none", False),
+        ("+ Ulysses (cp=4)", 4, "ulysses", "none", "none", False),
+        ("+ activation checkpointing", 4, "ulysses", "full", "none", False),
+        ("+ CPU offload", 4, "ulysses", "full", "prefetch", False),
+        ("+ tiled MLP and loss", 4, "ulysses", "full", "prefetch", True),
+        ("+ Untied Ulysses", 4, "untied_ulysses", "full", "prefetch", True),
+        ("+ offload fetched on demand", 4, "untied_ulysses", "full", "on_demand", True),
     ]
 
 

@@ -19,13 +19,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from megatron_lc.attention.registry import build_attention_backend
 from megatron_lc.devices import Devices
 from megatron_lc.memory.offload import OffloadScheduler
+from megatron_lc.memory.stack import MemoryStack
 from megatron_lc.models.llama.model import Transformer, parameter_seed
 from megatron_lc.parallel_state import ParallelState
 
 
 @dataclass(frozen=True)
 class ParallelizeOptions:
-    """How to run the model; flags of the same names in `megatron_lc.config`."""
+    """How to run the model: context parallelism, the memory stack, FSDP."""
 
     cp_impl: str = "ulysses"
     """Context-parallel attention backend of the all-to-all level: ulysses | untied_ulysses."""
@@ -37,29 +38,8 @@ class ParallelizeOptions:
     """Untied Ulysses heads per stage (a multiple of cp); None: cp."""
     untied_overlap: bool = False
     """Untied Ulysses: the next stage's projections and exchanges in flight while a stage attends."""
-    recompute_granularity: str = "none"
-    """none | full | selective."""
-    recompute_layers: int | None = None
-    """With full recompute: the first this many blocks are checkpointed, the rest keep their activations
-    (--recompute-method block); None: every block."""
-    offload_activations: bool = False
-    """Keep the checkpointed block inputs in host memory (needs full recompute)."""
-    offload_keep_last: int = 1
-    """Last layers whose inputs stay on the accelerator (needed first in backward)."""
-    offload_prefetch: bool = True
-    """Bring offloaded inputs back one layer ahead of need (False: on demand, one input less resident)."""
-    offload_prefetch_early: bool = False
-    """Start that copy when the layer before it starts its backward (it runs during it; one input more resident
-    at that backward's peak), not when it ends."""
-    offload_every_k_layers: int = 1
-    """Sparse offload: only every k-th offloaded layer keeps its input, the others' are recomputed from it."""
-    keep_attention_output: bool = False
-    """Full recompute: each checkpointed block keeps its attention output and lse (on the host where its input
-    is offloaded), and its recompute skips the attention forward kernel."""
-    mlp_tiles: int | None = None
-    """Sequence tiles of the MLP; None: untiled."""
-    loss_tiles: int | None = None
-    """Row tiles of the fused output projection + cross-entropy; None: untiled."""
+    memory: MemoryStack = MemoryStack()
+    """The memory stack (recompute, offload, kept attention, tiles): `memory/stack.py`."""
     param_dtype: torch.dtype = torch.float32
     """FSDP compute dtype of parameters (bf16 with --bf16)."""
     reduce_dtype: torch.dtype = torch.float32
@@ -70,27 +50,7 @@ class ParallelizeOptions:
     """Keep sharded parameters, gradients and optimizer state in host memory."""
 
     def validate(self) -> None:
-        if self.recompute_granularity not in ("none", "full", "selective"):
-            raise ValueError(f"--recompute-granularity {self.recompute_granularity!r}: expected none, full or selective")
-        if self.offload_activations and self.recompute_granularity != "full":
-            raise ValueError("--offload-activations offloads the checkpointed block inputs: "
-                             "it needs --recompute-granularity full")
-        if self.recompute_layers is not None and (self.recompute_granularity != "full" or self.recompute_layers < 0):
-            raise ValueError(f"recompute_layers {self.recompute_layers}: a block count >= 0 of full recompute")
-        if self.offload_every_k_layers < 1:
-            raise ValueError(f"--offload-every-k-layers {self.offload_every_k_layers}: expected an integer >= 1")
-        if self.offload_every_k_layers > 1 and not self.offload_activations:
-            raise ValueError("--offload-every-k-layers keeps every k-th offloaded block input: "
-                             "it needs --offload-activations")
-        if self.keep_attention_output and self.recompute_granularity != "full":
-            raise ValueError("--keep-attention-output keeps what full recompute would run again: "
-                             "it needs --recompute-granularity full")
-        if self.offload_prefetch_early and not (self.offload_activations and self.offload_prefetch):
-            raise ValueError("--offload-prefetch-early starts the prefetch of offloaded block inputs sooner: it needs "
-                             "--offload-activations, without --no-offload-prefetch")
-        if not self.offload_prefetch and not self.offload_activations:
-            raise ValueError("--no-offload-prefetch changes how offloaded block inputs come back: "
-                             "it needs --offload-activations")
+        self.memory.validate()
 
 
 def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: ParallelizeOptions,
@@ -104,21 +64,7 @@ def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: Par
 
 
 def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: Devices) -> OffloadScheduler | None:
-    offload = None
-    L = model.config.num_layers
-    checkpointed = L if opts.recompute_layers is None else min(opts.recompute_layers, L)
-    if opts.offload_activations and checkpointed:  # the checkpointed blocks' inputs: the first `checkpointed`
-        offload = OffloadScheduler(checkpointed, keep_last=opts.offload_keep_last,
-                                   accelerator=devices.accelerator, host=devices.host, prefetch=opts.offload_prefetch,
-                                   prefetch_early=opts.offload_prefetch_early, every_k=opts.offload_every_k_layers)
-    for i, layer in enumerate(model.layers):
-        full_block = opts.recompute_granularity == "full"
-        layer.memory.recompute = opts.recompute_granularity if not full_block or i < checkpointed else "none"
-        layer.memory.offload = offload if layer.memory.recompute == "full" else None
-        layer.memory.keep_attention = opts.keep_attention_output and layer.memory.recompute == "full"
-        layer.mlp.num_tiles = opts.mlp_tiles
-    model.head.loss_tiles = opts.loss_tiles
-    return offload
+    return opts.memory.apply(model, devices)
 
 
 def apply_fsdp(model: Transformer, pstate: ParallelState, opts: ParallelizeOptions) -> None:
