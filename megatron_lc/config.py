@@ -118,7 +118,7 @@ class DataArgs:
                                              "indices), reused when data and flags are the same")
     mock_data: bool = flag(False, "deterministic random tokens instead of --data-path")
     tokenizer_type: str | None = flag(None, "tokenizer of the data (for vocab size and generation)",
-                                      choices=(None, *TOKENIZER_TYPES))
+                                      choices=TOKENIZER_TYPES)
     tokenizer_model: str | None = flag(None, "tokenizer file or directory")
     vocab_file: str | None = flag(None, "GPT2BPETokenizer: its vocab.json")
     merge_file: str | None = flag(None, "GPT2BPETokenizer: its merges.txt")
@@ -423,6 +423,13 @@ class TrainConfig:
         if p.untied_overlap_stages and (p.cp_impl != "untied_ulysses" or cp == 1):
             raise ValueError("--untied-overlap-stages pipelines the stages of Untied Ulysses: it needs "
                              "--cp-impl untied_ulysses and --context-parallel-size > 1")
+        if p.untied_heads_per_stage is not None and p.cp_impl != "untied_ulysses":
+            raise ConfigError(f"--untied-heads-per-stage {p.untied_heads_per_stage} sets the stages of Untied Ulysses: "
+                              f"it needs --cp-impl untied_ulysses (given: {p.cp_impl})")
+        if p.flash_attention_impl in ("fa3", "fa4") and p.attention_kernel not in ("auto", "sdpa_flash"):
+            raise ConfigError(f"--flash-attention-impl {p.flash_attention_impl} runs behind torch's flash kernel, which "
+                              f"--attention-kernel {p.attention_kernel} does not use: give --attention-kernel auto or "
+                              "sdpa_flash, or drop --flash-attention-impl")
         if cp > 1 and a2a == 1 and (p.cp_impl != "ulysses" or p.untied_heads_per_stage):
             raise ValueError(f"--cp-impl {p.cp_impl} and --untied-heads-per-stage choose the all-to-all level, which "
                              f"--cp-comm-type {p.cp_comm_type} with a ring of all {cp} ranks does not have")
@@ -462,6 +469,17 @@ class TrainConfig:
             if value != 0:
                 raise ConfigError(f"{name} {value}: training here is without dropout, as LLaMA is trained; give 0 "
                                   "(the default here)")
+        if m.rotary_base is not None and m.rotary_base <= 0:
+            raise ConfigError(f"--rotary-base {m.rotary_base:g} must be > 0 (rotary frequencies are base^(-2i/d); "
+                              "Llama 3 uses 500000)")
+        if m.max_position_embeddings is not None and m.max_position_embeddings < 1:
+            raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} must be >= 1")
+        if m.rope_scaling_factor is not None:
+            if m.rope_scaling_factor <= 0:
+                raise ConfigError(f"--rope-scaling-factor {m.rope_scaling_factor:g} must be > 0")
+            if not m.use_rope_scaling and self.model_config().rope_scaling is None:
+                raise ConfigError(f"--rope-scaling-factor {m.rope_scaling_factor:g} scales Llama 3.x rotary scaling, "
+                                  f"which --model {m.model} does not use: add --use-rope-scaling")
         if m.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} must be >= 1")
         self.model_config()  # validates the flavour and overrides

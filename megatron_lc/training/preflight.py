@@ -60,3 +60,8 @@ def _check_device(cfg: TrainConfig) -> None:
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise ConfigError(f"--device cuda: no CUDA device is visible (torch {torch.__version__}, {build}); "
                           "use --device cpu, or auto to take a GPU when there is one")
+    impl = cfg.parallel.flash_attention_impl
+    on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+    if impl in ("fa3", "fa4") and on_cpu:
+        raise ConfigError(f"--flash-attention-impl {impl} replaces torch's flash kernels on a CUDA GPU; this run is "
+                          "on the CPU: drop the flag (or run on a GPU)")
