@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import get_type_hints
 
 import torch
 
@@ -320,6 +320,14 @@ class TrainConfig:
             reshard_after_forward=not par.no_reshard_after_forward, fsdp_cpu_offload=par.fsdp_cpu_offload,
         )
 
+    def parallel_dims(self, world_size: int):
+        """The run's parallel degrees on `world_size` ranks (`parallel_state.ParallelDims`)."""
+        from megatron_lc.parallel_state import ParallelDims
+
+        p = self.parallel
+        return ParallelDims(world_size, cp=p.context_parallel_size, dp_replicate=p.data_parallel_replicate,
+                            cp_ring=self.context_layout().ring_size)
+
     def global_batch(self, world_size: int) -> int:
         """Samples per optimizer step (--global-batch-size, default micro-batch x data-parallel size)."""
         return self.data.global_batch_size or self.data.micro_batch_size * (world_size // self.parallel.context_parallel_size)
@@ -464,7 +472,7 @@ class TrainConfig:
         self.memory_stack().validate()
 
     def _check_model(self, world_size: int) -> None:
-        d, m = self.data, self.model
+        m = self.model
         for name, value in (("--attention-dropout", m.attention_dropout), ("--hidden-dropout", m.hidden_dropout)):
             if value != 0:
                 raise ConfigError(f"{name} {value}: training here is without dropout, as LLaMA is trained; give 0 "

@@ -32,11 +32,10 @@ from megatron_lc.data.samples import SampleSource
 from megatron_lc.data.sources import SPLIT_NAMES, build_datasets
 from megatron_lc.devices import resolve_devices, set_cuda_allocator_settings
 from megatron_lc.entry import run_entry_point
-from megatron_lc.models.llama import build_model
 from megatron_lc.training.hf_conversion import config_from_meta
+from megatron_lc.training.build import build_sharded_model
 from megatron_lc.training.preflight import preflight
-from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
-from megatron_lc.parallel_state import ParallelDims, ParallelState, detect_launch, init_distributed, warm_up_collectives
+from megatron_lc.parallel_state import ParallelState, detect_launch, init_distributed, warm_up_collectives
 from megatron_lc.training import checkpointing
 from megatron_lc.training.step import IGNORE_INDEX
 
@@ -55,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reset-attention-mask", action="store_true",
                    help="attend within each document only (default: across end-of-document tokens, as Megatron-LM)")
     p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-replicate", type=int, default=1,
+                   help="HSDP replicas, as in training (the rest of the data-parallel ranks shard the model)")
     p.add_argument("--cp-impl", default="ulysses", choices=("ulysses", "untied_ulysses"))
     p.add_argument("--cp-comm-type", default="a2a", choices=CP_COMM_TYPES, help="as for megatron_lc.train")
     p.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A", "R"),
@@ -73,6 +74,7 @@ def evaluate(args) -> dict:
     path, meta = found
     config = config_from_meta(meta)
     cfg = config_from_values({"context_parallel_size": args.context_parallel_size, "cp_impl": args.cp_impl,
+                              "data_parallel_replicate": args.data_parallel_replicate,
                               "cp_comm_type": args.cp_comm_type,
                               "hierarchical_context_parallel_sizes": args.hierarchical_context_parallel_sizes or [],
                               "seq_length": args.seq_length, "data_path": args.data_path, "split": args.split})
@@ -80,7 +82,7 @@ def evaluate(args) -> dict:
     preflight(cfg)
     source = evaluation_source(args, config.vocab_size)
     total = min(args.num_samples or len(source), len(source))
-    per_step = args.micro_batch_size * ParallelDims(launch.world_size, cp=args.context_parallel_size).dp
+    per_step = args.micro_batch_size * cfg.parallel_dims(launch.world_size).dp
     if total < per_step:
         raise ConfigError(f"--data-path {' '.join(args.data_path)} holds {len(source)} whole samples of --seq-length "
                           f"{args.seq_length}; evaluating needs at least {per_step} (shorten --seq-length)")
@@ -91,12 +93,9 @@ def evaluate(args) -> dict:
         activate_flash_impl(cfg.parallel.flash_attention_impl, devices.accelerator)  # before any attention, as in training
     init_distributed(devices.accelerator)
     layout = cfg.context_layout()
-    pstate = ParallelState(ParallelDims(launch.world_size, cp=args.context_parallel_size, cp_ring=layout.ring_size),
-                           devices.accelerator.type)
+    pstate = ParallelState(cfg.parallel_dims(launch.world_size), devices.accelerator.type)
     warm_up_collectives(pstate, devices.accelerator)  # NCCL's connections before the model takes the card
-    model = build_model(config, device="meta")
-    parallelize_llama(model, pstate, cfg.parallelize_options(), devices)
-    materialize(model, devices)
+    model, _ = build_sharded_model(cfg, config, pstate, devices)
     checkpointing.load_model_weights(path, model)
     model.eval()
     loader = MicroBatchLoader(source, args.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,

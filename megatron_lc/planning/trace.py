@@ -35,6 +35,7 @@ from megatron_lc.planning.standins import (
     registered_kernel_models,
 )
 from megatron_lc.planning.tracker import TimelineAnalysis, make_tracker
+from megatron_lc.training.build import build_sharded_model
 from megatron_lc.training.optim import build_optimizer
 from megatron_lc.training.step import step_autocast, train_step
 
@@ -104,9 +105,7 @@ def measure_real_step(cfg: TrainConfig, pstate: ParallelState, batch: Batch,
     Where host and accelerator are one device (CPU runs), the offload pool is tracked too;
     a probe of its reserved bytes moves it from the accelerator's side to the host's.
     """
-    model = build_model(cfg.model_config(), device="meta")
-    offload = parallelize_llama(model, pstate, cfg.parallelize_options(), devices)
-    materialize(model, devices, cfg.train.seed)
+    model, offload = build_sharded_model(cfg, cfg.model_config(), pstate, devices)
     optimizer = make_optimizer(model, cfg, fused=False)
     initialize_optimizer_state(model, optimizer)
     probe = (lambda: offload.host_bytes_reserved) if offload and devices.host == devices.accelerator else None
@@ -118,8 +117,7 @@ def measure_real_step(cfg: TrainConfig, pstate: ParallelState, batch: Batch,
 
 def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """The run's parallel degrees."""
-    return ParallelDims(world_size, cp=cfg.parallel.context_parallel_size,
-                        dp_replicate=cfg.parallel.data_parallel_replicate, cp_ring=cfg.context_layout().ring_size)
+    return cfg.parallel_dims(world_size)
 
 
 def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str = "cuda",

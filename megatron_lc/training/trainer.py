@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.errors import ConfigError
 from megatron_lc.config import TrainConfig
+from megatron_lc.training.build import build_sharded_model
 from megatron_lc.training.preflight import preflight
 from megatron_lc.data.blending import normalize
 from megatron_lc.data.index_cache import dataset_fingerprint
@@ -31,11 +32,9 @@ from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets, parse_data_path, parse_split
 from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
-from megatron_lc.models.llama import build_model, count_parameters
-from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
+from megatron_lc.models.llama import count_parameters
 from megatron_lc.parallel_state import (
     LaunchInfo,
-    ParallelDims,
     ParallelState,
     detect_launch,
     init_distributed,
@@ -185,19 +184,14 @@ def build_run(cfg: TrainConfig) -> Run:
             print(f"attention: {impl.upper()} behind torch's flash kernels (--flash-attention-impl)", flush=True)
     init_distributed(devices.accelerator, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     p = cfg.parallel
-    pstate = ParallelState(ParallelDims(launch.world_size, cp=p.context_parallel_size,
-                                        dp_replicate=p.data_parallel_replicate,
-                                        cp_ring=cfg.context_layout().ring_size), devices.accelerator.type)
+    pstate = ParallelState(cfg.parallel_dims(launch.world_size), devices.accelerator.type)
     warmed_up_collectives(pstate, devices, launch.rank)
     spec = cfg.tokenizer_spec()
     tokenizer = spec.build() if spec else None
     eod = tokenizer.eod if tokenizer else None
     model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)  # padded (--make-vocab-...)
     data_vocab = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None, padded=False).vocab_size
-    opts = cfg.parallelize_options()
-    model = build_model(model_config, device="meta", dtype=torch.float32)  # fp32 master weights, also with --bf16
-    offload = parallelize_llama(model, pstate, opts, devices)
-    materialize(model, devices, seed=cfg.train.seed, fsdp_cpu_offload=p.fsdp_cpu_offload)
+    model, offload = build_sharded_model(cfg, model_config, pstate, devices)
     if offload is not None:  # page-lock the host arenas before step 1 (logged; minutes for a terabyte)
         block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
         offload.reserve((cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size,
