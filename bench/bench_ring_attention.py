@@ -60,7 +60,7 @@ def _build(name, config, world, seq_length, reference_state):
 
 def _speed_worker(rank, world, args):
     from megatron_lc.models.llama import build_model
-    from tests.helpers import make_batch, shard_batch
+    from megatron_lc.testing import make_batch, shard_batch
 
     config = bench_model_config(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads)
     reference_state = build_model(config, device="cpu", seed=0).state_dict()

@@ -53,8 +53,7 @@ def measured_step_s(world: int, flags: list[str], steps: int) -> float:
 
 
 def predicted_step_s(world: int, flags: list[str]) -> dict:
-    sys.path.insert(0, str(ROOT / "tools"))
-    import estimate_memory
+    from megatron_lc.planning import cli as estimate_memory
 
     planner, cfg = estimate_memory.parse([*MODEL, *flags, "--num-gpus", str(world), "--machine", "local"])
     machine = estimate_memory.machine_of(planner, cfg)

@@ -162,7 +162,7 @@ def _speed_worker(rank, world, args, results):
         parallelize_llama,
     )
     from megatron_lc.parallel_state import ParallelDims, ParallelState
-    from tests.helpers import make_batch, shard_batch
+    from megatron_lc.testing import make_batch, shard_batch
 
     cpu = Devices(torch.device("cpu"), torch.device("cpu"))
     config = dataclasses.replace(get_config("debug"), hidden_size=args.hidden, num_attention_heads=args.heads,
@@ -198,7 +198,7 @@ def _speed_backends(args) -> list[tuple[str, int | None, bool]]:
 def run_speed(args) -> dict:
     import torch.multiprocessing as mp
 
-    from tests.helpers import run_distributed
+    from megatron_lc.testing import run_distributed
 
     results = mp.get_context("spawn").SimpleQueue()
     run_distributed(_speed_worker, args.world, args, results)

@@ -17,7 +17,7 @@ Both sides (`--world` = 4 gloo processes, sequence/context parallel size 4, fp32
       transformers conversion (`megatron_lc.models.llama.hf`: `to_hf_config`, `to_hf_state_dict`) as a
       safetensors directory that the peer loads with `LlamaForCausalLM.from_pretrained(...,
       attn_implementation='sdpa')`;
-    - the same tokens: one sample of `--seq-length` random ids (`tests.helpers.make_batch`, seed 0, one
+    - the same tokens: one sample of `--seq-length` random ids (`megatron_lc.testing.make_batch`, seed 0, one
       document, labels = the next token, every label valid), attended causally over the whole sample;
     - a full training step: forward, backward and torch's AdamW (`--lr`, betas 0.9/0.95, eps 1e-8, no
       weight decay, no gradient clipping), the same tokens every step;
@@ -173,7 +173,7 @@ def prepare(work: Path) -> None:
     from megatron_lc.models.llama import build_model, count_parameters
     from megatron_lc.training.hf_conversion import save_safetensors
     from megatron_lc.models.llama.hf import to_hf_config, to_hf_state_dict
-    from tests.helpers import make_batch
+    from megatron_lc.testing import make_batch
 
     spec = json.loads((work / "spec.json").read_text())
     config = _our_config(spec)
@@ -226,7 +226,7 @@ def ours_worker(work: Path, tag: str, profile: bool) -> None:
     from megatron_lc.parallel_state import ParallelDims, ParallelState
     from megatron_lc.training.optim import build_optimizer
     from megatron_lc.training.step import train_step
-    from tests.helpers import Batch, shard_batch
+    from megatron_lc.testing import Batch, shard_batch
 
     spec = json.loads((work / "spec.json").read_text())
     prepared = json.loads((work / "prepared.json").read_text())

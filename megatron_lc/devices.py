@@ -28,6 +28,22 @@ class Devices:
         return self.accelerator.type == "cuda"
 
 
+PEAK_DENSE_BF16_FLOPS: dict[str, tuple[float, str]] = {
+    "H100": (989.4e12, "NVIDIA H100 SXM5 datasheet"),
+    "H200": (989.4e12, "NVIDIA H200 datasheet (the H100 SXM5's compute)"),
+    "H800": (989.4e12, "NVIDIA H800 SXM5 (the H100 SXM5's compute)"),
+    "A100": (312e12, "NVIDIA A100 datasheet"),
+    "B200": (2250e12, "NVIDIA DGX B200 datasheet (72 PFLOP/s sparse FP8 per 8 GPUs: 2.25 PFLOP/s dense BF16 each)"),
+}
+"""Dense bf16 peak per accelerator (the name as `torch.cuda.get_device_name` contains it), with its source:
+what MFU is measured against, and what the time model's rates start from."""
+
+
+def peak_dense_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of the accelerator named `device_name`, or None when it is not in the table."""
+    return next((peak for key, (peak, _) in PEAK_DENSE_BF16_FLOPS.items() if key in device_name), None)
+
+
 def resolve_devices(name: str = "auto", local_rank: int = 0) -> Devices:
     """Devices for `--device NAME`: 'auto' picks CUDA when available, else CPU."""
     if name == "auto":

@@ -1,114 +1,26 @@
-"""Shared test helpers: multi-process gloo runs, reference batches and their sharding."""
+"""Shared test helpers (multi-process runs and reference batches are `megatron_lc.testing`'s)."""
 
 from __future__ import annotations
 
-import itertools
+import json
 import os
-import random
-import socket
-from dataclasses import dataclass
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
-from megatron_lc.entry import exit_process
-from megatron_lc.context_layout import ContextLayout
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-_port_draws = itertools.count(random.SystemRandom().randrange(1000))
-
-
-def free_port() -> int:
-    """A free port for a rendezvous, below the ephemeral range (no connection of another test's processes can
-    take it before the rendezvous binds it) and, under pytest-xdist, in this worker's own share of the ports."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
-    low = 10000
-    span = max(1000, (_ephemeral_low() - low) // max(workers, 1))
-    for _ in range(span):
-        port = low + index * span + next(_port_draws) % span
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use (or waiting to close): the next one
-            return port
-    raise RuntimeError(f"no free port in {low + index * span}-{low + (index + 1) * span}")
-
-
-def _worker(rank, fn, world_size, port, args):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    fn(rank, world_size, *args)  # a failure propagates: mp.spawn reports its traceback and fails the test
-    dist.destroy_process_group()
-    exit_process(0)  # as the entry points do: the interpreter's teardown can abort on gloo's threads
-
-
-def run_distributed(fn, world_size: int, *args) -> None:
-    """Run fn(rank, world_size, *args) in `world_size` gloo processes; a failure in any fails the test."""
-    mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: tuple
-
-
-def make_batch(num_samples: int, seq_length: int, vocab: int, *, seed: int = 0, num_docs: int = 3,
-               ignore_fraction: float = 0.0) -> tuple[Batch, list[tuple]]:
-    """Random tokens with packed documents of uneven lengths and unevenly ignored labels.
-
-    Returns the full batch and each sample's own cu_seqlens (needed to re-flatten a subset).
-    """
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (num_samples, seq_length + 1), generator=g)
-    labels = tokens[:, 1:].clone()
-    if ignore_fraction:  # ignore a prefix of the first sample only: ranks hold different valid counts
-        labels[0, : int(seq_length * ignore_fraction)] = -100
-    per_sample = []
-    for _ in range(num_samples):
-        cuts = sorted(torch.randperm(seq_length - 1, generator=g)[: num_docs - 1].add(1).tolist())
-        per_sample.append((0, *cuts, seq_length))
-    positions = torch.arange(seq_length).expand(num_samples, seq_length)
-    return Batch(tokens[:, :-1], labels, positions, flatten_cu_seqlens(per_sample, seq_length)), per_sample
-
-
-def flatten_cu_seqlens(per_sample: list[tuple], seq_length: int) -> tuple:
-    out = [0]
-    for b, cu in enumerate(per_sample):
-        out += [b * seq_length + c for c in cu[1:]]
-    return tuple(out)
-
-
-def shard_batch(batch: Batch, per_sample, dp_rank: int, dp: int, cp_rank: int, cp: int,
-                layout: ContextLayout | None = None) -> Batch:
-    """This rank's samples (by dp rank) and tokens (by cp rank and `layout`, default
-    all-to-all only); boundaries stay global."""
-    B = batch.input_ids.shape[0] // dp
-    S = batch.input_ids.shape[1]
-    rows = slice(dp_rank * B, (dp_rank + 1) * B)
-    layout = layout or ContextLayout(a2a_size=cp)
-    assert layout.cp_size == cp
-    cols = torch.tensor([p for a, b in layout.token_ranges(S, cp_rank) for p in range(a, b)])
-    return Batch(batch.input_ids[rows, cols], batch.labels[rows, cols], batch.position_ids[rows, cols],
-                 flatten_cu_seqlens(per_sample[rows], S))
+from megatron_lc.testing import (  # noqa: F401 (the tests' names for them)
+    Batch,
+    flatten_cu_seqlens,
+    free_port,
+    make_batch,
+    run_distributed,
+    shard_batch,
+)
 
 
 class ResidualMLPBlock(nn.Module):
@@ -145,3 +57,22 @@ def parallelize_options(**fields):
     memory_names = {f.name for f in dc.fields(MemoryStack)}
     memory = MemoryStack(**{k: v for k, v in fields.items() if k in memory_names})
     return ParallelizeOptions(memory=memory, **{k: v for k, v in fields.items() if k not in memory_names})
+
+
+TRAIN_FLAGS = ["--mock-data", "--seq-length", "64", "--lr", "3e-3", "--adam-eps", "1e-4", "--device", "cpu"]
+"""Flags of a tiny CPU training run (mock data) that the trainer tests start from."""
+
+
+def torchrun_train(nproc, args, tmp_path):
+    """`python -m megatron_lc.train ARGS` under torchrun with `nproc` processes in `tmp_path`; its stdout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "-m", "megatron_lc.train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def logged_losses(log_dir):
+    """The losses a run wrote to metrics.jsonl in `log_dir`."""
+    return [json.loads(line)["loss"] for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]

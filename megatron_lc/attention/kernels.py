@@ -45,7 +45,7 @@ import functools
 import itertools
 import math
 import warnings
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -516,8 +516,9 @@ def _efficient_calls(cu_seqlens, cu_seqlens_k, causal: bool) -> tuple[KernelCall
     return _calls(cu_seqlens, cu_seqlens_k, causal, max_rows, EFFICIENT_TILE_ROWS)
 
 
-def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
-    """torch's memory-efficient kernel (fp32 too), variable-length; kv heads expanded (it has no GQA)."""
+def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True, ops=TORCH_OPS):
+    """torch's memory-efficient kernel (fp32 too), variable-length; kv heads expanded (it has no GQA). `ops`:
+    the operators by role (the planner passes allocation models of them)."""
     H = q.shape[1]
     calls = _efficient_calls(cu_seqlens, cu_seqlens_k, causal)
     scale = _softmax_scale(q.shape[-1], scale)
@@ -525,7 +526,7 @@ def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None
 
     def run_call(call):
         cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
-        out, native_lse, seed, offset, _, _ = TORCH_OPS["efficient_forward"](
+        out, native_lse, seed, offset, _, _ = ops["efficient_forward"](
             q[call.q].unsqueeze(0), _expand_kv(k[call.k], H).unsqueeze(0), _expand_kv(v[call.k], H).unsqueeze(0),
             None, cu_q, cu_k, max_q, max_k, 0.0, _efficient_mask(causal), True, scale=scale)
         return out.squeeze(0), _lse_to_heads_tokens(native_lse, call.cu_q), (seed, offset)
@@ -534,7 +535,7 @@ def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None
 
 
 def sdpa_efficient_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None,
-                            causal=True):
+                            causal=True, ops=TORCH_OPS):
     """Backward of `sdpa_efficient_forward`: its lse layout rebuilt from `lse` (which may be merged over key
     blocks), the philox tensors its forward returned."""
     H, Hkv = q.shape[1], k.shape[1]
@@ -546,7 +547,7 @@ def sdpa_efficient_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, sta
         cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
         # The kernel reads out (and grad_out) rows H * d apart: a strided view would be misread.
         rows_out, rows_dout = out[call.q].contiguous(), dout[call.q].contiguous()
-        dq, dk, dv, _ = TORCH_OPS["efficient_backward"](
+        dq, dk, dv, _ = ops["efficient_backward"](
             rows_dout.unsqueeze(0), q[call.q].unsqueeze(0), _expand_kv(k[call.k], H).unsqueeze(0),
             _expand_kv(v[call.k], H).unsqueeze(0), None, rows_out.unsqueeze(0), cu_q, cu_k, max_q, max_k,
             _lse_to_native(lse[:, call.q], call.cu_q), 0.0, *philox, _efficient_mask(causal), False, scale=scale)
@@ -736,28 +737,30 @@ def active_flash_impl() -> str:
     return next((impl for impl, (registry_name, _, _) in FLASH_IMPLS.items() if registry_name == current), "default")
 
 
-def select_kernel(device: torch.device, name: str = "auto") -> Kernel:
-    """The kernel for `device`, or the one named.
+def select_kernel(device: torch.device, name: str = "auto", table: Mapping[str, Kernel] | None = None) -> Kernel:
+    """The kernel for `device`, or the one named, from `table` (default `KERNELS`; the planner passes one with
+    its stand-ins).
 
     `auto` on CUDA: torch's flash kernel when FA3/FA4 is behind it (`activate_flash_impl`), else
     flash-attn (else torch's flash kernel) for fp16/bf16 inputs and torch's
     memory-efficient kernel for fp32, decided per call from the inputs' dtype (autocast
     decides it at run time); on other devices, torch's CPU flash kernel.
     """
+    table = KERNELS if table is None else table
     if name == "auto":
         if device.type != "cuda":
-            return KERNELS[resolve_kernel_name(device.type, name, torch.float32, flash_attn_available())]
-        low, full = (KERNELS[resolve_kernel_name("cuda", name, dtype, flash_attn_available(), active_flash_impl())]
+            return table[resolve_kernel_name(device.type, name, torch.float32, flash_attn_available())]
+        low, full = (table[resolve_kernel_name("cuda", name, dtype, flash_attn_available(), active_flash_impl())]
                      for dtype in (torch.bfloat16, torch.float32))
         return _by_dtype(low, full)
-    if name not in KERNELS:
-        raise ValueError(f"attention kernel {name!r}: expected one of auto, {', '.join(KERNELS)}")
+    if name not in table:
+        raise ValueError(f"attention kernel {name!r}: expected one of auto, {', '.join(table)}")
     if name == "flash_attn" and not flash_attn_available():
         raise ImportError(f"attention kernel 'flash_attn' was asked for but {FLASH_ATTN_PROBLEM}; "
                           "or use 'auto' to fall back to torch's kernels")
     if name in CUDA_KERNELS and device.type != "cuda":
         raise ValueError(f"attention kernel {name!r} needs a CUDA device, got {device}")
-    return KERNELS[name]
+    return table[name]
 
 
 def resolve_kernel_name(device_type: str, name: str, dtype: torch.dtype, flash_attn_installed: bool,

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.ulysses import check_ulysses_shapes, kv_replication
 from megatron_lc.memory import kept_attention, tiling
-from megatron_lc.memory.tiling import addmm_fp32_
+from megatron_lc.memory.tiling import TileBounds, addmm_fp32_
 
 HEADS_PER_STAGE_FLAG = "--untied-heads-per-stage"
 DX_CHUNK_ROWS = 8192
@@ -284,7 +284,7 @@ class _UntiedUlyssesFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, wq, wk, wv, wo, norm_weight, cos, sin, cu_seqlens, norm_eps, backend):
-        norm = None if norm_weight is None else InputNorm.of(x, norm_weight, norm_eps)
+        norm = None if norm_weight is None else InputNorm.of(x, norm_weight, norm_eps, backend.tile_bounds)
         kept = kept_attention.active()
         if kept is not None and kept.replay:  # a recompute: the forward's output and lses, no stage run again
             flat, sizes = kept.take()
@@ -319,7 +319,7 @@ class _UntiedUlyssesFunction(torch.autograd.Function):
                                                         norm)
         dnorm = None
         if norm is not None:  # dx holds the gradient of the normed input: through the norm, in place
-            dnorm = rms_norm_backward_(dx, x, norm)
+            dnorm = rms_norm_backward_(dx, x, norm, ctx.backend.tile_bounds)
             dnorm = dnorm.to(norm_weight.dtype) if needs[5] else None
         return dx if needs[0] else None, dwq, dwk, dwv, dwo, dnorm, None, None, None, None, None
 
@@ -333,23 +333,23 @@ class InputNorm:
     rstd: torch.Tensor  # [B, s] fp32
 
     @staticmethod
-    def of(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> InputNorm:
+    def of(x: torch.Tensor, weight: torch.Tensor, eps: float | None, bounds: TileBounds) -> InputNorm:
         """rstd = 1 / sqrt(mean(x^2) + eps) per token, in fp32, a row chunk at a time (no fp32 copy of x)."""
         eps = torch.finfo(x.dtype).eps if eps is None else eps  # F.rms_norm's default
         rstd = torch.empty(x.shape[:2], dtype=torch.float32, device=x.device)
         for b in range(x.shape[0]):
-            for start, end in tiling.tile_bounds(x.shape[1], -(-x.shape[1] // DX_CHUNK_ROWS)):
+            for start, end in bounds(x.shape[1], -(-x.shape[1] // DX_CHUNK_ROWS)):
                 rstd[b, start:end] = x[b, start:end].to(torch.float32).square().mean(-1).add_(eps).rsqrt_()
         return InputNorm(weight, rstd)
 
 
-def rms_norm_backward_(grad: torch.Tensor, x: torch.Tensor, norm: InputNorm) -> torch.Tensor:
+def rms_norm_backward_(grad: torch.Tensor, x: torch.Tensor, norm: InputNorm, bounds: TileBounds) -> torch.Tensor:
     """RMSNorm's backward: `grad` (of xn) becomes the gradient of x, in place, a row chunk at a time in
     fp32; returns the weight's gradient (fp32). dx = rstd * (g - xh * mean(g * xh)), g = grad * w, xh = x * rstd."""
     w = norm.weight.to(torch.float32)
     dweight = torch.zeros_like(w)
     for b in range(x.shape[0]):
-        for start, end in tiling.tile_bounds(x.shape[1], -(-x.shape[1] // DX_CHUNK_ROWS)):
+        for start, end in bounds(x.shape[1], -(-x.shape[1] // DX_CHUNK_ROWS)):
             rstd = norm.rstd[b, start:end].unsqueeze(-1)
             xh = x[b, start:end].to(torch.float32) * rstd
             dn = grad[b, start:end].to(torch.float32)
@@ -446,6 +446,8 @@ class UntiedUlyssesAttention:
     """Pipeline the stages (`--untied-overlap-stages`): the next stage's projections and exchanges are in
     flight while this stage attends, forward and backward, in a second set of stage buffers."""
     workspace: StageWorkspace = field(default_factory=StageWorkspace)
+    tile_bounds: TileBounds = tiling.tile_bounds
+    """The tile policy of the row-chunk loops (the planner's runs representative chunks)."""
 
     @property
     def cp(self) -> int:
@@ -764,8 +766,7 @@ class UntiedUlyssesAttention:
         acc_dtype = torch.promote_types(call.dx.dtype, torch.float32)
         chunks = -(-call.local_len // DX_CHUNK_ROWS)
         for b in range(call.batch):
-            # tiling.tile_bounds, looked up here: the planner traces two representative chunks of it
-            for start, end in tiling.tile_bounds(call.local_len, chunks):
+            for start, end in self.tile_bounds(call.local_len, chunks):
                 rows_b = slice(start, end)
                 acc = call.dx[b, rows_b].to(acc_dtype)
                 for r in range(self.cp):

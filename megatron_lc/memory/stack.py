@@ -20,6 +20,7 @@ from megatron_lc.errors import ConfigError
 from megatron_lc.flags import flag
 from megatron_lc.memory.chunks import ChunkPlan
 from megatron_lc.memory.offload import OffloadScheduler
+from megatron_lc.memory.tiling import TileBounds, tile_bounds
 
 RecomputeGranularity = Literal["none", "selective", "full"]
 OffloadMode = Literal["none", "on_demand", "prefetch", "early"]
@@ -135,9 +136,9 @@ class MemoryStack:
                                 host=devices.host, prefetch=self.offload_mode != "on_demand",
                                 prefetch_early=self.offload_mode == "early", every_k=self.offload_every_k_layers)
 
-    def apply(self, model, devices) -> OffloadScheduler | None:
+    def apply(self, model, devices, bounds: TileBounds = tile_bounds) -> OffloadScheduler | None:
         """Set each block's recompute, offload, kept attention and MLP tiles, and the head's loss tiles, on a
-        (meta-device) Transformer; returns the offload scheduler, if any."""
+        (meta-device) Transformer, the tile loops running over `bounds`; returns the offload scheduler, if any."""
         self.validate()
         num_layers = model.config.num_layers
         offload = self.offload_scheduler(num_layers, devices)
@@ -145,8 +146,8 @@ class MemoryStack:
             layer.memory.recompute = self.block_recompute(i, num_layers)
             layer.memory.offload = offload if layer.memory.recompute == "full" else None
             layer.memory.keep_attention = self.keep_attention_output and layer.memory.recompute == "full"
-            layer.mlp.num_tiles = self.mlp_tiles
-        model.head.loss_tiles = self.loss_tiles
+            layer.mlp.num_tiles, layer.mlp.tile_bounds = self.mlp_tiles, bounds
+        model.head.loss_tiles, model.head.tile_bounds = self.loss_tiles, bounds
         return offload
 
 

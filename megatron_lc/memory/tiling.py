@@ -23,12 +23,17 @@ beyond the rounding of the last cast.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+TileBounds = Callable[[int, int], Iterator[tuple[int, int]]]
+"""A tile policy: (rows, num_tiles) -> the (start, end) row ranges a tile loop runs over. `tile_bounds` runs
+every tile; the planner passes one that runs representative tiles (`planning.fakes.representative_tile_bounds`)."""
 
 
 def tile_bounds(rows: int, num_tiles: int) -> Iterator[tuple[int, int]]:
@@ -181,16 +186,16 @@ class _TiledSwiGLU(torch.autograd.Function):
     """SwiGLU MLP over row tiles; saves only the input and the weights."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, num_tiles):
+    def forward(ctx, x, w_gate, w_up, w_down, num_tiles, bounds):
         dtype = _compute_dtype(x)
         with _autocast_off(x):
             rows = x.reshape(-1, x.shape[-1])
             wg, wu, wd = (w.to(dtype) for w in (w_gate, w_up, w_down))
             out = rows.new_empty((rows.shape[0], wd.shape[0]), dtype=dtype)
-            for start, end in tile_bounds(rows.shape[0], num_tiles):
+            for start, end in bounds(rows.shape[0], num_tiles):
                 out[start:end] = _swiglu_tile_forward(rows[start:end].to(dtype), wg, wu, wd)
         ctx.save_for_backward(x, w_gate, w_up, w_down)
-        ctx.num_tiles, ctx.dtype = num_tiles, dtype
+        ctx.num_tiles, ctx.dtype, ctx.bounds = num_tiles, dtype, bounds
         return out.view(*x.shape[:-1], wd.shape[0])
 
     @staticmethod
@@ -202,7 +207,7 @@ class _TiledSwiGLU(torch.autograd.Function):
             rows = x.reshape(-1, x.shape[-1])
             dy_rows = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
             weights = [w.to(dtype) for w in (w_gate, w_up, w_down)]
-            bounds = list(tile_bounds(rows.shape[0], num_tiles))
+            bounds = list(ctx.bounds(rows.shape[0], num_tiles))
             grads = [
                 _new_accumulator(w, dtype, len(bounds) > 1) if need else None
                 for w, need in zip(weights, need_w)
@@ -216,7 +221,7 @@ class _TiledSwiGLU(torch.autograd.Function):
         originals = (w_gate, w_up, w_down)
         grad_ws = [None if g is None else g.to(w.dtype) for g, w in zip(grads, originals)]
         grad_x = None if grad_x is None else grad_x.view(x.shape).to(x.dtype)
-        return (grad_x, *grad_ws, None)
+        return (grad_x, *grad_ws, None, None)
 
 
 def _check_mlp_shapes(x, w_gate, w_up, w_down) -> None:
@@ -239,6 +244,7 @@ def tiled_swiglu_mlp(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     num_tiles: int,
+    bounds: TileBounds = tile_bounds,
 ) -> torch.Tensor:
     """``F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)`` over tiles.
 
@@ -248,7 +254,7 @@ def tiled_swiglu_mlp(
     """
     _check_num_tiles(num_tiles)
     _check_mlp_shapes(x, w_gate, w_up, w_down)
-    return _TiledSwiGLU.apply(x, w_gate, w_up, w_down, num_tiles)
+    return _TiledSwiGLU.apply(x, w_gate, w_up, w_down, num_tiles, bounds)
 
 
 # ----------------------------------------------------------------------- loss
@@ -313,10 +319,10 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, num_tiles, ignore_index):
+    def forward(ctx, hidden, weight, labels, num_tiles, ignore_index, tile_policy):
         dtype = _compute_dtype(hidden)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        bounds = list(tile_bounds(hidden.shape[0], num_tiles))
+        bounds = list(tile_policy(hidden.shape[0], num_tiles))
         with _autocast_off(hidden):
             w = weight.to(dtype)
             grad_h = _empty_rows(hidden, dtype) if need_h else None
@@ -353,7 +359,7 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
             grad_h.mul_(grad_loss)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def _check_loss_shapes(hidden, weight, labels) -> None:
@@ -374,6 +380,7 @@ def tiled_linear_cross_entropy(
     labels: torch.Tensor,
     num_tiles: int,
     ignore_index: int = -100,
+    bounds: TileBounds = tile_bounds,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross-entropies of ``hidden @ weight.T`` against ``labels``, tiled.
 
@@ -383,7 +390,7 @@ def tiled_linear_cross_entropy(
     """
     _check_num_tiles(num_tiles)
     _check_loss_shapes(hidden, weight, labels)
-    return _TiledLinearCrossEntropy.apply(hidden, weight, labels, num_tiles, ignore_index)
+    return _TiledLinearCrossEntropy.apply(hidden, weight, labels, num_tiles, ignore_index, bounds)
 
 
 def linear_cross_entropy(

@@ -4,8 +4,9 @@
   DeviceMesh, FSDP2 and the context-parallel collectives run as on rank 0 of the real
   world. It is torch's test backend (`torch.testing._internal.distributed.fake_pg`), a
   private API: this function is the one place that uses it.
-- `representative_tiles`: every sequence-tile loop of `megatron_lc.memory.tiling` runs
-  over two of its tiles, the largest among them. Tile buffers are allocated and freed
+- `representative_tile_bounds`: a tile policy (passed to `parallelize_llama` through
+  `ParallelizeOptions.tile_bounds`) under which every sequence-tile loop runs over two of
+  its tiles, the largest among them. Tile buffers are allocated and freed
   tile by tile while the full-size inputs, outputs and gradient accumulators exist
   before the loop, so the memory peak of a loop is the peak of its largest tile: two
   tiles give the exact peak (and keep the "more than one tile" code paths), at the cost
@@ -41,28 +42,13 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _two_tiles(original):
-    """A `tile_bounds` that yields the largest tile and one neighbour, in order."""
-
-    def bounds(rows: int, num_tiles: int) -> Iterator[tuple[int, int]]:
-        tiles = list(original(rows, num_tiles))
-        if len(tiles) <= 2:
-            yield from tiles
-            return
-        largest = max(range(len(tiles)), key=lambda i: tiles[i][1] - tiles[i][0])
-        neighbour = largest + 1 if largest + 1 < len(tiles) else largest - 1
-        for i in sorted((largest, neighbour)):
-            yield tiles[i]
-
-    return bounds
-
-
-@contextlib.contextmanager
-def representative_tiles() -> Iterator[None]:
-    """Tile loops run over two representative tiles while the context is open (see the module docstring)."""
-    original = tiling.tile_bounds
-    tiling.tile_bounds = _two_tiles(original)
-    try:
-        yield
-    finally:
-        tiling.tile_bounds = original
+def representative_tile_bounds(rows: int, num_tiles: int) -> Iterator[tuple[int, int]]:
+    """A tile policy (`memory.tiling.TileBounds`) that runs the largest tile and one neighbour, in order."""
+    tiles = list(tiling.tile_bounds(rows, num_tiles))
+    if len(tiles) <= 2:
+        yield from tiles
+        return
+    largest = max(range(len(tiles)), key=lambda i: tiles[i][1] - tiles[i][0])
+    neighbour = largest + 1 if largest + 1 < len(tiles) else largest - 1
+    for i in sorted((largest, neighbour)):
+        yield tiles[i]

@@ -41,6 +41,7 @@ models them from the settings a run states (NCCL_BUFFSIZE, channels); see
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -166,10 +167,11 @@ def _efficient_backward_model(name_buffer: NameBuffer) -> Callable:
 
 def _sdpa_efficient_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
     """torch's memory-efficient kernels: our wrapper as written (kv heads expanded, lse re-laid out, one call
-    per bucket of segments), the operators replaced by their allocations while the trace runs (torch's own
+    per bucket of segments), given the operators' allocation models in place of the operators (torch's own
     fake implementation of the backward does not take the operator's keyword arguments)."""
-    real = kernels.KERNELS["sdpa_efficient"]
-    return kernels.Kernel(PLANNED_PREFIX + "sdpa_efficient", real.forward, real.backward)
+    ops = {**kernels.TORCH_OPS, **efficient_op_models(name_buffer)}
+    return kernels.Kernel(PLANNED_PREFIX + "sdpa_efficient", functools.partial(kernels.sdpa_efficient_forward, ops=ops),
+                          functools.partial(kernels.sdpa_efficient_backward, ops=ops))
 
 
 def efficient_op_models(name_buffer: NameBuffer) -> dict[str, Callable]:
@@ -197,30 +199,10 @@ def planned_kernel_name(kernel: str, device: str, dtype: torch.dtype = torch.bfl
     return PLANNED_PREFIX + name
 
 
-@contextlib.contextmanager
-def efficient_ops_modelled(name_buffer: NameBuffer) -> Iterator[None]:
-    """The memory-efficient operators replaced by their allocation models while the context is open."""
-    models = efficient_op_models(name_buffer)
-    replaced = {role: kernels.TORCH_OPS[role] for role in models}
-    kernels.TORCH_OPS.update(models)
-    try:
-        yield
-    finally:
-        kernels.TORCH_OPS.update(replaced)
-
-
-@contextlib.contextmanager
-def registered_kernel_models(name_buffer: NameBuffer) -> Iterator[None]:
-    """Make the CUDA kernel stand-ins selectable by name (and the memory-efficient operators allocation
-    models) while the context is open."""
-    added = {PLANNED_PREFIX + name: build(name_buffer) for name, build in CUDA_KERNEL_MODELS.items()}
-    kernels.KERNELS.update(added)
-    try:
-        with efficient_ops_modelled(name_buffer):
-            yield
-    finally:
-        for name in added:
-            kernels.KERNELS.pop(name, None)
+def planned_kernels(name_buffer: NameBuffer) -> dict[str, kernels.Kernel]:
+    """The kernel table the planner traces with: the real kernels, and each CUDA kernel's stand-in under
+    `PLANNED_PREFIX + name` (what `planned_kernel_name` answers)."""
+    return {**kernels.KERNELS, **{PLANNED_PREFIX + name: build(name_buffer) for name, build in CUDA_KERNEL_MODELS.items()}}
 
 
 class _FusedRMSNorm(torch.autograd.Function):

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_lc.config import TrainConfig
+from megatron_lc.devices import PEAK_DENSE_BF16_FLOPS
 
 CAUSES = ("attention forward", "attention recompute", "attention backward", "GEMMs", "recompute of the rest",
           "elementwise (memory-bound)", "offload stalls", "exposed communication", "tiling and stage overhead",
@@ -97,7 +98,7 @@ class Rates:
                                    hbm_bytes=self.hbm_bytes * s, host_copy_bytes=self.host_copy_bytes * s)
 
 
-_H100_PEAK = 989.4e12
+_H100_PEAK = PEAK_DENSE_BF16_FLOPS["H100"][0]
 _GEMM_EFFICIENCY = 0.65
 """Share of the dense peak large bf16 GEMMs sustain (an assumption until measured)."""
 _H100_SOURCES = {
@@ -120,8 +121,8 @@ RATES = {
     "dgx-h200": dataclasses.replace(_H100, name="dgx-h200", hbm_bytes=4.8e12, sources={
         **_H100_SOURCES, "hbm_bytes": "4.8 TB/s HBM3e, NVIDIA H200 datasheet (compute as H100 SXM5)"}),
     "dgx-a100-80gb": Rates(
-        "dgx-a100-80gb", _GEMM_EFFICIENCY * 312e12, {"fa2": 190e12, "efficient": 95e12},
-        {"fa2": 150e12, "efficient": 75e12}, 2.039e12, 25e9, 0.7 * 300e9, 0.8 * 25e9, 20e-6, 312e12, {
+        "dgx-a100-80gb", _GEMM_EFFICIENCY * PEAK_DENSE_BF16_FLOPS["A100"][0], {"fa2": 190e12, "efficient": 95e12},
+        {"fa2": 150e12, "efficient": 75e12}, 2.039e12, 25e9, 0.7 * 300e9, 0.8 * 25e9, 20e-6, PEAK_DENSE_BF16_FLOPS["A100"][0], {
             "peak_flops": "312 TFLOP/s dense BF16, NVIDIA A100 datasheet",
             "attention": "flash-attention 2 about 190 / 150 TFLOP/s forward / backward on A100 (FlashAttention-2 "
                          "paper, arXiv 2307.08691, read off its figures); no FA3 before sm90",
@@ -135,7 +136,7 @@ RATES = {
 # --- the work of one step ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Work:
     """One rank's work in one micro-batch, by item (FLOPs or bytes)."""
 
@@ -266,13 +267,16 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     layer_bytes = T * item * (10 * h + 2 * (H + Hkv) * d + 3 * f + 2 * (2 * H + 2 * Hkv) * d)
     passes_fwd = 2 if full else 1
     elementwise = (L * (passes_fwd + 2) + replayed) * layer_bytes + 6 * T * V * 4
-    return Work(L * layer_gemm + head_gemm, recompute, L * attention,
-                attention_recomputed * attention + replayed * attention,
-                L * attention * FA2_BACKWARD_WORK, a2a, ring_fwd * (L + attention_recomputed + replayed), ring_bwd * L,
-                fsdp, T * h * item, offloaded,
-                L, launches, elementwise, 28 * total_params / max(shards, 1),
-                3 * (L * layer_gemm + head_gemm + L * attention), kept, replayed, replay_gathers,
-                T * H * (d * item + 4) if keep else 0.0, stack.offload_mode == "early" and offloaded > 0, pipelined)
+    return Work(
+        gemm_fwd=L * layer_gemm + head_gemm, gemm_recompute=recompute, attention_fwd=L * attention,
+        attention_recompute=attention_recomputed * attention + replayed * attention,
+        attention_bwd=L * attention * FA2_BACKWARD_WORK, a2a_bytes=a2a,
+        ring_bytes_fwd=ring_fwd * (L + attention_recomputed + replayed), ring_bytes_bwd=ring_bwd * L,
+        fsdp_bytes_per_layer=fsdp, offload_bytes_per_layer=T * h * item, offloaded_layers=offloaded, layers=L,
+        launches=launches, elementwise_bytes=elementwise, optimizer_bytes=28 * total_params / max(shards, 1),
+        model_flops=3 * (L * layer_gemm + head_gemm + L * attention), kept_inputs=kept, replayed_blocks=replayed,
+        replay_gathers=replay_gathers, kept_attention_bytes_per_layer=T * H * (d * item + 4) if keep else 0.0,
+        prefetch_early=stack.offload_mode == "early" and offloaded > 0, pipelined_a2a=pipelined)
 
 
 def _a2a_parts(T, H, Hkv, d, item, a2a) -> tuple[float, float, float]:

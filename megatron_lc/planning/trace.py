@@ -27,12 +27,12 @@ from megatron_lc.memory import tiling
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelDims, ParallelState
-from megatron_lc.planning.fakes import fake_process_group, representative_tiles
+from megatron_lc.planning.fakes import fake_process_group, representative_tile_bounds
 from megatron_lc.planning.standins import (
     BufferNamer,
     cuda_op_models,
     planned_kernel_name,
-    registered_kernel_models,
+    planned_kernels,
 )
 from megatron_lc.planning.tracker import TimelineAnalysis, make_tracker
 from megatron_lc.training.build import build_sharded_model
@@ -127,10 +127,10 @@ def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str =
     namer = BufferNamer()
     compute_dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32  # what attention sees (--bf16: autocast)
     kernel = planned_kernel_name(cfg.parallel.attention_kernel, device, compute_dtype, flash_attn_installed)
-    opts = dataclasses.replace(cfg.parallelize_options(), attention_kernel=kernel)
+    opts = dataclasses.replace(cfg.parallelize_options(), attention_kernel=kernel, kernels=planned_kernels(namer),
+                               tile_bounds=representative_tile_bounds)
     model_config = dataclasses.replace(cfg.model_config(), num_layers=num_layers)
-    with fake_process_group(world_size), registered_kernel_models(namer), representative_tiles(), \
-            tiling.planned_fp32_out_gemm(device == "cuda"):
+    with fake_process_group(world_size), tiling.planned_fp32_out_gemm(device == "cuda"):
         pstate = ParallelState(parallel_dims(cfg, world_size), device_type="cpu")
         model = build_model(model_config, device="meta")
         offload = parallelize_llama(model, pstate, opts, PLANNER_DEVICES)

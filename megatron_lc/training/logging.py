@@ -12,6 +12,10 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
+from megatron_lc.devices import Devices, peak_dense_bf16_flops
+
 
 def default_log_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -117,3 +121,34 @@ def format_duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+# --- model FLOPs and MFU, as the progress line and tensorboard report them -----------------
+
+
+def megatron_flops(c, samples: int, seq_length: int) -> float:
+    """FLOPs of one step over `samples` samples of `seq_length` tokens, as Megatron-LM's
+    num_floating_point_operations counts them for a dense GQA SwiGLU model: 3 (forward, two backward
+    GEMMs) x 2 (multiply-add) x, per token, the q/k/v/o projections, the SwiGLU MLP (3 matrices) of every
+    layer and the logits (the padded vocabulary), plus the causal attention (half of the S x S scores, QK^T
+    and PV) of each whole sample."""
+    q, kv, h = c.kv_channels * c.num_attention_heads, c.kv_channels * c.num_query_groups, c.hidden_size
+    tokens = samples * seq_length
+    per_token = 3 * 2 * (h * c.ffn_hidden_size * 3 * c.num_layers + (h * (q + 2 * kv) + q * h) * c.num_layers
+                         + h * c.vocab_size)
+    attention = samples * seq_length * seq_length * (3 * 2 * q / 2 * 2) * c.num_layers
+    return tokens * per_token + attention
+
+
+def step_flops(model_config, tokens: int, seq_length: int) -> float:
+    """Model FLOPs of one step over `tokens` tokens (whole samples of `seq_length`), as Megatron-LM counts them."""
+    return megatron_flops(model_config, tokens // seq_length, seq_length)
+
+
+def model_flops_utilization(devices: Devices, flops_per_s_per_gpu: float) -> float | None:
+    """MFU against the accelerator's dense bf16 peak (`devices.PEAK_DENSE_BF16_FLOPS`); None off CUDA or for an
+    accelerator not in the table."""
+    if not devices.is_cuda:
+        return None
+    peak = peak_dense_bf16_flops(torch.cuda.get_device_name(devices.accelerator))
+    return flops_per_s_per_gpu / peak if peak else None

@@ -6,15 +6,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import resource
 import signal
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,31 +21,29 @@ from megatron_lc.errors import ConfigError
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_sharded_model
 from megatron_lc.training.preflight import preflight
-from megatron_lc.data.blending import normalize
-from megatron_lc.data.index_cache import dataset_fingerprint
-from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
-from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets, parse_data_path, parse_split
+from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
 from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
 from megatron_lc.models.llama import count_parameters
 from megatron_lc.parallel_state import (
-    LaunchInfo,
     ParallelState,
     detect_launch,
     init_distributed,
     warm_up_collectives,
 )
-from megatron_lc.training import checkpointing
-from megatron_lc.training.save_lock import SaveLock, acquire_save_lock
-from megatron_lc.training.logging import MetricsLogger, default_log_dir, validation_ppl
+from megatron_lc.training.logging import (
+    MetricsLogger,
+    default_log_dir,
+    model_flops_utilization,
+    step_flops,
+    validation_ppl,
+)
+from megatron_lc.training.resume import apply_checkpoint_args, resume, save, take_save_lock
+from megatron_lc.training.run import Run, global_batch_size, say
 from megatron_lc.training.optim import build_optimizer
-from megatron_lc.training.schedule import LRSchedule, schedule_from_config
+from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
-
-# Dense bf16 peak of known accelerators, for MFU.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
-
 
 def set_allocator_defaults() -> None:
     """Expandable segments in the CUDA allocator's settings, merged into the user's (see devices.py).
@@ -81,11 +75,6 @@ def warmed_up_collectives(pstate: ParallelState, devices: Devices, rank: int) ->
     warm_up_collectives(pstate, devices.accelerator)
     if devices.is_cuda and rank == 0:
         print(nccl_settings_line(free_before - torch.cuda.mem_get_info(devices.accelerator)[0]), flush=True)
-
-
-def global_batch_size(cfg: TrainConfig, dp_size: int) -> int:
-    """Samples per optimizer step over all data-parallel ranks (--global-batch-size, default micro x dp)."""
-    return cfg.data.global_batch_size or cfg.data.micro_batch_size * dp_size
 
 
 def data_sizes(cfg: TrainConfig, dp_size: int) -> dict[str, int]:
@@ -133,30 +122,6 @@ def build_sample_sources(
         raise ConfigError(f"--eval-interval {cfg.logging.eval_interval}: the validation part is empty "
                           f"(--split {split}); give it documents or --valid-data-path")
     return sources.train, sources.valid, sources.test
-
-
-@dataclass
-class Run:
-    """Everything a training run is made of."""
-
-    cfg: TrainConfig
-    launch: LaunchInfo
-    devices: Devices
-    pstate: ParallelState
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    schedule: LRSchedule
-    offload: object | None
-    loader: MicroBatchLoader | WorkerLoader
-    valid_source: SampleSource | None
-    eod_token: int | None
-    accumulation: int
-    save_lock: SaveLock | None = None
-    test_source: SampleSource | None = None
-
-    @property
-    def is_logging_rank(self) -> bool:
-        return self.launch.rank == 0
 
 
 def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) -> MicroBatchLoader | WorkerLoader:
@@ -209,26 +174,6 @@ def _autocast(run: Run):
     return step_autocast(run.cfg.train.bf16, run.pstate, run.devices.accelerator.type)
 
 
-def megatron_flops(c, samples: int, seq_length: int) -> float:
-    """FLOPs of one step over `samples` samples of `seq_length` tokens, as Megatron-LM's
-    num_floating_point_operations counts them for a dense GQA SwiGLU model: 3 (forward, two backward
-    GEMMs) x 2 (multiply-add) x, per token, the q/k/v/o projections, the SwiGLU MLP (3 matrices) of every
-    layer and the logits (the padded vocabulary), plus the causal attention (half of the S x S scores, QK^T
-    and PV) of each whole sample."""
-    q, kv, h = c.kv_channels * c.num_attention_heads, c.kv_channels * c.num_query_groups, c.hidden_size
-    tokens = samples * seq_length
-    per_token = 3 * 2 * (h * c.ffn_hidden_size * 3 * c.num_layers + (h * (q + 2 * kv) + q * h) * c.num_layers
-                         + h * c.vocab_size)
-    attention = samples * seq_length * seq_length * (3 * 2 * q / 2 * 2) * c.num_layers
-    return tokens * per_token + attention
-
-
-def step_flops(run: Run, tokens: int) -> float:
-    """Model FLOPs of one step over `tokens` tokens (whole samples), as Megatron-LM counts them."""
-    S = run.cfg.data.seq_length
-    return megatron_flops(run.model.config, tokens // S, S)
-
-
 def params_norm(model: torch.nn.Module) -> float:
     """L2 norm of all parameters (the fp32 master weights, every shard; a tied matrix once), as
     Megatron-LM's calc_params_l2_norm for --log-params-norm."""
@@ -243,14 +188,6 @@ def _peak_memory_gib(run: Run) -> float:
     if run.devices.is_cuda:
         return torch.cuda.max_memory_allocated(run.devices.accelerator) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB, host process peak
-
-
-def _mfu(run: Run, flops_per_s_per_gpu: float) -> float | None:
-    if not run.devices.is_cuda:
-        return None
-    name = torch.cuda.get_device_name(run.devices.accelerator)
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-    return flops_per_s_per_gpu / peak if peak else None
 
 
 def validation_window(evaluation: int, per_evaluation: int, available: int) -> int:
@@ -324,8 +261,8 @@ def train_one_step(run: Run, step: int) -> dict:
     loss, norm = result.loss.item(), result.grad_norm.item()
     elapsed = time.perf_counter() - start
     tokens = len(micro_batches) * run.cfg.data.micro_batch_size * run.cfg.data.seq_length * run.pstate.dp_size
-    flops_per_gpu = step_flops(run, tokens) / elapsed / run.launch.world_size
-    mfu = _mfu(run, flops_per_gpu)
+    flops_per_gpu = step_flops(run.model.config, tokens, run.cfg.data.seq_length) / elapsed / run.launch.world_size
+    mfu = model_flops_utilization(run.devices, flops_per_gpu)
     metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / elapsed,
                "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(run)}
     if weight_decay is not None and run.schedule.wd_incr_style != "constant":
@@ -336,191 +273,6 @@ def train_one_step(run: Run, step: int) -> dict:
         metrics["host_offload_gib"] = run.offload.host_bytes_peak / 2**30
         metrics["host_page_locked_gib"] = run.offload.page_locked_bytes / 2**30
     return metrics
-
-
-def _data_settings(cfg: TrainConfig, pstate: ParallelState) -> dict:
-    """What fixes which tokens a step reads: a resume must see the same (the position is counted in samples).
-
-    Datasets are named by their content (`data_identity`), not by the path typed: a copy moved to local
-    NVMe, an absolute path for a relative one or `70 A 30 B` for `0.7 A 0.3 B` resume; other data behind
-    the same path does not."""
-    d = cfg.data
-    return {"--data-path": data_identity(d.data_path, "--data-path"),
-            "--train-data-path": data_identity(d.train_data_path, "--train-data-path"),
-            "--split": _normalised_split(d.split), "--seq-length": d.seq_length, "--seed": cfg.train.seed,
-            "--no-shuffle": d.no_shuffle, "--reset-position-ids": d.reset_position_ids,
-            "--eod-mask-loss": d.eod_mask_loss,
-            "--global-batch-size": global_batch_size(cfg, pstate.dp_size)}
-
-
-def data_identity(values: list[str], flag: str) -> list[dict]:
-    """Each dataset of a --data-path blend by its content (sequences, documents, the .idx digest the index
-    cache computes, the .bin's size) with its weight as Megatron normalises it; no path."""
-    if not values:
-        return []
-    pairs = parse_data_path(values, flag)
-    weights = normalize([w for w, _ in pairs]) if pairs[0][0] is not None else [None] * len(pairs)
-    identities = []
-    for weight, (_, prefix) in zip(weights, pairs):
-        fingerprint, dataset = dataset_fingerprint(prefix), IndexedDataset(prefix)
-        identities.append({"weight": None if weight is None else round(weight, 12),
-                           "sequences": len(dataset), "documents": len(dataset.document_indices) - 1,
-                           "bin_bytes": fingerprint["bin"]["size"], "idx_digest": fingerprint["idx_digest"]})
-    return identities
-
-
-def _normalised_split(split: str | None) -> list[float] | None:
-    return None if split is None else [round(x, 12) for x in parse_split(split)]
-
-
-def _checkpoint_extra(run: Run) -> dict:
-    return {"model_config": dataclasses.asdict(run.model.config), "train_config": run.cfg.to_dict(),
-            "schedule": run.schedule.to_dict(), "data_settings": _data_settings(run.cfg, run.pstate),
-            "data": run.loader.state_dict(), "world_size": run.launch.world_size}
-
-
-def _differences(saved: dict, current: dict) -> str:
-    return ", ".join(f"{k} {saved[k]} in the checkpoint, {v} now" for k, v in current.items()
-                     if k in saved and saved[k] != v)
-
-
-def resumed_schedule(meta: dict, cfg: TrainConfig, current: LRSchedule, path) -> LRSchedule:
-    """The schedule to continue with: the checkpoint's and the command line's must agree unless a flag chooses."""
-    if "schedule" not in meta or cfg.optim.override_opt_param_scheduler:
-        return current
-    saved = LRSchedule.from_dict(meta["schedule"], current)
-    if saved == current or cfg.optim.use_checkpoint_opt_param_scheduler:
-        return saved
-    diff = _differences(saved.to_dict(), current.to_dict())
-    raise ConfigError(f"checkpoint {path} has another learning-rate schedule ({diff}): pass "
-                      "--override-opt_param-scheduler to use the command line's, or "
-                      "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
-
-
-def check_data_settings(meta: dict, cfg: TrainConfig, pstate: ParallelState, path) -> str:
-    """Refuse to continue a data stream under other settings (it would re-read or skip data), unless
-    --override-data-settings asks to; returns what differs ('' when nothing does)."""
-    saved, current = meta.get("data_settings", {}), _data_settings(cfg, pstate)
-    differing = [k for k, v in current.items() if k in saved and _comparable(saved[k]) != _comparable(v)]
-    if not differing:
-        return ""
-    diff = "; ".join(_describe_difference(k, saved[k], current[k], cfg) for k in differing)
-    if cfg.checkpoint.override_data_settings:
-        return diff
-    raise ConfigError(f"checkpoint {path} read its data with other settings ({diff}): restore them to resume, "
-                      "pass --override-data-settings to continue (optimizer, step and data position kept), or "
-                      "--finetune to start a new run from its weights")
-
-
-def _comparable(value):
-    """JSON round trip: a checkpoint's lists and a run's tuples compare equal."""
-    return json.loads(json.dumps(value))
-
-
-def _describe_difference(flag: str, saved, current, cfg: TrainConfig) -> str:
-    """One difference for people: a dataset named by its prefix now, the first field that differs."""
-    if flag not in ("--data-path", "--train-data-path") or not (isinstance(saved, list) and isinstance(current, list)):
-        return f"{flag} {saved} in the checkpoint, {current} now"
-    if len(saved) != len(current):
-        return f"{flag}: {len(saved)} datasets in the checkpoint, {len(current)} now"
-    values = cfg.data.data_path if flag == "--data-path" else cfg.data.train_data_path
-    prefixes = [prefix for _, prefix in parse_data_path(values, flag)]
-    i = next(i for i, (a, b) in enumerate(zip(saved, current)) if _comparable(a) != _comparable(b))
-    return f"{flag} {prefixes[i]}: {_first_field(saved[i], current[i])}"
-
-
-def _first_field(saved: dict, current: dict) -> str:
-    key = next(k for k in current if saved.get(k) != current.get(k))
-    return f"{key} {saved.get(key)} in the checkpoint, {current.get(key)} now"
-
-
-def apply_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
-    """--use-checkpoint-args: the model from the checkpoint in --load, its whole recorded config
-    (a converted checkpoint records no flags, only the config)."""
-    if not cfg.checkpoint.load:
-        raise ConfigError("--use-checkpoint-args reads the checkpoint in --load: give --load DIR")
-    found = checkpointing.checkpoint_to_load(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
-    if found is None:
-        raise ConfigError(f"--use-checkpoint-args: no checkpoint in --load {cfg.checkpoint.load}")
-    path, meta = found
-    flags = meta.get("train_config", {}).get("model")
-    if meta.get("model_config"):
-        flavour = (flags or {}).get("model", cfg.model.model)
-        return dataclasses.replace(cfg, model=type(cfg.model)(model=flavour, checkpoint_model=meta["model_config"]))
-    if not flags:
-        raise ConfigError(f"--use-checkpoint-args: {path} records no model settings")
-    return dataclasses.replace(cfg, model=type(cfg.model)(**flags))
-
-
-def _say(run: Run, text: str) -> None:
-    if run.is_logging_rank:
-        print(text, flush=True)
-
-
-def resume(run: Run) -> int:
-    """Load the newest intact checkpoint under --load; returns the step to start from (0 without one)."""
-    c = run.cfg.checkpoint
-    if not c.load:
-        return 0
-    found = checkpointing.checkpoint_to_load(c.load, c.ckpt_step, required=c.exit_on_missing_checkpoint)
-    if found is None:
-        _say(run, f"--load {c.load}: no checkpoint there yet; training starts from scratch")
-        return 0
-    path, meta = found
-    checkpointing.check_model_matches(meta, run.model.config, path)
-    if meta.get("weights_only") or c.finetune:
-        checkpointing.load_model_weights(path, run.model)
-        _say(run, f"loaded weights from {path}; training starts at step 0")
-        return 0
-    if run.cfg.train.skip_train:  # evaluation only: the weights (Megatron-LM turns on --no-load-optim too)
-        checkpointing.load_model_weights(path, run.model)
-        _say(run, f"loaded weights from {path} (step {meta['step']})")
-        return int(meta["step"])
-    overridden = check_data_settings(meta, run.cfg, run.pstate, path)
-    if overridden:
-        _say(run, f"--override-data-settings: continuing {path} with other data settings ({overridden})")
-    run.schedule = resumed_schedule(meta, run.cfg, run.schedule, path)
-    has_optim, has_rng = meta.get("optimizer_saved", True), meta.get("rng_saved", True)
-    if not has_optim and not c.no_load_optim:  # Megatron-LM loads such a checkpoint as with --no-load-optim
-        _say(run, f"{path} holds no optimizer state (saved with --no-save-optim): a fresh optimizer, as with "
-                  "--no-load-optim")
-    if not has_rng and not c.no_load_rng:
-        _say(run, f"{path} holds no generator states (saved with --no-save-rng): not restored, as with --no-load-rng")
-    checkpointing.load_checkpoint(path, run.model, run.optimizer if has_optim and not c.no_load_optim else None)
-    run.loader.load_state_dict(meta["data"])
-    if has_rng and not c.no_load_rng and meta.get("world_size") == run.launch.world_size:  # rank r's is rank r's
-        checkpointing.load_rng_state(path, run.launch.rank)
-    _say(run, f"resumed from {path} at step {meta['step']}")
-    return int(meta["step"])
-
-
-def save(run: Run, step: int) -> None:
-    c = run.cfg.checkpoint
-    path = checkpointing.save_checkpoint(c.save, step, run.model, run.optimizer, _checkpoint_extra(run),
-                                         keep_last=c.keep_last_checkpoints, run_id=run.save_lock.run_id,
-                                         save_optimizer=not c.no_save_optim, save_rng=not c.no_save_rng)
-    _say(run, f"saved {path}")
-
-
-def take_save_lock(run: Run) -> SaveLock | None:
-    """Rank 0 locks --save for this run (see save_lock.py); every rank learns the outcome and the run's id."""
-    if not run.cfg.checkpoint.save:
-        return None
-    outcome: list = [None, None]
-    if run.is_logging_rank:
-        try:
-            outcome = [acquire_save_lock(run.cfg.checkpoint.save, say=print), None]
-        except ConfigError as e:
-            outcome = [None, str(e)]
-    lock, error = outcome
-    if run.pstate.distributed:  # the other ranks get the holder (for its run id) or the refusal
-        shared = [lock.holder if lock else None, error]
-        dist.broadcast_object_list(shared, src=0)
-        holder, error = shared
-        lock = lock or (SaveLock(Path(run.cfg.checkpoint.save), holder) if holder else None)
-    if error:
-        raise ConfigError(error)
-    return lock
 
 
 class StopRequest:
@@ -587,7 +339,7 @@ def _train_run(run: Run) -> list[dict]:
     if cfg.train.skip_train:
         return [skip_train(run, start)]
     if start >= cfg.train.train_iters:
-        _say(run, f"the checkpoint is at step {start}, --train-iters is {cfg.train.train_iters}: nothing left to do")
+        say(run, f"the checkpoint is at step {start}, --train-iters is {cfg.train.train_iters}: nothing left to do")
         return []
     g = cfg.logging
     log_dir = g.log_dir or str(default_log_dir())
@@ -595,7 +347,7 @@ def _train_run(run: Run) -> list[dict]:
                            validation_ppl_to_tensorboard=g.log_validation_ppl_to_tensorboard,
                            wandb=(g.wandb_project, g.wandb_exp_name, cfg.to_dict()))
     n = count_parameters(run.model)
-    _say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
+    say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
               f"seq {cfg.data.seq_length} | metrics in {log_dir}/metrics.jsonl")
     stop = StopRequest(cfg, run.devices.accelerator)
     history, step_times, began = [], [], time.monotonic()
@@ -618,7 +370,7 @@ def _train_run(run: Run) -> list[dict]:
             if g.log_throughput and console:
                 tokens = global_batch_size(cfg, run.pstate.dp_size) * cfg.data.seq_length
                 seconds = sum(since_log) / len(since_log)  # per step, over the steps since the last line
-                metrics["throughput_tflops_per_gpu"] = step_flops(run, tokens) / (seconds * 1e12 * run.launch.world_size)
+                metrics["throughput_tflops_per_gpu"] = step_flops(run.model.config, tokens, run.cfg.data.seq_length) / (seconds * 1e12 * run.launch.world_size)
             if console:
                 since_log = []
             logger.log(metrics, console=console, tensorboard=tensorboard)
@@ -630,7 +382,7 @@ def _train_run(run: Run) -> list[dict]:
                            or exiting or reason):
                 save(run, step)
             if reason:
-                _say(run, f"stopping after step {step}: {reason}" + ("" if c.save else " (no --save: nothing saved)"))
+                say(run, f"stopping after step {step}: {reason}" + ("" if c.save else " (no --save: nothing saved)"))
             if exiting or reason:
                 break
     finally:
@@ -661,15 +413,15 @@ def skip_train(run: Run, step: int) -> dict:
     it with --full-validation) and the test part at the loaded step, print them, write nothing (as Megatron-LM,
     which does not write tensorboard then either); returns the results."""
     g, result = run.cfg.logging, {"step": step}
-    _say(run, f"skipping training (--skip-train): evaluating the weights of step {step}")
+    say(run, f"skipping training (--skip-train): evaluating the weights of step {step}")
     if run.valid_source is not None and (g.full_validation or g.eval_iters >= 1):
         rounds = full_validation_rounds(run, run.valid_source) if g.full_validation else None
         result["val_loss"] = evaluate(run, g.eval_iters, run.valid_source, 0, rounds=rounds)
-        _say(run, f"validation at step {step} | lm loss {result['val_loss']:.6E} | "
+        say(run, f"validation at step {step} | lm loss {result['val_loss']:.6E} | "
                   f"lm loss PPL {validation_ppl(result['val_loss']):.6E}")
     if run.test_source is not None and g.eval_iters >= 1:
         result["test_loss"] = evaluate(run, g.eval_iters, run.test_source)
-        _say(run, f"test at step {step} | lm loss {result['test_loss']:.6E} | "
+        say(run, f"test at step {step} | lm loss {result['test_loss']:.6E} | "
                   f"lm loss PPL {validation_ppl(result['test_loss']):.6E}")
     if len(result) == 1:
         raise ConfigError("--skip-train: nothing to evaluate (no validation or test part, or --eval-iters 0)")

@@ -11,7 +11,7 @@ from torch.nn.attention import _fa3
 from megatron_lc.attention import kernels
 from megatron_lc.attention.kernels import KERNELS, activate_flash_impl, resolve_flash_impl, select_kernel
 
-from test_cuda_kernel_calls import CU, FlashRecorder, _against_naive  # noqa: E402  (same directory)
+from tests.attention.kernel_contracts import CU, FlashRecorder, _against_naive
 
 
 def _available(*impls):

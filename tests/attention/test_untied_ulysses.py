@@ -31,7 +31,7 @@ from megatron_lc.models.llama import get_config
 
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from tests.helpers import parallelize_options, run_distributed
-from tests.parallel.test_fsdp_ulysses_exactness import BATCH, ONE_SEGMENT, check_against_reference
+from tests.exactness import BATCH, ONE_SEGMENT, check_against_reference
 
 CPU = torch.device("cpu")
 

@@ -141,8 +141,7 @@ def test_train_tokenizer_cuts_lines_sentencepiece_would_drop_and_says_so(tmp_pat
 
 
 def test_split_long_line_keeps_every_character_and_cuts_at_spaces():
-    sys.path.insert(0, str(TOOLS))
-    from train_tokenizer import split_long_line
+    from megatron_lc.data.train_tokenizer import split_long_line
 
     line = ("ü" * 30 + " ") * 5000
     pieces = split_long_line(line, limit=1000)

@@ -13,12 +13,8 @@ from megatron_lc.data.corpus import InvalidInputError
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.preprocess import PreprocessOptions, preprocess, split_contiguous
 from megatron_lc.data.tokenizers import ByteTokenizer
+from tests.data.helpers import byte_tokens, output_bytes, read_documents
 
-EOD = ByteTokenizer.EOD_ID
-
-
-def byte_tokens(text: str, eod: bool = True) -> list[int]:
-    return list(text.encode("utf-8")) + ([EOD] if eod else [])
 
 
 @pytest.fixture
@@ -37,16 +33,6 @@ def run(output_prefix):
         return preprocess(options)
 
     return run
-
-
-def read_documents(prefix: str, key: str = "text") -> list[list[int]]:
-    dataset = IndexedDataset(f"{prefix}_{key}_document")
-    return [dataset[i].tolist() for i in range(len(dataset))]
-
-
-def output_bytes(prefix: str, key: str = "text") -> tuple[bytes, bytes]:
-    base = f"{prefix}_{key}_document"
-    return open(base + ".bin", "rb").read(), open(base + ".idx", "rb").read()
 
 
 # --- formats -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_lc.data.corpus import InvalidInputError
 from megatron_lc.data.preprocess import PROGRESS_SECONDS, PreprocessOptions, Progress, main, preprocess
-from tests.data.test_preprocess_data import byte_tokens, output_bytes, read_documents
+from tests.data.helpers import byte_tokens, output_bytes, read_documents
 
 
 class Clock:

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from megatron_lc.attention import kernels
 from megatron_lc.config import config_from_values
 from megatron_lc.data.loader import Batch
-from megatron_lc.devices import Devices
+from megatron_lc.devices import PEAK_DENSE_BF16_FLOPS, Devices
 from megatron_lc.memory import offload as offload_module
 from megatron_lc.memory.tiling import addmm_fp32_, fp32_out_gemm_available
 from megatron_lc.models.llama import build_model
@@ -83,8 +83,8 @@ STACKS = {  # the ratios section, in order: each adds one layer of the memory st
     "offload_prefetch_early": {**NO_STACK, "recompute_granularity": "full", "offload_mode": "early"},  # the copy back during the layer above's backward
     "full_stack": FULL_STACK,
 }
-PEAK_BF16_FLOPS = 989e12
-"""Dense bf16 peak of an H100/H200 SXM (NVIDIA's datasheet), the MFU denominator."""
+PEAK_BF16_FLOPS = PEAK_DENSE_BF16_FLOPS["H100"][0]
+"""Dense bf16 peak of an H100/H200 SXM (`megatron_lc.devices`), the MFU denominator."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,9 +357,9 @@ def case_efficient_workspace(s: Sizes) -> dict:
     out, lse, state = kernel.forward(q, k, v, cu)
     _, measured = peak_bytes_of(lambda: kernel.backward(dout, q, k, v, out, lse, cu, state=state), s.device)
     model_state = state if name == "sdpa_efficient" else (None, None)
-    with standins.efficient_ops_modelled(lambda tensor, label: None):  # the planner's models of the operators
-        _, modelled = peak_bytes_of(lambda: kernels.KERNELS["sdpa_efficient"].backward(
-            dout, q, k, v, out, lse, cu, state=model_state), s.device)
+    planned = standins.planned_kernels(lambda tensor, label: None)  # the planner's models of the operators
+    _, modelled = peak_bytes_of(lambda: planned[standins.PLANNED_PREFIX + "sdpa_efficient"].backward(
+        dout, q, k, v, out, lse, cu, state=model_state), s.device)
     return {**shape, "kernel": name, "measured_backward_peak_bytes": measured,
             "modelled_backward_peak_bytes": modelled, "modelled_over_measured": modelled / max(measured, 1),
             "measured_over_input_bytes": measured / tensor_bytes}

@@ -11,7 +11,7 @@ from megatron_lc.parallel_state import ParallelDims, ParallelState
 from megatron_lc.training.step import forward_backward
 from megatron_lc.errors import ConfigError
 from tests.helpers import make_batch, parallelize_options, run_distributed
-from tests.parallel.test_fsdp_ulysses_exactness import BATCH, CPU, check_against_reference
+from tests.exactness import BATCH, CPU, check_against_reference
 
 STACKS = {
     "full": parallelize_options(recompute_granularity="full"),

@@ -11,8 +11,8 @@ from megatron_lc.models.llama import get_config
 from megatron_lc.models.llama.parallelize import ParallelizeOptions
 from megatron_lc.training.trainer import train
 from tests.helpers import parallelize_options, run_distributed
-from tests.parallel.test_fsdp_ulysses_exactness import BATCH, ONE_SEGMENT, check_against_reference
-from tests.training.test_trainer import BASE, _losses, _torchrun
+from tests.exactness import BATCH, ONE_SEGMENT, check_against_reference
+from tests.helpers import TRAIN_FLAGS as BASE, logged_losses, torchrun_train
 
 DEBUG = get_config("debug")  # 8 heads, 2 kv heads
 STACK = parallelize_options(recompute_granularity="full", offload_mode="prefetch", mlp_tiles=3, loss_tiles=5)
@@ -69,10 +69,10 @@ def test_checkpoint_resumes_across_layouts_with_the_losses_of_one_process(tmp_pa
     """Step 1 with a2a cp 4, step 2 with a2a+p2p 2 x 2, step 3 in one process: the losses of one process."""
     reference = train(parse_config(BASE + ["--train-iters", "3", "--log-dir", str(tmp_path / "ref")]))
     cp4 = ["--context-parallel-size", "4", "--train-iters", "3", "--save", "ckpt", "--load", "ckpt"]
-    _torchrun(4, BASE + cp4 + ["--exit-interval", "1", "--log-dir", "a2a"], tmp_path)
-    _torchrun(4, BASE + cp4 + ["--exit-interval", "2", "--log-dir", "hier", "--cp-comm-type", "a2a+p2p",
+    torchrun_train(4, BASE + cp4 + ["--exit-interval", "1", "--log-dir", "a2a"], tmp_path)
+    torchrun_train(4, BASE + cp4 + ["--exit-interval", "2", "--log-dir", "hier", "--cp-comm-type", "a2a+p2p",
                                "--hierarchical-context-parallel-sizes", "2", "2"], tmp_path)
     resumed = train(parse_config(BASE + ["--train-iters", "3", "--load", str(tmp_path / "ckpt"),
                                          "--log-dir", str(tmp_path / "one")]))
-    losses = _losses(tmp_path / "a2a") + _losses(tmp_path / "hier") + [m["loss"] for m in resumed]
+    losses = logged_losses(tmp_path / "a2a") + logged_losses(tmp_path / "hier") + [m["loss"] for m in resumed]
     assert losses == pytest.approx([m["loss"] for m in reference], rel=1e-5)

@@ -114,7 +114,8 @@ def test_the_trainer_warms_up_right_after_the_mesh(monkeypatch):
 
     order = []
     monkeypatch.setattr(trainer, "warm_up_collectives", lambda pstate, device: order.append(("warm_up", device)))
-    real_build = trainer.build_model
-    monkeypatch.setattr(trainer, "build_model", lambda *a, **k: (order.append(("model", None)), real_build(*a, **k))[1])
+    real_build = trainer.build_sharded_model
+    monkeypatch.setattr(trainer, "build_sharded_model",
+                        lambda *a, **k: (order.append(("model", None)), real_build(*a, **k))[1])
     trainer.build_run(parse_config(["--mock-data", "--seq-length", "64", "--device", "cpu"]))
     assert order == [("warm_up", torch.device("cpu")), ("model", None)]

@@ -6,11 +6,10 @@ import contextlib
 import dataclasses
 import io
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from megatron_lc.planning import cli as estimate_memory
 from megatron_lc.config import parse_config
 from megatron_lc.planning.autofit import (
     MODES,
@@ -23,8 +22,6 @@ from megatron_lc.planning.autofit import (
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.timing import TimeModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import estimate_memory
 
 # Activations, not parameters, set this model's peak, so every memory technique moves it.
 TINY = ["--model", "debug", "--seq-length", "16384", "--context-parallel-size", "2", "--hidden-size", "256",

@@ -5,13 +5,12 @@ import dataclasses
 import io
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from megatron_lc.planning import cli as estimate_memory
 from megatron_lc.config import config_from_values
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.search import find_max_seq_length, length_multiple, stack_layers
@@ -29,8 +28,6 @@ from megatron_lc.planning.standins import (
 from megatron_lc.planning.trace import trace_step
 from megatron_lc.planning.tracker import CATEGORIES, PlannerMemTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import estimate_memory
 
 
 def test_flash_attn_standin_allocates_the_cuda_backward_workspace():
@@ -272,15 +269,15 @@ def test_sdpa_efficient_standin_allocates_each_calls_backward_workspace(monkeypa
     """torch's memory-efficient backward allocates an fp32 dq workspace of segments x heads x longest (whole
     128 x 64 tiles) per call; the wrapper's calls over a long document among short ones each stay bounded."""
     from megatron_lc.attention import kernels
-    from megatron_lc.planning.standins import efficient_backward_workspace_bytes, registered_kernel_models
+    from megatron_lc.planning.standins import efficient_backward_workspace_bytes, planned_kernels
 
     monkeypatch.setattr(kernels, "EFFICIENT_MIN_ROWS", 0, raising=False)
     cu = (0, *range(2, 302, 2), 812, *range(814, 1114, 2))
     T, H, d = cu[-1], 4, 128
     named = []
-    with registered_kernel_models(lambda t, name: named.append((name, t.numel() * t.element_size()))), \
-            FakeTensorMode(allow_non_fake_inputs=True):
-        kernel = kernels.KERNELS[planned_kernel_name("sdpa_efficient", "cuda", torch.float32)]
+    table = planned_kernels(lambda t, name: named.append((name, t.numel() * t.element_size())))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        kernel = table[planned_kernel_name("sdpa_efficient", "cuda", torch.float32)]
         q, k, v = (torch.empty(T, H, d) for _ in range(3))
         out, lse, state = kernel.forward(q, k, v, cu)
         kernel.backward(out, q, k, v, out, lse, cu, state=state)

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from megatron_lc.planning import cli as estimate_memory
 from megatron_lc.config import parse_config
-from megatron_lc.devices import Devices
 from megatron_lc.models.llama import build_model
 from megatron_lc.planning import timing
 from megatron_lc.planning.timing import RATES, TimeModel, predict, step_work
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import estimate_memory
 
 H100 = RATES["dgx-h100"]
 EIGHT_B = ["--model", "llama3-8b", "--bf16", "--seq-length", "1048576", "--context-parallel-size", "8", "--mock-data"]

@@ -7,7 +7,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_lc.config import parse_config
-from megatron_lc.training.trainer import build_run, megatron_flops, train
+from megatron_lc.training.logging import megatron_flops
+from megatron_lc.training.trainer import build_run, train
 
 BASE = ["--mock-data", "--seq-length", "16", "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "8", "--vocab-size", "100",

@@ -1,11 +1,5 @@
 """The training entry point end to end: validation, multi-rank runs, resume, NaN handling."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,22 +7,9 @@ from megatron_lc.errors import ConfigError
 from megatron_lc.config import parse_config
 from megatron_lc.training import checkpointing
 from megatron_lc.training.trainer import NonFiniteError, train
-from tests.helpers import free_port
+from tests.helpers import TRAIN_FLAGS, logged_losses, torchrun_train
 
-BASE = ["--mock-data", "--seq-length", "64", "--lr", "3e-3", "--adam-eps", "1e-4", "--device", "cpu"]
-
-
-def _torchrun(nproc, args, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", "-m", "megatron_lc.train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
-def _losses(log_dir):
-    return [json.loads(line)["loss"] for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+BASE = TRAIN_FLAGS
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -88,12 +69,12 @@ def test_two_rank_context_parallel_run_resumes_on_one_rank(tmp_path):
     """torchrun, cp=2, Untied-free stack on; its checkpoint resumes in one process, same losses."""
     reference = train(parse_config(BASE + ["--train-iters", "3", "--log-dir", str(tmp_path / "ref")]))
     stack = ["--recompute-granularity", "full", "--offload-activations", "--tiled-mlp", "--tiled-loss"]
-    _torchrun(2, BASE + stack + ["--context-parallel-size", "2", "--train-iters", "3", "--save", "ckpt",
+    torchrun_train(2, BASE + stack + ["--context-parallel-size", "2", "--train-iters", "3", "--save", "ckpt",
                                  "--exit-interval", "2", "--log-dir", "cp2", "--tensorboard-dir", "tb"], tmp_path)
     assert any((tmp_path / "tb").iterdir())
     resumed = train(parse_config(BASE + ["--train-iters", "3", "--load", str(tmp_path / "ckpt"),
                                          "--log-dir", str(tmp_path / "one")]))
-    losses = _losses(tmp_path / "cp2") + [m["loss"] for m in resumed]
+    losses = logged_losses(tmp_path / "cp2") + [m["loss"] for m in resumed]
     assert losses == pytest.approx([m["loss"] for m in reference], rel=1e-5)
 
 
@@ -159,6 +140,6 @@ def test_sparse_offload_run_killed_mid_step_resumes_bit_identically(tmp_path, mo
     monkeypatch.setattr(OffloadScheduler, "fetch", fetch)
     rest = train(parse_config(sparse + ["--load", save, "--log-dir", str(tmp_path / "b")]))
     assert [m["step"] for m in rest] == [3, 4]
-    first = _losses(tmp_path / "a")
+    first = logged_losses(tmp_path / "a")
     assert first + [m["loss"] for m in rest] == [m["loss"] for m in whole] == [m["loss"] for m in dense]
     assert [m["grad_norm"] for m in rest] == [m["grad_norm"] for m in whole[2:]]

@@ -25,7 +25,13 @@ from torch import nn
 from megatron_lc.attention.kernels import select_kernel
 from megatron_lc.attention.local import LocalAttention
 from megatron_lc.attention.rotary import RopeScaling, rope_cos_sin, rope_inv_freq
-from megatron_lc.memory.tiling import linear_cross_entropy, tiled_linear_cross_entropy, tiled_swiglu_mlp
+from megatron_lc.memory.tiling import (
+    TileBounds,
+    linear_cross_entropy,
+    tile_bounds,
+    tiled_linear_cross_entropy,
+    tiled_swiglu_mlp,
+)
 
 
 @dataclass(frozen=True)
@@ -123,11 +129,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
         self.down_proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
         self.num_tiles: int | None = None
+        self.tile_bounds: TileBounds = tile_bounds
+        """The tile policy of the tiled MLP (the planner's runs representative tiles)."""
 
     def forward(self, x):
         if self.num_tiles:
             return tiled_swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                                    self.num_tiles)
+                                    self.num_tiles, self.tile_bounds)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -224,6 +232,8 @@ class LMHead(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.loss_tiles: int | None = None
+        self.tile_bounds: TileBounds = tile_bounds
+        """The tile policy of the tiled loss."""
 
     def forward(self, h, labels=None, per_token: bool = False):
         """Logits [B, S, V] without labels; else (sum of token losses, valid-token count),
@@ -235,7 +245,8 @@ class LMHead(nn.Module):
             return self._token_losses(h, labels)
         flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
         if self.loss_tiles:
-            return tiled_linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels, self.loss_tiles)
+            return tiled_linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels, self.loss_tiles,
+                                              bounds=self.tile_bounds)
         return linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels)
 
     @torch.no_grad()

@@ -10,16 +10,19 @@ tiling) -> FSDP2 (blocks, embedding, head, root last). Each step is one short fu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.registry import build_attention_backend
 from megatron_lc.devices import Devices
 from megatron_lc.memory.offload import OffloadScheduler
 from megatron_lc.memory.stack import MemoryStack
+from megatron_lc.memory.tiling import TileBounds, tile_bounds
 from megatron_lc.models.llama.model import Transformer, parameter_seed
 from megatron_lc.parallel_state import ParallelState
 
@@ -38,6 +41,10 @@ class ParallelizeOptions:
     """Untied Ulysses heads per stage (a multiple of cp); None: cp."""
     untied_overlap: bool = False
     """Untied Ulysses: the next stage's projections and exchanges in flight while a stage attends."""
+    kernels: Mapping[str, Kernel] | None = None
+    """The table `attention_kernel` is looked up in; None: the real kernels (the planner passes its stand-ins)."""
+    tile_bounds: TileBounds = tile_bounds
+    """The tile policy of every sequence-tile loop (the planner's runs representative tiles)."""
     memory: MemoryStack = MemoryStack()
     """The memory stack (recompute, offload, kept attention, tiles): `memory/stack.py`."""
     param_dtype: torch.dtype = torch.float32
@@ -60,11 +67,12 @@ def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: Par
         opts.cp_impl if pstate.cp_size > 1 else "local", c.kv_channels, devices.accelerator, pstate,
         kernel=opts.attention_kernel, heads_per_stage=opts.heads_per_stage, overlap=opts.untied_overlap,
         num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups, seq_length=opts.seq_length,
+        kernels=opts.kernels, tile_bounds=opts.tile_bounds,
     ))
 
 
 def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: Devices) -> OffloadScheduler | None:
-    return opts.memory.apply(model, devices)
+    return opts.memory.apply(model, devices, opts.tile_bounds)
 
 
 def apply_fsdp(model: Transformer, pstate: ParallelState, opts: ParallelizeOptions) -> None:

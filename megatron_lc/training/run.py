@@ -1,0 +1,50 @@
+"""What a training run is made of, built once by `trainer.build_run` and read by the loop, resume and saving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_lc.config import TrainConfig
+from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
+from megatron_lc.data.samples import SampleSource
+from megatron_lc.devices import Devices
+from megatron_lc.parallel_state import LaunchInfo, ParallelState
+from megatron_lc.training.save_lock import SaveLock
+from megatron_lc.training.schedule import LRSchedule
+
+
+@dataclass
+class Run:
+    """Everything a training run is made of."""
+
+    cfg: TrainConfig
+    launch: LaunchInfo
+    devices: Devices
+    pstate: ParallelState
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    offload: object | None
+    loader: MicroBatchLoader | WorkerLoader
+    valid_source: SampleSource | None
+    eod_token: int | None
+    accumulation: int
+    save_lock: SaveLock | None = None
+    test_source: SampleSource | None = None
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.launch.rank == 0
+
+
+def say(run: Run, text: str) -> None:
+    """One line from the logging rank."""
+    if run.is_logging_rank:
+        print(text, flush=True)
+
+
+def global_batch_size(cfg: TrainConfig, dp_size: int) -> int:
+    """Samples per optimizer step over all data-parallel ranks (--global-batch-size, default micro x dp)."""
+    return cfg.data.global_batch_size or cfg.data.micro_batch_size * dp_size
