@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Concatenate indexed datasets (same dtype) into one, in the order given. The command line of `megatron_lc.data.merge_tool` (its docstring has the details)."""
+"""Concatenate indexed datasets (same dtype) into one, in the order given.
+
+The command line of `megatron_lc.data.merge_tool` (its docstring has the details).
+"""
 
 import os
 import sys

@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""Train a small SentencePiece model (Llama-style: BPE, byte fallback) from a corpus. The command line of `megatron_lc.data.train_tokenizer` (its docstring has the details)."""
+"""Train a small SentencePiece model (Llama-style: BPE, byte fallback) from a corpus.
+
+The command line of `megatron_lc.data.train_tokenizer` (its docstring has the details).
+"""
 
 import os
 import sys
