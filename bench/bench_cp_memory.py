@@ -13,6 +13,7 @@ import argparse
 from bench.common import CPU, batch_for, bench_model_config, run_ranks
 from megatron_lc.memory.measure import measure_peak
 from megatron_lc.models.llama import build_model
+from megatron_lc.attention.context_parallel import ContextParallel
 from megatron_lc.models.llama.parallelize import ParallelizeOptions, materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from megatron_lc.training.optim import build_optimizer
@@ -23,7 +24,7 @@ def measure_rank(rank, world, seq_length, cp_impl):
     config = bench_model_config()
     pstate = ParallelState(ParallelDims(world, cp=world))
     model = build_model(config, device="meta")
-    parallelize_llama(model, pstate, ParallelizeOptions(cp_impl=cp_impl), CPU)
+    parallelize_llama(model, pstate, ParallelizeOptions(cp=ContextParallel(impl=cp_impl)), CPU)
     materialize(model, CPU)
     opt = build_optimizer(model, lr=1e-4)
     batch = batch_for(config, seq_length, pstate.cp_rank, world)

@@ -154,6 +154,7 @@ def _speed_worker(rank, world, args, results):
         set_model_state_dict,
     )
 
+    from megatron_lc.attention.context_parallel import ContextParallel
     from megatron_lc.devices import Devices
     from megatron_lc.models.llama import build_model, get_config
     from megatron_lc.models.llama.parallelize import (
@@ -174,7 +175,7 @@ def _speed_worker(rank, world, args, results):
     for name, stage_heads, overlap in _speed_backends(args):
         model = build_model(config, device="meta")
         cp_impl = "ulysses" if stage_heads is None else "untied_ulysses"
-        opts = ParallelizeOptions(cp_impl=cp_impl, heads_per_stage=stage_heads, untied_overlap=overlap)
+        opts = ParallelizeOptions(cp=ContextParallel(impl=cp_impl, heads_per_stage=stage_heads, overlap=overlap))
         parallelize_llama(model, pstate, opts, cpu)
         materialize(model, cpu)
         set_model_state_dict(model, reference_state, options=StateDictOptions(full_state_dict=True))

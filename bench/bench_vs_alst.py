@@ -214,6 +214,7 @@ def ours_worker(work: Path, tag: str, profile: bool) -> None:
     from torch.distributed.tensor import DTensor
 
     from megatron_lc.attention.ulysses import UlyssesAttention
+    from megatron_lc.attention.context_parallel import ContextParallel
     from megatron_lc.devices import Devices
     from megatron_lc.entry import exit_process
     from megatron_lc.memory.stack import MemoryStack
@@ -233,7 +234,7 @@ def ours_worker(work: Path, tag: str, profile: bool) -> None:
     cpu = Devices(torch.device("cpu"), torch.device("cpu"))
     config = _our_config(spec)
     pstate = ParallelState(ParallelDims(world_size=world, cp=world))
-    opts = ParallelizeOptions(cp_impl="ulysses", seq_length=spec["seq_length"], memory=MemoryStack(
+    opts = ParallelizeOptions(cp=ContextParallel(impl="ulysses"), seq_length=spec["seq_length"], memory=MemoryStack(
         recompute_granularity="full", mlp_tiles=prepared["mlp_tiles"], loss_tiles=prepared["loss_tiles"],
         keep_attention_output=spec["ours_keep_attention_output"]))
     reference_state = build_model(config, device="cpu", seed=0).state_dict()
@@ -246,7 +247,7 @@ def ours_worker(work: Path, tag: str, profile: bool) -> None:
     optimizer = build_optimizer(model, lr=spec["lr"], weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)
 
     # The stack is what it claims to be.
-    assert (opts.cp_impl, opts.recompute_granularity, opts.recompute_layers) == ("ulysses", "full", None), opts
+    assert (opts.cp.impl, opts.memory.recompute_granularity, opts.memory.recompute_layers) == ("ulysses", "full", None), opts
     assert opts.memory.mlp_tiles >= 1 and opts.memory.loss_tiles >= 1 and not opts.memory.offloads, opts
     assert pstate.cp_size == world == spec["world"] and isinstance(model, FSDPModule)
     assert all(isinstance(p, DTensor) for p in model.parameters())

@@ -19,6 +19,7 @@ import torch
 
 from megatron_lc.errors import ConfigError
 from megatron_lc.cli import ArgumentParser
+from megatron_lc.attention.context_parallel import CP_IMPLS, ContextParallel
 from megatron_lc.data.sources import validate_data_flags
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 from megatron_lc.flags import flag, flag_list
@@ -62,8 +63,7 @@ class ModelArgs:
 @dataclass
 class ParallelArgs:
     context_parallel_size: int = flag(1, "context-parallel degree: each sequence is split over this many ranks")
-    cp_impl: str = flag("ulysses", "context-parallel attention of the all-to-all level",
-                        choices=("ulysses", "untied_ulysses"))
+    cp_impl: str = flag("ulysses", "context-parallel attention of the all-to-all level", choices=CP_IMPLS)
     cp_comm_type: str = flag("a2a", "context-parallel communication: a2a (all-to-all, --cp-impl), p2p (ring "
                              "attention over the cp group), a2a+p2p (all-to-all inside groups of contiguous ranks, "
                              "a ring across them; see --hierarchical-context-parallel-sizes)",
@@ -307,18 +307,22 @@ class TrainConfig:
                              mlp_tiles=self.memory.tiled_mlp_tiles, loss_tiles=self.memory.tiled_loss_tiles)
         return self.memory.stack(c.num_layers, chunks)
 
+    def context_parallel(self) -> ContextParallel:
+        """The run's context-parallel attention (`attention.context_parallel`)."""
+        p = self.parallel
+        return ContextParallel(self.context_layout(), p.cp_impl, p.untied_heads_per_stage, p.untied_overlap_stages,
+                               p.attention_kernel, p.flash_attention_impl)
+
     def parallelize_options(self):
-        """The ParallelizeOptions of the run."""
-        from megatron_lc.models.llama.parallelize import ParallelizeOptions
+        """The ParallelizeOptions of the run: its context parallelism, memory stack and FSDP settings."""
+        from megatron_lc.models.llama.parallelize import FSDPSettings, ParallelizeOptions
 
         par = self.parallel
-        return ParallelizeOptions(
-            cp_impl=par.cp_impl, seq_length=self.data.seq_length, attention_kernel=par.attention_kernel,
-            heads_per_stage=par.untied_heads_per_stage, untied_overlap=par.untied_overlap_stages,
-            memory=self.memory_stack(),
-            param_dtype=torch.bfloat16 if self.train.bf16 else torch.float32, reduce_dtype=torch.float32,
-            reshard_after_forward=not par.no_reshard_after_forward, fsdp_cpu_offload=par.fsdp_cpu_offload,
-        )
+        fsdp = FSDPSettings(param_dtype=torch.bfloat16 if self.train.bf16 else torch.float32,
+                            reduce_dtype=torch.float32, reshard_after_forward=not par.no_reshard_after_forward,
+                            cpu_offload=par.fsdp_cpu_offload)
+        return ParallelizeOptions(cp=self.context_parallel(), memory=self.memory_stack(), fsdp=fsdp,
+                                  seq_length=self.data.seq_length)
 
     def parallel_dims(self, world_size: int):
         """The run's parallel degrees on `world_size` ranks (`parallel_state.ParallelDims`)."""
@@ -425,30 +429,8 @@ class TrainConfig:
         if cp < 1 or world_size % (cp * p.data_parallel_replicate):
             raise ValueError(f"world size {world_size} is not divisible by --context-parallel-size {cp} x "
                              f"--data-parallel-replicate {p.data_parallel_replicate}")
-        layout = self.context_layout()
-        layout.check(d.seq_length)
-        a2a = layout.a2a_size
-        if p.untied_overlap_stages and (p.cp_impl != "untied_ulysses" or cp == 1):
-            raise ValueError("--untied-overlap-stages pipelines the stages of Untied Ulysses: it needs "
-                             "--cp-impl untied_ulysses and --context-parallel-size > 1")
-        if p.untied_heads_per_stage is not None and p.cp_impl != "untied_ulysses":
-            raise ConfigError(f"--untied-heads-per-stage {p.untied_heads_per_stage} sets the stages of Untied Ulysses: "
-                              f"it needs --cp-impl untied_ulysses (given: {p.cp_impl})")
-        if p.flash_attention_impl in ("fa3", "fa4") and p.attention_kernel not in ("auto", "sdpa_flash"):
-            raise ConfigError(f"--flash-attention-impl {p.flash_attention_impl} runs behind torch's flash kernel, which "
-                              f"--attention-kernel {p.attention_kernel} does not use: give --attention-kernel auto or "
-                              "sdpa_flash, or drop --flash-attention-impl")
-        if cp > 1 and a2a == 1 and (p.cp_impl != "ulysses" or p.untied_heads_per_stage):
-            raise ValueError(f"--cp-impl {p.cp_impl} and --untied-heads-per-stage choose the all-to-all level, which "
-                             f"--cp-comm-type {p.cp_comm_type} with a ring of all {cp} ranks does not have")
-        if a2a > 1:
-            try:
-                self._check_all_to_all_level(a2a)
-            except ValueError as e:
-                if a2a == cp:
-                    raise
-                raise ValueError(f"{e} [the all-to-all degree is {a2a}, the first of "
-                                 "--hierarchical-context-parallel-sizes]") from e
+        c = self.model_config()
+        self.context_parallel().validate(c.num_attention_heads, c.num_query_groups, d.seq_length)
         if p.attention_kernel in ("flash_attn", "sdpa_flash") and not self.train.bf16:
             raise ConfigError(f"--attention-kernel {p.attention_kernel} takes fp16/bf16 only: add --bf16, or use "
                               "--attention-kernel auto (fp32 runs torch's memory-efficient kernel)")
@@ -456,16 +438,6 @@ class TrainConfig:
         if d.global_batch_size is not None and d.global_batch_size % (d.micro_batch_size * dp):
             raise ValueError(f"--global-batch-size {d.global_batch_size} is not a multiple of --micro-batch-size "
                              f"{d.micro_batch_size} x data-parallel size {dp}")
-
-    def _check_all_to_all_level(self, a2a: int) -> None:
-        from megatron_lc.attention.ulysses import check_ulysses_shapes
-
-        c, p = self.model_config(), self.parallel
-        check_ulysses_shapes(c.num_attention_heads, c.num_query_groups, a2a)
-        if p.cp_impl == "untied_ulysses":
-            from megatron_lc.attention.untied_ulysses import check_untied_shapes
-
-            check_untied_shapes(c.num_attention_heads, c.num_query_groups, a2a, p.untied_heads_per_stage or a2a)
 
     def _check_memory(self, world_size: int) -> None:
         self.memory.check(self.model_config().num_layers)

@@ -47,16 +47,25 @@ def write_random_dataset(prefix, *, documents: int, lengths: tuple[int, int], vo
     return str(prefix)
 
 
+CP_FIELDS = {"cp_impl": "impl", "heads_per_stage": "heads_per_stage", "untied_overlap": "overlap",
+             "attention_kernel": "kernel"}
+"""The tests' flat names of `ContextParallel`'s fields."""
+
+
 def parallelize_options(**fields):
-    """ParallelizeOptions from one flat set of named fields: the memory stack's (`MemoryStack`) and the rest."""
+    """ParallelizeOptions from one flat set of named fields: the context-parallel spec's (`CP_FIELDS`), the memory
+    stack's (`MemoryStack`) and the rest (on the mesh's layout)."""
     import dataclasses as dc
 
+    from megatron_lc.attention.context_parallel import ContextParallel
     from megatron_lc.memory.stack import MemoryStack
     from megatron_lc.models.llama.parallelize import ParallelizeOptions
 
     memory_names = {f.name for f in dc.fields(MemoryStack)}
     memory = MemoryStack(**{k: v for k, v in fields.items() if k in memory_names})
-    return ParallelizeOptions(memory=memory, **{k: v for k, v in fields.items() if k not in memory_names})
+    cp = ContextParallel(**{CP_FIELDS[k]: v for k, v in fields.items() if k in CP_FIELDS})
+    rest = {k: v for k, v in fields.items() if k not in memory_names and k not in CP_FIELDS}
+    return ParallelizeOptions(cp=cp, memory=memory, **rest)
 
 
 TRAIN_FLAGS = ["--mock-data", "--seq-length", "64", "--lr", "3e-3", "--adam-eps", "1e-4", "--device", "cpu"]

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_lc.attention.context_parallel import CP_IMPLS
 from megatron_lc.attention.kernels import Kernel, select_kernel
 from megatron_lc.attention.local import LocalAttention
 from megatron_lc.attention.ring import RingAttention
@@ -18,7 +19,6 @@ from megatron_lc.attention.untied_ulysses import (
 from megatron_lc.memory.tiling import TileBounds, tile_bounds
 from megatron_lc.parallel_state import ParallelState
 
-CP_IMPLS = ("ulysses", "untied_ulysses")
 
 
 def build_attention_backend(name: str, head_dim: int, device: torch.device, pstate: ParallelState, *,

@@ -201,10 +201,6 @@ class PipelinedExchange:
         return t / n + self.exposed_bytes / link + (n - 1) / n * max(0.0, t - a)
 
 
-def _stage_width(cfg: TrainConfig, a2a: int) -> int:
-    return cfg.parallel.untied_heads_per_stage or a2a
-
-
 def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     """The work of one micro-batch on one rank of `cfg` on `num_gpus` GPUs."""
     c, par = cfg.model_config(), cfg.parallel
@@ -220,7 +216,8 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
     stack = cfg.memory_stack()
     full, selective = stack.recompute_granularity == "full", stack.recompute_granularity == "selective"
-    untied = cp > 1 and par.cp_impl == "untied_ulysses" and layout.a2a_size > 1
+    cp_spec = cfg.context_parallel()
+    untied = cp_spec.untied
     mlp_tiles = stack.mlp_tiles
     R = stack.checkpointed_layers(L)  # blocks checkpointed under full recompute (--recompute-method block: the first N)
     keep = full and stack.keep_attention_output  # the recompute takes the forward's attention output and lse
@@ -244,7 +241,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     sparse = stack.sparse_offload(L)
     kept, replayed, replay_gathers = sparse.kept_inputs, sparse.replayed_forwards, sparse.replay_gathers
     loss_tiles = stack.loss_tiles or 0
-    stages = (H // _stage_width(cfg, layout.a2a_size)) if untied else (1 if layout.a2a_size > 1 else 0)
+    stages = (H // cp_spec.stage_heads) if untied else (1 if cp_spec.all_to_all else 0)
     passes = 3 if full else 2
     launches = L * ((mlp_tiles or 0) * passes + stages * (passes - (keep and untied))) + loss_tiles
     # Sparse offload's replayed forwards: each a block forward (the recompute of a kept-input layer, again).
@@ -252,7 +249,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     a2a += replayed * _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
     launches += replayed * ((mlp_tiles or 0) + stages)
     pipelined = ()
-    if untied and par.untied_overlap_stages:
+    if untied and cp_spec.overlap:
         q, kv, o = _a2a_parts(T, H, Hkv, d, item, layout.a2a_size)
         forwards = L + attention_recomputed + replayed  # passes that run the stages forward
         pipelined = (PipelinedExchange("fwd", forwards * (q + kv + o), forwards * attention, stages, forwards * o / stages),
@@ -442,9 +439,10 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
     if par.untied_overlap_stages:
         without.append(("pipelined Untied stages (against synchronous)",
                         dataclasses.replace(cfg, parallel=dataclasses.replace(par, untied_overlap_stages=False))))
-    if par.cp_impl == "untied_ulysses" and par.context_parallel_size > 1:
+    if cfg.context_parallel().untied:
         without.append(("Untied Ulysses (against Ulysses)", dataclasses.replace(
-            cfg, parallel=dataclasses.replace(par, cp_impl="ulysses", untied_overlap_stages=False))))
+            cfg, parallel=dataclasses.replace(par, cp_impl="ulysses", untied_overlap_stages=False,
+                                              untied_heads_per_stage=None))))
     return [(name, base - predict(other, num_gpus, rates, gpus_per_node, family).step_s) for name, other in without]
 
 

@@ -24,8 +24,7 @@ from megatron_lc.config import TrainConfig
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import Devices
 from megatron_lc.memory import tiling
-from megatron_lc.models.llama import build_model
-from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
+from megatron_lc.models.llama.parallelize import materialize
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from megatron_lc.planning.fakes import fake_process_group, representative_tile_bounds
 from megatron_lc.planning.standins import (
@@ -35,8 +34,7 @@ from megatron_lc.planning.standins import (
     planned_kernels,
 )
 from megatron_lc.planning.tracker import TimelineAnalysis, make_tracker
-from megatron_lc.training.build import build_sharded_model
-from megatron_lc.training.optim import build_optimizer
+from megatron_lc.training.build import build_parallel_model, build_run_optimizer, build_sharded_model
 from megatron_lc.training.step import step_autocast, train_step
 
 PLANNER_DEVICES = Devices(accelerator=torch.device("cpu"), host=torch.device("meta"))
@@ -69,17 +67,6 @@ def synthetic_micro_batch(cfg: TrainConfig, cp: int, device: torch.device) -> Ba
     return Batch(tokens, tokens.clone(), positions, tuple(range(0, B * S + 1, S)))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool) -> torch.optim.Optimizer:
-    """The run's AdamW; fused as `build_optimizer` makes it on CUDA, foreach as on CPU."""
-    o = cfg.optim
-    if not fused:
-        return build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
-                               eps=o.adam_eps)
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                             weight_decay=o.weight_decay, fused=True)
-
-
 def initialize_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW's state as a first step would (zero gradients, one step), then drop the gradients."""
     for p in model.parameters():
@@ -106,7 +93,7 @@ def measure_real_step(cfg: TrainConfig, pstate: ParallelState, batch: Batch,
     a probe of its reserved bytes moves it from the accelerator's side to the host's.
     """
     model, offload = build_sharded_model(cfg, cfg.model_config(), pstate, devices)
-    optimizer = make_optimizer(model, cfg, fused=False)
+    optimizer = build_run_optimizer(model, cfg, fused=False)
     initialize_optimizer_state(model, optimizer)
     probe = (lambda: offload.host_bytes_reserved) if offload and devices.host == devices.accelerator else None
     tracker = make_tracker(model, optimizer, probe, extra=(batch.input_ids, batch.labels, batch.position_ids))
@@ -127,16 +114,16 @@ def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str =
     namer = BufferNamer()
     compute_dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32  # what attention sees (--bf16: autocast)
     kernel = planned_kernel_name(cfg.parallel.attention_kernel, device, compute_dtype, flash_attn_installed)
-    opts = dataclasses.replace(cfg.parallelize_options(), attention_kernel=kernel, kernels=planned_kernels(namer),
+    opts = cfg.parallelize_options()
+    opts = dataclasses.replace(opts, cp=dataclasses.replace(opts.cp, kernel=kernel), kernels=planned_kernels(namer),
                                tile_bounds=representative_tile_bounds)
     model_config = dataclasses.replace(cfg.model_config(), num_layers=num_layers)
     with fake_process_group(world_size), tiling.planned_fp32_out_gemm(device == "cuda"):
         pstate = ParallelState(parallel_dims(cfg, world_size), device_type="cpu")
-        model = build_model(model_config, device="meta")
-        offload = parallelize_llama(model, pstate, opts, PLANNER_DEVICES)
+        model, offload = build_parallel_model(cfg, model_config, pstate, PLANNER_DEVICES, opts)
         with FakeTensorMode(allow_non_fake_inputs=True):
             materialize(model, PLANNER_DEVICES, cfg.train.seed)
-            optimizer = make_optimizer(model, cfg, fused=device == "cuda")
+            optimizer = build_run_optimizer(model, cfg, fused=device == "cuda")
             initialize_optimizer_state(model, optimizer)
             count = micro_batches_to_trace(cfg, pstate.dp_size)
             batches = [synthetic_micro_batch(cfg, pstate.cp_size, PLANNER_DEVICES.host) for _ in range(count)]

@@ -1,5 +1,6 @@
-"""The one way a run's model is built, for the trainer, evaluate and the planner: meta-device model ->
-context parallelism, memory stack, FSDP (`parallelize_llama`) -> real (sharded) weights."""
+"""The one way a run's model and optimizer are built, for the trainer, evaluate and the planner: meta-device
+model -> context parallelism, memory stack, FSDP (`parallelize_llama`) -> real (sharded) weights; the
+run's AdamW from its flags. The planner builds the same model and materializes it under fake tensors."""
 
 from __future__ import annotations
 
@@ -10,14 +11,28 @@ from megatron_lc.devices import Devices
 from megatron_lc.memory.offload import OffloadScheduler
 from megatron_lc.models.llama import Transformer, build_model
 from megatron_lc.models.llama.model import LlamaConfig
-from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
+from megatron_lc.models.llama.parallelize import ParallelizeOptions, materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelState
+from megatron_lc.training.optim import build_optimizer
+
+
+def build_parallel_model(cfg: TrainConfig, model_config: LlamaConfig, pstate: ParallelState, devices: Devices,
+                         opts: ParallelizeOptions | None = None) -> tuple[Transformer, OffloadScheduler | None]:
+    """The run's model on the meta device, parallelized (`opts`, default the run's), and its offload scheduler."""
+    model = build_model(model_config, device="meta", dtype=torch.float32)  # fp32 master weights, also with --bf16
+    return model, parallelize_llama(model, pstate, opts or cfg.parallelize_options(), devices)
 
 
 def build_sharded_model(cfg: TrainConfig, model_config: LlamaConfig, pstate: ParallelState,
                         devices: Devices) -> tuple[Transformer, OffloadScheduler | None]:
-    """The run's model on this rank (fp32 master weights, also with --bf16) and its offload scheduler."""
-    model = build_model(model_config, device="meta", dtype=torch.float32)
-    offload = parallelize_llama(model, pstate, cfg.parallelize_options(), devices)
+    """The run's model on this rank with its (sharded) initial weights, and its offload scheduler."""
+    model, offload = build_parallel_model(cfg, model_config, pstate, devices)
     materialize(model, devices, seed=cfg.train.seed, fsdp_cpu_offload=cfg.parallel.fsdp_cpu_offload)
     return model, offload
+
+
+def build_run_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None = None) -> torch.optim.AdamW:
+    """The run's AdamW (--lr, --weight-decay, --adam-beta1/2, --adam-eps); fused on CUDA unless `fused` says."""
+    o = cfg.optim
+    return build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
+                           eps=o.adam_eps, fused=fused)

@@ -7,10 +7,11 @@ from torch.distributed.tensor import DTensor
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),
-                    eps: float = 1e-8) -> torch.optim.AdamW:
-    """AdamW; fused on CUDA (torch's own kernel), foreach elsewhere."""
+                    eps: float = 1e-8, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW; fused on CUDA (torch's own kernel), foreach elsewhere (`fused` decides instead: the planner traces
+    a CUDA run's fused AdamW on fake tensors)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = all(p.device.type == "cuda" for p in params)
+    fused = all(p.device.type == "cuda" for p in params) if fused is None else fused
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                              fused=fused or None, foreach=None if fused else True)
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.errors import ConfigError
 from megatron_lc.config import TrainConfig
-from megatron_lc.training.build import build_sharded_model
+from megatron_lc.training.build import build_run_optimizer, build_sharded_model
 from megatron_lc.training.preflight import preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
@@ -41,7 +41,6 @@ from megatron_lc.training.logging import (
 )
 from megatron_lc.training.resume import apply_checkpoint_args, resume, save, take_save_lock
 from megatron_lc.training.run import Run, global_batch_size, say
-from megatron_lc.training.optim import build_optimizer
 from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
 
@@ -161,9 +160,7 @@ def build_run(cfg: TrainConfig) -> Run:
         block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
         offload.reserve((cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size,
                          model_config.hidden_size), block_dtype)
-    o = cfg.optim
-    optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
-                                eps=o.adam_eps)
+    optimizer = build_run_optimizer(model, cfg)
     train_source, valid_source, test_source = build_sample_sources(cfg, data_vocab, pstate.dp_size, launch.rank)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg, launch.world_size), offload,

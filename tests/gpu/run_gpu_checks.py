@@ -57,19 +57,17 @@ from megatron_lc.data.loader import Batch
 from megatron_lc.devices import PEAK_DENSE_BF16_FLOPS, Devices
 from megatron_lc.memory import offload as offload_module
 from megatron_lc.memory.tiling import addmm_fp32_, fp32_out_gemm_available
-from megatron_lc.models.llama import build_model
-from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelState, run_collective
 from megatron_lc.planning.estimate import GIB, Machine, estimate, planning_config
 from megatron_lc.planning.fakes import fake_process_group
 from megatron_lc.planning import standins
 from megatron_lc.planning.trace import (
     initialize_optimizer_state,
-    make_optimizer,
     parallel_dims,
     run_tracked_step,
 )
 from megatron_lc.planning.tracker import make_tracker
+from megatron_lc.training.build import build_run_optimizer, build_sharded_model
 from megatron_lc.training.step import step_autocast, train_step
 
 LOG = logging.getLogger("gpu_checks")
@@ -440,10 +438,8 @@ def measure_step(cfg, world_size: int, s: Sizes) -> dict:
     """Build, materialize and run `s.steps` real training steps on rank 0; the last one is measured."""
     devices = Devices(torch.device(s.device), torch.device("cpu"))
     pstate = ParallelState(parallel_dims(cfg, world_size), device_type=s.device)
-    model = build_model(cfg.model_config(), device="meta")
-    offload = parallelize_llama(model, pstate, cfg.parallelize_options(), devices)
-    materialize(model, devices, cfg.train.seed)
-    optimizer = make_optimizer(model, cfg, fused=s.device == "cuda")
+    model, offload = build_sharded_model(cfg, cfg.model_config(), pstate, devices)
+    optimizer = build_run_optimizer(model, cfg, fused=s.device == "cuda")
     initialize_optimizer_state(model, optimizer)
     batch = synthetic_batch(cfg, pstate)
     for _ in range(s.steps - 1):  # warm-up: kernels chosen, allocator and host memory in place

@@ -15,13 +15,14 @@ from tests.exactness import BATCH, ONE_SEGMENT, check_against_reference
 from tests.helpers import TRAIN_FLAGS as BASE, logged_losses, torchrun_train
 
 DEBUG = get_config("debug")  # 8 heads, 2 kv heads
-STACK = parallelize_options(recompute_granularity="full", offload_mode="prefetch", mlp_tiles=3, loss_tiles=5)
+STACK_FIELDS = dict(recompute_granularity="full", offload_mode="prefetch", mlp_tiles=3, loss_tiles=5)
+STACK = parallelize_options(**STACK_FIELDS)
 
 
 @pytest.mark.parametrize("cp_impl", ["ulysses", "untied_ulysses"])
 def test_all_to_all_pairs_inside_a_ring_of_two_match_single_process(cp_impl):
     """a2a+p2p 2 x 2: each all-to-all backend over rank pairs, ring attention across them."""
-    run_distributed(check_against_reference, 4, DEBUG, 4, ParallelizeOptions(cp_impl=cp_impl), BATCH, 2, 2)
+    run_distributed(check_against_reference, 4, DEBUG, 4, parallelize_options(cp_impl=cp_impl), BATCH, 2, 2)
 
 
 def test_ring_over_four_ranks_with_gqa_and_fewer_heads_than_ranks_matches_single_process():
@@ -45,7 +46,7 @@ def test_ring_with_data_parallel_and_the_full_memory_stack_matches_single_proces
 
 def test_untied_stages_in_a_ring_with_the_full_memory_stack_match_single_process():
     """Each sample one attention segment (the untied pairs with packed documents: the all-to-all test above)."""
-    stack = dataclasses.replace(STACK, cp_impl="untied_ulysses", heads_per_stage=4)
+    stack = parallelize_options(**STACK_FIELDS, cp_impl="untied_ulysses", heads_per_stage=4)
     run_distributed(check_against_reference, 4, DEBUG, 4, stack, ONE_SEGMENT, 2, 2)
 
 

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from megatron_lc.attention.context_parallel import ContextParallel
 from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.registry import build_attention_backend
 from megatron_lc.devices import Devices
@@ -28,33 +29,35 @@ from megatron_lc.parallel_state import ParallelState
 
 
 @dataclass(frozen=True)
-class ParallelizeOptions:
-    """How to run the model: context parallelism, the memory stack, FSDP."""
+class FSDPSettings:
+    """How FSDP2 shards the model (`fully_shard` of each block, the embedding, the head, then the root)."""
 
-    cp_impl: str = "ulysses"
-    """Context-parallel attention backend of the all-to-all level: ulysses | untied_ulysses."""
-    seq_length: int | None = None
-    """Tokens per sample: ring attention (a cp layout with a ring) cuts them into chunks."""
-    attention_kernel: str = "auto"
-    """Local attention kernel: auto | flash_attn | sdpa_flash | cpu_flash | reference."""
-    heads_per_stage: int | None = None
-    """Untied Ulysses heads per stage (a multiple of cp); None: cp."""
-    untied_overlap: bool = False
-    """Untied Ulysses: the next stage's projections and exchanges in flight while a stage attends."""
-    kernels: Mapping[str, Kernel] | None = None
-    """The table `attention_kernel` is looked up in; None: the real kernels (the planner passes its stand-ins)."""
-    tile_bounds: TileBounds = tile_bounds
-    """The tile policy of every sequence-tile loop (the planner's runs representative tiles)."""
-    memory: MemoryStack = MemoryStack()
-    """The memory stack (recompute, offload, kept attention, tiles): `memory/stack.py`."""
     param_dtype: torch.dtype = torch.float32
-    """FSDP compute dtype of parameters (bf16 with --bf16)."""
+    """Compute dtype of parameters (bf16 with --bf16; the master weights stay fp32)."""
     reduce_dtype: torch.dtype = torch.float32
-    """FSDP gradient reduce-scatter dtype."""
+    """Gradient reduce-scatter dtype."""
     reshard_after_forward: bool = True
     """Free gathered parameters after each block's forward (re-gathered in backward)."""
-    fsdp_cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in host memory."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (--fsdp-cpu-offload)."""
+
+
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """How to run the model: its context-parallel attention, its memory stack and its FSDP sharding, each a
+    spec owned by its room; and what the planner swaps in (the kernel table, the tile policy)."""
+
+    cp: ContextParallel = ContextParallel()
+    """Context-parallel attention (`attention/context_parallel.py`)."""
+    memory: MemoryStack = MemoryStack()
+    """The memory stack (recompute, offload, kept attention, tiles): `memory/stack.py`."""
+    fsdp: FSDPSettings = FSDPSettings()
+    seq_length: int | None = None
+    """Tokens per sample: ring attention (a cp layout with a ring) cuts them into chunks."""
+    kernels: Mapping[str, Kernel] | None = None
+    """The table the attention kernel is looked up in; None: the real kernels (the planner passes its stand-ins)."""
+    tile_bounds: TileBounds = tile_bounds
+    """The tile policy of every sequence-tile loop (the planner's runs representative tiles)."""
 
     def validate(self) -> None:
         self.memory.validate()
@@ -62,10 +65,10 @@ class ParallelizeOptions:
 
 def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: ParallelizeOptions,
                             devices: Devices) -> None:
-    c = model.config
+    c, cp = model.config, opts.cp.on(pstate.context_layout)
     model.set_attention_backend(build_attention_backend(
-        opts.cp_impl if pstate.cp_size > 1 else "local", c.kv_channels, devices.accelerator, pstate,
-        kernel=opts.attention_kernel, heads_per_stage=opts.heads_per_stage, overlap=opts.untied_overlap,
+        cp.impl if pstate.cp_size > 1 else "local", c.kv_channels, devices.accelerator, pstate,
+        kernel=cp.kernel, heads_per_stage=cp.heads_per_stage, overlap=cp.overlap,
         num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups, seq_length=opts.seq_length,
         kernels=opts.kernels, tile_bounds=opts.tile_bounds,
     ))
@@ -77,16 +80,17 @@ def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: De
 
 def apply_fsdp(model: Transformer, pstate: ParallelState, opts: ParallelizeOptions) -> None:
     """fully_shard each block, the embedding and the head (unless tied to it), then the root."""
+    fsdp = opts.fsdp
     kwargs = dict(
         mesh=pstate.fsdp_mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype),
-        offload_policy=CPUOffloadPolicy() if opts.fsdp_cpu_offload else None,
+        mp_policy=MixedPrecisionPolicy(param_dtype=fsdp.param_dtype, reduce_dtype=fsdp.reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if fsdp.cpu_offload else None,
     )
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=opts.reshard_after_forward, **kwargs)
+        fully_shard(layer, reshard_after_forward=fsdp.reshard_after_forward, **kwargs)
     if not model.config.tie_embeddings:  # a shared weight must live in one FSDP unit: the root
-        fully_shard(model.embed_tokens, reshard_after_forward=opts.reshard_after_forward, **kwargs)
+        fully_shard(model.embed_tokens, reshard_after_forward=fsdp.reshard_after_forward, **kwargs)
         fully_shard(model.head, reshard_after_forward=False, **kwargs)  # backward starts with it
     fully_shard(model, reshard_after_forward=False, **kwargs)
 

@@ -1,0 +1,100 @@
+"""How attention runs over the context-parallel ranks, defined once: the layout (all-to-all degree x ring),
+the all-to-all implementation, Untied Ulysses' stage width resolved, its pipelining, the local kernel and
+what runs behind torch's flash kernel. The parallelize step, the time model and auto-fit read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from megatron_lc.attention.ulysses import check_ulysses_shapes
+from megatron_lc.attention.untied_ulysses import check_untied_shapes
+from megatron_lc.context_layout import ContextLayout
+from megatron_lc.errors import ConfigError
+
+CpImpl = Literal["ulysses", "untied_ulysses"]
+CP_IMPLS: tuple[str, ...] = get_args(CpImpl)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The context-parallel attention of a run (`--context-parallel-size`, `--cp-comm-type`,
+    `--hierarchical-context-parallel-sizes`, `--cp-impl`, `--untied-*`, `--attention-kernel`,
+    `--flash-attention-impl`)."""
+
+    layout: ContextLayout | None = None
+    """The all-to-all degree and the ring degree; None: the process mesh's (`on` fills it in)."""
+    impl: CpImpl = "ulysses"
+    """The all-to-all level's attention: Ulysses, or Untied Ulysses (heads in stages)."""
+    heads_per_stage: int | None = None
+    """Untied Ulysses' stage width as given (None: the all-to-all degree); `stage_heads` is the resolved one."""
+    overlap: bool = False
+    """Untied Ulysses: the next stage's projections and exchanges in flight while a stage attends."""
+    kernel: str = "auto"
+    """The local attention kernel (`--attention-kernel`)."""
+    flash_impl: str = "auto"
+    """What runs behind torch's flash kernel (`--flash-attention-impl`)."""
+
+    def on(self, layout: ContextLayout) -> ContextParallel:
+        """This spec on the mesh's `layout` (refused when it names another)."""
+        if self.layout is not None and self.layout != layout:
+            raise ValueError(f"the context-parallel spec is for {self.layout}, the process mesh has {layout}")
+        return self if self.layout == layout else dataclasses.replace(self, layout=layout)
+
+    @property
+    def _layout(self) -> ContextLayout:
+        if self.layout is None:
+            raise ValueError("the context-parallel layout is not set: call on(pstate.context_layout)")
+        return self.layout
+
+    @property
+    def size(self) -> int:
+        return self._layout.cp_size
+
+    @property
+    def all_to_all(self) -> bool:
+        """Whether there is an all-to-all level (more than one rank in it)."""
+        return self._layout.a2a_size > 1
+
+    @property
+    def untied(self) -> bool:
+        """Whether Untied Ulysses runs (the implementation, on an all-to-all level)."""
+        return self.impl == "untied_ulysses" and self.all_to_all
+
+    @property
+    def stage_heads(self) -> int | None:
+        """Heads per Untied Ulysses stage, resolved (the all-to-all degree unless given); None without it."""
+        return (self.heads_per_stage or self._layout.a2a_size) if self.untied else None
+
+    def validate(self, num_heads: int, num_kv_heads: int, seq_length: int) -> None:
+        """Refuse what cannot run, naming the flags (ConfigError or ValueError with the flag)."""
+        if self.impl not in CP_IMPLS:
+            raise ConfigError(f"--cp-impl {self.impl!r}: expected one of {', '.join(CP_IMPLS)}")
+        self._layout.check(seq_length)
+        if self.heads_per_stage is not None and self.impl != "untied_ulysses":
+            raise ConfigError(f"--untied-heads-per-stage {self.heads_per_stage} sets the stages of Untied Ulysses: "
+                              f"it needs --cp-impl untied_ulysses (given: {self.impl})")
+        if self.overlap and not (self.impl == "untied_ulysses" and self.size > 1):
+            raise ConfigError("--untied-overlap-stages pipelines the stages of Untied Ulysses: it needs "
+                              "--cp-impl untied_ulysses and --context-parallel-size > 1")
+        if self.size > 1 and not self.all_to_all and self.impl != "ulysses":
+            raise ConfigError(f"--cp-impl {self.impl} and --untied-heads-per-stage choose the all-to-all level, which "
+                              f"--cp-comm-type {self._layout.comm_type} with a ring of all {self.size} ranks does "
+                              "not have")
+        if self.flash_impl in ("fa3", "fa4") and self.kernel not in ("auto", "sdpa_flash"):
+            raise ConfigError(f"--flash-attention-impl {self.flash_impl} runs behind torch's flash kernel, which "
+                              f"--attention-kernel {self.kernel} does not use: give --attention-kernel auto or "
+                              "sdpa_flash, or drop --flash-attention-impl")
+        if self.all_to_all:
+            a2a = self._layout.a2a_size
+            try:
+                check_ulysses_shapes(num_heads, num_kv_heads, a2a)
+                if self.untied:
+                    check_untied_shapes(num_heads, num_kv_heads, a2a, self.stage_heads)
+            except ValueError as e:
+                if a2a == self.size:
+                    raise
+                raise ValueError(f"{e} [the all-to-all degree is {a2a}, the first of "
+                                 "--hierarchical-context-parallel-sizes]") from e
