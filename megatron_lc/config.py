@@ -194,8 +194,9 @@ class CheckpointArgs:
     load: str | None = flag(None, "directory to resume from (newest intact checkpoint; empty or missing: start "
                                "from scratch)")
     override_data_settings: bool = flag(False, "on resume, continue although the data differs from the "
-                                        "checkpoint's (other datasets, weights, --split, --seq-length, ...): the "
-                                        "optimizer, step and data position are kept")
+                                        "checkpoint's (other datasets, weights, --split, --seed, ...): the "
+                                        "optimizer, step and data position are kept (a new --seq-length or batch "
+                                        "needs no flag: the token stream continues where it stopped)")
     finetune: bool = flag(False, "load only the weights from --load and start at step 0 (new optimizer, schedule, "
                           "data position)")
     no_load_optim: bool = flag(False, "on resume, do not load the optimizer state")

@@ -130,6 +130,7 @@ class BlendedSamples(SampleSource):
 
         # the index depends on nothing else: the sources shuffle their own documents
         cache_description = {"kind": "blending_index", "weights": self.weights, "size": self.size}
+        self._cache = cache
         arrays = (cache or IndexCache(None)).arrays("blend", cache_description, build)
         self._sources, self._source_samples = arrays["sources"], arrays["source_samples"]
 
@@ -149,6 +150,27 @@ class BlendedSamples(SampleSource):
         more = blending_indices(self.weights, new_size - len(self._sources), len(self._sources), drawn)
         self._sources = np.concatenate([self._sources, more[0]])
         self._source_samples = np.concatenate([self._source_samples, more[1]])
+
+    def stream_position(self, consumed: int) -> tuple[int, ...] | None:
+        """Each source's position after the samples it gave to the first `consumed` blended samples (a source
+        gives its samples in order: 0, 1, ...)."""
+        if consumed > len(self._sources):
+            self._extend(consumed)
+        drawn = np.bincount(self._sources[:consumed], minlength=len(self.sources)).tolist()
+        positions = [source.stream_position(count) for source, count in zip(self.sources, drawn)]
+        return None if any(p is None for p in positions) else tuple(t for p in positions for t in p)
+
+    def continued(self, position: tuple[int, ...]) -> BlendedSamples:
+        """The blend of each source continued at its own position, with the same weights (the blending index
+        starts again: each source's stream goes on where it stood)."""
+        widths = [len(source.stream_position(0)) for source in self.sources]
+        if sum(widths) != len(position):
+            raise ValueError(f"a position of {len(position)} streams for a blend of {sum(widths)}")
+        parts, at = [], 0
+        for source, width in zip(self.sources, widths):
+            parts.append(source.continued(tuple(position[at:at + width])))
+            at += width
+        return BlendedSamples(parts, self.weights, self.size, self._cache)
 
     def read_tokens(self, index: int, start: int, stop: int) -> np.ndarray:
         source, sample = self.locate(index)

@@ -115,19 +115,59 @@ class MicroBatchLoader:
         return self.samples.get(index, self.cp_rank, self.cp_size, self.reset_position_ids, self.eod_mask_loss,
                                 self.eod_token, cp_ring=self.cp_ring)
 
-    def state_dict(self) -> dict[str, int]:
-        """What a checkpoint needs to resume exactly."""
-        return {"consumed_samples": self.consumed_samples}
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to resume exactly: the samples consumed, at which length and batch, and where
+        each document stream stood when this run's samples began and stands now (None for mock data)."""
+        return {"consumed_samples": self.consumed_samples, "seq_length": self.samples.seq_length,
+                "samples_per_step": self.samples_per_step,
+                "stream_start": _listed(self.samples.stream_position(0)),
+                "stream_position": _listed(self.samples.stream_position(self.consumed_samples))}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume after `state["consumed_samples"]`; it must be a whole number of steps."""
+    def load_state_dict(self, state: dict) -> str:
+        """Resume where `state` stopped; returns '' when the run continues sample by sample, else one line saying
+        where the token stream continues.
+
+        At the length and batch the state was saved with, sample after sample (the stream offset it started at
+        restored). At another `--seq-length` or batch layout, the token stream continues at the first token
+        not yet trained (each stream of a blend at its own), from sample 0; a source with no token stream
+        (mock data) is refused."""
         consumed = int(state["consumed_samples"])
-        if consumed < 0 or consumed % self.samples_per_step:
+        if consumed < 0:
+            raise ValueError(f"consumed_samples {consumed} must be >= 0")
+        saved_length = int(state.get("seq_length", self.samples.seq_length))
+        saved_step = int(state.get("samples_per_step", self.samples_per_step))
+        start = state.get("stream_start")
+        if saved_length == self.samples.seq_length and saved_step == self.samples_per_step:
+            if consumed % self.samples_per_step:
+                raise ValueError(f"consumed_samples {consumed} is not a multiple of micro_batch_size x dp_size "
+                                 f"= {self.samples_per_step}: the state records another batch layout")
+            if start is not None and self.samples.stream_position(0) != tuple(start):
+                self.samples = self.samples.continued(tuple(start))
+            self.consumed_samples = consumed
+            return ""
+        position = state.get("stream_position")
+        if position is None:
+            why = "mock data is no token stream" if "stream_start" in state else "the checkpoint records no token position"
             raise ValueError(
-                f"consumed_samples {consumed} is not a multiple of micro_batch_size x dp_size "
-                f"= {self.samples_per_step}; resume with the batch layout the state was saved with"
-            )
-        self.consumed_samples = consumed
+                f"the checkpoint's data was read at --seq-length {saved_length} x {saved_step} samples per step, this "
+                f"run reads {self.samples.seq_length} x {self.samples_per_step}, and {why} to continue from")
+        self.samples = self.samples.continued(tuple(position))
+        self.consumed_samples = 0
+        return (f"--seq-length {self.samples.seq_length} x {self.samples_per_step} samples per step (the checkpoint "
+                f"read {saved_length} x {saved_step}): the token stream continues at token "
+                f"{', '.join(f'{p:,}' for p in position)}, the first not yet trained")
+
+
+def continue_by_sample_count(loader, consumed: int) -> None:
+    """--override-data-settings where the stream cannot continue by token: the next whole step's samples."""
+    inner = getattr(loader, "loader", loader)
+    inner.consumed_samples = consumed - consumed % inner.samples_per_step
+    if inner is not loader:
+        loader._iterator = None
+
+
+def _listed(position: tuple[int, ...] | None) -> list[int] | None:
+    return None if position is None else [int(p) for p in position]
 
 
 class _MicroBatches(torch.utils.data.Dataset):
@@ -183,12 +223,12 @@ class WorkerLoader:
         lo.consumed_samples += lo.samples_per_step
         return batch
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict:
         return self.loader.state_dict()
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.loader.load_state_dict(state)
+    def load_state_dict(self, state: dict) -> str:
         self._iterator = None  # read again from the new position
+        return self.loader.load_state_dict(state)
 
     def close(self) -> None:
         """Stop the worker processes."""

@@ -73,6 +73,17 @@ class SampleSource(ABC):
     def cu_seqlens(self, index: int) -> tuple[int, ...]:
         """Document boundaries of sample `index`'s `S` inputs: 0, ..., S."""
 
+    def stream_position(self, consumed: int) -> tuple[int, ...] | None:
+        """Where each document stream under this source stands after its first `consumed` samples: the tokens
+        read from the stream's beginning (every sample's `S` inputs; its last label is the next one's first
+        input). None for a source that is no token stream (mock data)."""
+        return None
+
+    def continued(self, position: tuple[int, ...]) -> SampleSource:
+        """This source with its sample 0 at `position` (a `stream_position`): the same streams, at any
+        `seq_length`, neither skipping nor repeating a token."""
+        raise ValueError(f"{type(self).__name__} is no token stream: it cannot continue at a token position")
+
     def get(
         self,
         index: int,
@@ -125,6 +136,7 @@ class LongSequenceSamples(SampleSource):
         shuffle: bool = True,
         documents: np.ndarray | None = None,
         cache: IndexCache | None = None,
+        token_offset: int = 0,
     ) -> None:
         if seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
@@ -141,6 +153,18 @@ class LongSequenceSamples(SampleSource):
             raise ValueError(f"{dataset.path_prefix}: the dataset holds no tokens")
         self._cache = cache
         self._layouts: dict[int, EpochLayout] = {}
+        if token_offset < 0:
+            raise ValueError(f"token_offset must be >= 0, got {token_offset}")
+        self.token_offset = token_offset
+        """Stream tokens before sample 0 (a run that continues another at a new length starts there)."""
+
+    def stream_position(self, consumed: int) -> tuple[int, ...]:
+        return (self.token_offset + consumed * self.seq_length,)
+
+    def continued(self, position: tuple[int, ...]) -> LongSequenceSamples:
+        (offset,) = position
+        return LongSequenceSamples(self.dataset, self.seq_length, self.seed, self.shuffle, self.documents,
+                                   self._cache, token_offset=int(offset))
 
     def __len__(self) -> int:
         return (self.tokens_per_epoch - 1) // self.seq_length
@@ -185,7 +209,7 @@ class LongSequenceSamples(SampleSource):
         }
 
     def read_tokens(self, index: int, start: int, stop: int) -> np.ndarray:
-        first = index * self.seq_length + start
+        first = self.token_offset + index * self.seq_length + start
         out = np.empty(stop - start, dtype=self.dataset.dtype)
         filled = 0
         while filled < len(out):
@@ -216,7 +240,7 @@ class LongSequenceSamples(SampleSource):
             filled += count
 
     def cu_seqlens(self, index: int) -> tuple[int, ...]:
-        first = index * self.seq_length
+        first = self.token_offset + index * self.seq_length
         boundaries = [0]
         position = first
         while position < first + self.seq_length:

@@ -18,6 +18,7 @@ from megatron_lc.config import TrainConfig
 from megatron_lc.data.blending import normalize
 from megatron_lc.data.index_cache import dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset
+from megatron_lc.data.loader import continue_by_sample_count
 from megatron_lc.data.sources import parse_data_path, parse_split
 from megatron_lc.errors import ConfigError
 from megatron_lc.parallel_state import ParallelState
@@ -90,7 +91,8 @@ def check_data_settings(meta: dict, cfg: TrainConfig, pstate: ParallelState, pat
     """Refuse to continue a data stream under other settings (it would re-read or skip data), unless
     --override-data-settings asks to; returns what differs ('' when nothing does)."""
     saved, current = meta.get("data_settings", {}), _data_settings(cfg, pstate)
-    differing = [k for k, v in current.items() if k in saved and _comparable(saved[k]) != _comparable(v)]
+    differing = [k for k, v in current.items() if k in saved and _comparable(saved[k]) != _comparable(v)
+                 and k not in STREAM_CONTINUES]
     if not differing:
         return ""
     diff = "; ".join(_describe_difference(k, saved[k], current[k], cfg) for k in differing)
@@ -99,6 +101,23 @@ def check_data_settings(meta: dict, cfg: TrainConfig, pstate: ParallelState, pat
     raise ConfigError(f"checkpoint {path} read its data with other settings ({diff}): restore them to resume, "
                       "pass --override-data-settings to continue (optimizer, step and data position kept), or "
                       "--finetune to start a new run from its weights")
+
+
+STREAM_CONTINUES = ("--seq-length", "--global-batch-size")
+"""Settings a resume may change: the token stream continues at the first token not yet trained (the loader)."""
+
+
+def _layout_of(meta: dict) -> dict:
+    """The checkpoint's data state, with the length and batch it was read at (older checkpoints record them
+    only among their data settings)."""
+    state, settings = dict(meta["data"]), meta.get("data_settings", {})
+    if "seq_length" not in state and "--seq-length" in settings:
+        state["seq_length"] = settings["--seq-length"]
+    config = meta.get("train_config", {})
+    if "samples_per_step" not in state and "world_size" in meta and "data" in config and "parallel" in config:
+        dp = meta["world_size"] // config["parallel"]["context_parallel_size"]
+        state["samples_per_step"] = config["data"]["micro_batch_size"] * dp
+    return state
 
 
 def _comparable(value):
@@ -163,6 +182,16 @@ def resume(run: Run) -> int:
     overridden = check_data_settings(meta, run.cfg, run.pstate, path)
     if overridden:
         say(run, f"--override-data-settings: continuing {path} with other data settings ({overridden})")
+    try:
+        continued = run.loader.load_state_dict(_layout_of(meta))
+    except ValueError as e:
+        if not c.override_data_settings:
+            raise ConfigError(f"checkpoint {path}: {e}: resume at its --seq-length and batch, or pass "
+                              "--override-data-settings to continue by sample count") from None
+        continue_by_sample_count(run.loader, int(meta["data"]["consumed_samples"]))
+        continued = f"--override-data-settings: {e}; continuing by sample count"
+    if continued:
+        say(run, continued)
     run.schedule = resumed_schedule(meta, run.cfg, run.schedule, path)
     has_optim, has_rng = meta.get("optimizer_saved", True), meta.get("rng_saved", True)
     if not has_optim and not c.no_load_optim:  # Megatron-LM loads such a checkpoint as with --no-load-optim
@@ -171,7 +200,6 @@ def resume(run: Run) -> int:
     if not has_rng and not c.no_load_rng:
         say(run, f"{path} holds no generator states (saved with --no-save-rng): not restored, as with --no-load-rng")
     checkpointing.load_checkpoint(path, run.model, run.optimizer if has_optim and not c.no_load_optim else None)
-    run.loader.load_state_dict(meta["data"])
     if has_rng and not c.no_load_rng and meta.get("world_size") == run.launch.world_size:  # rank r's is rank r's
         checkpointing.load_rng_state(path, run.launch.rank)
     say(run, f"resumed from {path} at step {meta['step']}")

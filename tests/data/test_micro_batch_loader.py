@@ -58,7 +58,8 @@ def test_resumed_loader_yields_exactly_what_the_uninterrupted_one_does(samples):
     for _ in range(3):
         next(first_run)
     state = first_run.state_dict()
-    assert state == {"consumed_samples": 3 * 2 * 2}
+    assert state == {"consumed_samples": 3 * 2 * 2, "seq_length": SEQ_LENGTH, "samples_per_step": 4,
+                     "stream_start": [0], "stream_position": [3 * 2 * 2 * SEQ_LENGTH]}
     resumed = MicroBatchLoader(samples, **settings)
     resumed.load_state_dict(state)
     for want in expected[3:]:

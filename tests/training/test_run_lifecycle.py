@@ -173,11 +173,39 @@ def test_changed_schedule_on_resume_is_refused_unless_a_flag_chooses(tmp_path):
     assert _lrs(tmp_path / "old") == [m["lr"] for m in old_whole][2:]
 
 
-def test_changed_data_settings_on_resume_are_refused(tmp_path):
+def test_mock_data_at_another_length_on_resume_is_refused_unless_overridden(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     train(parse_config(BASE + ["--train-iters", "2", "--save", ckpt, "--log-dir", str(tmp_path / "a")]))
-    with pytest.raises(ConfigError, match="--seq-length 32 in the checkpoint, 64 now.*--finetune"):
+    with pytest.raises(ConfigError, match="read at --seq-length 32 x 1 samples per step, this run reads 64 x 1, and "
+                                          "mock data is no token stream.*--override-data-settings"):
         train(parse_config(BASE + ["--seq-length", "64", "--train-iters", "3", "--load", ckpt]))
+    capsys.readouterr()
+    rest = train(parse_config(BASE + ["--seq-length", "64", "--train-iters", "3", "--load", ckpt,
+                                      "--override-data-settings", "--override-opt_param-scheduler",
+                                      "--log-dir", str(tmp_path / "b")]))
+    assert [m["step"] for m in rest] == [3] and "continuing by sample count" in capsys.readouterr().out
+
+
+def test_a_longer_seq_length_on_resume_continues_the_token_stream(tmp_path, capsys):
+    """4K -> 8K -> 16K in miniature through the trainer: the step and the schedule go on, each phase starts at the
+    first token the previous ones did not train, and says so."""
+    _write_dataset(tmp_path / "a", 0)
+    data = [a for a in BASE if a not in ("--mock-data", "--seq-length", "32")] + [
+        "--data-path", str(tmp_path / "a"), "--split", "100,0,0", "--train-iters", "6", "--lr-decay-iters", "6",
+        "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    lengths = {"16": "2", "32": "4", "64": "6"}
+    steps, said = [], []
+    for seq_length, until in lengths.items():
+        capsys.readouterr()
+        history = train(parse_config(data + ["--seq-length", seq_length, "--exit-interval", until,
+                                             "--log-dir", str(tmp_path / seq_length)]))
+        steps += [m["step"] for m in history]
+        said.append(capsys.readouterr().out)
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert "continues at token 32, the first not yet trained" in said[1]  # 2 steps x 16 tokens
+    assert "continues at token 96, the first not yet trained" in said[2]  # 32 + 2 steps x 32 tokens
+    meta = checkpointing.newest_intact_checkpoint(tmp_path / "ckpt")[1]
+    assert meta["data"]["stream_position"] == [96 + 2 * 64] and meta["data"]["stream_start"] == [96]
 
 
 def test_finetune_loads_weights_and_starts_at_step_zero(tmp_path):
