@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_type_hints
@@ -289,7 +290,7 @@ class TrainConfig:
             return get_config(m.model)  # refused, naming the flavours
         scaling = rope_scaling_from_flags((base or FLAVOURS[m.model]).rope_scaling, m.use_rope_scaling,
                                           m.rope_scaling_factor)
-        return get_config(m.model, base, num_layers=m.num_layers, hidden_size=m.hidden_size,
+        config = get_config(m.model, base, num_layers=m.num_layers, hidden_size=m.hidden_size,
                           ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
                           num_query_groups=m.num_query_groups, kv_channels=m.kv_channels,
                           vocab_size=self.vocab_size_override() or (None if base else vocab_size),
@@ -297,6 +298,9 @@ class TrainConfig:
                           norm_eps=m.norm_epsilon, max_position_embeddings=m.max_position_embeddings,
                           init_std=m.init_method_std, rope_scaling=scaling,
                           tie_embeddings=False if m.untie_embeddings_and_output_weights else None)
+        if m.max_position_embeddings is None and config.max_position_embeddings < self.data.seq_length:
+            config = dataclasses.replace(config, max_position_embeddings=self.data.seq_length)  # what is trained
+        return config
 
     def memory_stack(self) -> MemoryStack:
         """The run's memory stack (`memory.stack`), tile counts resolved by the chunk scheduler."""
@@ -347,6 +351,10 @@ class TrainConfig:
             iters = t.train_samples // self.global_batch(world_size) if t.train_samples else 10
             train = dataclasses.replace(t, train_iters=iters)
         data = d
+        paths = {name: os.path.abspath(getattr(d, name)) for name in ("tokenizer_model", "vocab_file", "merge_file")
+                 if getattr(d, name) and os.path.exists(getattr(d, name)) and not os.path.isabs(getattr(d, name))}
+        if paths:  # recorded in checkpoints: a conversion from another directory finds them
+            data = dataclasses.replace(data, **paths)
         if d.data_args_path:
             data = dataclasses.replace(data, data_path=read_data_args(d.data_args_path), data_args_path=None)
         if d.per_split_data_args_path:
@@ -453,8 +461,10 @@ class TrainConfig:
         if m.rotary_base is not None and m.rotary_base <= 0:
             raise ConfigError(f"--rotary-base {m.rotary_base:g} must be > 0 (rotary frequencies are base^(-2i/d); "
                               "Llama 3 uses 500000)")
-        if m.max_position_embeddings is not None and m.max_position_embeddings < 1:
-            raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} must be >= 1")
+        if m.max_position_embeddings is not None and m.max_position_embeddings < self.data.seq_length:
+            raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is below --seq-length "
+                              f"{self.data.seq_length}: the model's config (and its export) would claim fewer "
+                              "positions than it is trained at; give at least the length, or drop the flag")
         if m.rope_scaling_factor is not None:
             if m.rope_scaling_factor <= 0:
                 raise ConfigError(f"--rope-scaling-factor {m.rope_scaling_factor:g} must be > 0")

@@ -437,15 +437,24 @@ def read_meta(path: str | Path) -> dict:
     return verify_checkpoint(Path(path))
 
 
-def check_model_matches(meta: dict, model_config, path) -> None:
-    """Refuse a checkpoint of another model shape, naming the differences."""
+MAY_CHANGE_ON_LOAD = ("rotary_base", "rope_scaling", "max_position_embeddings", "init_std")
+"""Model settings a load may change (a context extension raises the rope base or its scaling and the positions;
+the initialisation is the checkpoint's weights); every other field is the model's shape or function."""
+
+
+def check_model_matches(meta: dict, model_config, path) -> str:
+    """Refuse a checkpoint of another model shape in one line naming the fields; returns the settings this run
+    changes on load ('' when none), for the run to say."""
     saved = meta.get("model_config", {})
     current = dataclasses.asdict(model_config)
     diff = {k: (saved.get(k), v) for k, v in current.items()
             if k in saved and json.loads(json.dumps(saved[k], default=str)) != json.loads(json.dumps(v, default=str))}
-    if diff:
-        detail = ", ".join(f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in diff.items())
-        raise ConfigError(f"checkpoint {path} is of another model ({detail})")
+    shape = {k: d for k, d in diff.items() if k not in MAY_CHANGE_ON_LOAD}
+    if shape:
+        detail = ", ".join(f"{k}: checkpoint {a} vs run {b}" for k, (a, b) in shape.items())
+        raise ConfigError(f"checkpoint {path} is of another model ({detail}): give its shape's flags, or "
+                          "--use-checkpoint-args to take the shape from it")
+    return ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items() if k != "init_std")
 
 
 def load_checkpoint(path: str | Path, model, optimizer=None) -> None:

@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import shutil
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -51,8 +52,29 @@ def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype=t
         data = meta.get("train_config", {}).get("data", {})
         tokenizer_type, tokenizer_model = data.get("tokenizer_type"), data.get("tokenizer_model")
     out = Path(save)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    remove_hf_weights(out)
+    stage = out / f".partial-{uuid.uuid4().hex[:12]}"  # written whole, then moved in: a failure leaves no mix
+    stage.mkdir()
+    try:
+        _write_export(path, config, stage, dtype, tokenizer_model, tokenizer_type, max_shard_bytes)
+        remove_hf_weights(out)
+        for file in stage.iterdir():
+            file.replace(out / file.name)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    shutil.rmtree(stage, ignore_errors=True)
+    return out
+
+
+def _write_export(path: Path, config: LlamaConfig, out: Path, dtype: torch.dtype, tokenizer_model: str | None,
+                  tokenizer_type: str | None, max_shard_bytes: int) -> None:
+    """Everything `checkpoint_to_hf` writes, into `out`: the tokenizer first (the quickest to fail), then the
+    weights shard by shard, then the configs."""
+    ids = save_tokenizer(tokenizer_model, str(out), tokenizer_type)
     items = checkpoint_tensors(path)
     names = _hf_names_to_write(items, config)
     sizes = {hf: math.prod(items[key].size) * dtype.itemsize for hf, key in names.items()}
@@ -68,9 +90,7 @@ def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype=t
     if len(shards) > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=1))
-    ids = save_tokenizer(tokenizer_model, save, tokenizer_type)
     _write_hf_config(config, dtype, out, ids)
-    return out
 
 
 def remove_hf_weights(directory: Path) -> None:
@@ -118,6 +138,24 @@ def _write_hf_config(config: LlamaConfig, dtype: torch.dtype, out: Path, ids: Sp
                              pad_token_id=ids.pad)
     hf_config.save_pretrained(out)
     transformers.GenerationConfig.from_model_config(hf_config).save_pretrained(out)
+    written = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**written, **loader_compatible_fields(config)}, indent=2,
+                                                sort_keys=True))
+
+
+def loader_compatible_fields(config: LlamaConfig) -> dict:
+    """What every Llama loader reads, as Meta's own config.json has it: `architectures`, and the rotary
+    settings in both layouts transformers has used (top-level `rope_theta` and `rope_scaling`, read by
+    transformers 4 and vLLM-style loaders; `rope_parameters`, transformers 5's)."""
+    scaling = None
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                   "high_freq_factor": s.high_freq_factor,
+                   "original_max_position_embeddings": s.original_max_position_embeddings}
+    parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": config.rotary_base}
+    return {"architectures": ["LlamaForCausalLM"], "rope_theta": config.rotary_base, "rope_scaling": scaling,
+            "rope_parameters": parameters, "max_position_embeddings": config.max_position_embeddings}
 
 
 MODEL_PREFIX = "model."  # the model's tensors sit under this key in a checkpoint's state

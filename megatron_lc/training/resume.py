@@ -143,8 +143,10 @@ def _first_field(saved: dict, current: dict) -> str:
 
 
 def apply_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
-    """--use-checkpoint-args: the model from the checkpoint in --load, its whole recorded config
-    (a converted checkpoint records no flags, only the config)."""
+    """--use-checkpoint-args: the model from the checkpoint in --load, its whole recorded config (a converted
+    checkpoint records no flags, only the config), with the flags given for what may change on a load (rope base
+    and scaling, max positions) applied over it; a shape flag the checkpoint contradicts is refused when the
+    model is checked against it."""
     if not cfg.checkpoint.load:
         raise ConfigError("--use-checkpoint-args reads the checkpoint in --load: give --load DIR")
     found = checkpointing.checkpoint_to_load(cfg.checkpoint.load, cfg.checkpoint.ckpt_step)
@@ -154,10 +156,19 @@ def apply_checkpoint_args(cfg: TrainConfig) -> TrainConfig:
     flags = meta.get("train_config", {}).get("model")
     if meta.get("model_config"):
         flavour = (flags or {}).get("model", cfg.model.model)
-        return dataclasses.replace(cfg, model=type(cfg.model)(model=flavour, checkpoint_model=meta["model_config"]))
+        taken = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model=flavour,
+                                                                   checkpoint_model=meta["model_config"]))
+        ours = dataclasses.asdict(taken.model_config(padded=False))
+        for field, value in meta["model_config"].items():
+            if field not in checkpointing.MAY_CHANGE_ON_LOAD and field in ours and ours[field] != value:
+                raise ConfigError(f"--use-checkpoint-args takes the model's shape from {path}: its {field} is "
+                                  f"{value}, the flags give {ours[field]}; drop the flag")
+        return taken
     if not flags:
         raise ConfigError(f"--use-checkpoint-args: {path} records no model settings")
-    return dataclasses.replace(cfg, model=type(cfg.model)(**flags))
+    given = {k: v for k, v in dataclasses.asdict(cfg.model).items()
+             if v is not None and v != getattr(type(cfg.model)(), k)}
+    return dataclasses.replace(cfg, model=type(cfg.model)(**{**flags, **given}))
 
 
 def resume(run: Run) -> int:
@@ -170,7 +181,9 @@ def resume(run: Run) -> int:
         say(run, f"--load {c.load}: no checkpoint there yet; training starts from scratch")
         return 0
     path, meta = found
-    checkpointing.check_model_matches(meta, run.model.config, path)
+    changed = checkpointing.check_model_matches(meta, run.model.config, path)
+    if changed:
+        say(run, f"model settings changed on load from {path}: {changed}")
     if meta.get("weights_only") or c.finetune:
         checkpointing.load_model_weights(path, run.model)
         say(run, f"loaded weights from {path}; training starts at step 0")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_lc.config import parse_config
+from megatron_lc.errors import ConfigError
 from megatron_lc.models.llama import build_model
 from megatron_lc.training.hf_conversion import checkpoint_to_hf, config_from_meta, hf_to_checkpoint, plan_shards
 from megatron_lc.training import checkpointing
@@ -163,3 +164,57 @@ def test_conversion_into_a_run_directory_is_refused_unless_forced_and_never_move
     assert (tmp_path / "ckpt" / checkpointing.LATEST).read_text() == "1"
     assert checkpointing.latest_checkpoint(tmp_path / "ckpt").name == "iter_0000001"
     assert (checkpointing.checkpoint_dir(tmp_path / "ckpt", 0) / checkpointing.META).exists()
+
+
+# --- context extension: rope settings that take effect, and an export that says what was trained -----------
+
+
+def test_rope_flags_take_effect_over_a_converted_checkpoint_and_reach_the_export(tmp_path, capsys):
+    """--use-checkpoint-args takes the shape from the checkpoint and the rope base, its Llama 3 scaling and the
+    trained length from the flags; the export records them in both rope layouts, loads in transformers, and
+    computes our logits."""
+    hf_dir = _hf_model_dir(tmp_path, rope_theta=500000.0, max_position_embeddings=32)
+    hf_to_checkpoint(str(hf_dir), str(tmp_path / "ckpt"))
+    capsys.readouterr()
+    history = train(parse_config(["--mock-data", "--seq-length", "64", "--train-iters", "1", "--device", "cpu",
+                                  "--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--rotary-base", "2e6",
+                                  "--use-rope-scaling", "--rope-scaling-factor", "4", "--save", str(tmp_path / "run"),
+                                  "--log-dir", str(tmp_path / "log")]))
+    out = capsys.readouterr().out
+    assert [m["step"] for m in history] == [1]
+    assert "model settings changed on load" in out and "rotary_base 500000.0 -> 2000000.0" in out
+    trained = config_from_meta(checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "run")))
+    assert trained.rotary_base == 2e6 and trained.rope_scaling.factor == 4.0 and trained.max_position_embeddings == 64
+    export = checkpoint_to_hf(str(tmp_path / "run"), str(tmp_path / "hf-out"), dtype=torch.float32)
+    written = json.loads((export / "config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLM"] and written["max_position_embeddings"] == 64
+    assert written["rope_theta"] == 2e6 and written["rope_scaling"]["rope_type"] == "llama3"
+    assert written["rope_scaling"]["factor"] == 4.0 and written["rope_parameters"]["rope_theta"] == 2e6
+    theirs = transformers.LlamaForCausalLM.from_pretrained(export, torch_dtype=torch.float32).eval()
+    ours = _load_ours(checkpointing.latest_checkpoint(tmp_path / "run")).eval()
+    ids = torch.randint(0, 320, (1, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rope_change_on_load_is_taken_and_a_shape_change_names_use_checkpoint_args(tmp_path, capsys):
+    path = _trained_checkpoint(tmp_path)
+    base = ["--mock-data", "--seq-length", "32", "--train-iters", "2", "--device", "cpu", "--load",
+            str(tmp_path / "ckpt"), "--override-opt_param-scheduler"]
+    capsys.readouterr()
+    history = train(parse_config(base + ["--rotary-base", "40000", "--log-dir", str(tmp_path / "a")]))
+    assert [m["step"] for m in history] == [2] and "rotary_base 10000.0 -> 40000.0" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"of another model \(num_layers: checkpoint 2 vs run 3\): give its "
+                                          r"shape's flags, or --use-checkpoint-args"):
+        train(parse_config(base + ["--num-layers", "3"]))
+    with pytest.raises(ConfigError, match=rf"--use-checkpoint-args takes the model's shape from {path}: its "
+                                          r"num_layers is 2, the flags give 3; drop the flag"):
+        train(parse_config(base + ["--num-layers", "3", "--use-checkpoint-args"]))
+
+
+def test_a_failed_export_leaves_no_output_directory(tmp_path):
+    _trained_checkpoint(tmp_path)
+    with pytest.raises(Exception, match="missing.model"):
+        checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), tokenizer_model=str(tmp_path / "missing.model"),
+                         tokenizer_type="SentencePieceTokenizer")
+    assert not (tmp_path / "hf").exists()
