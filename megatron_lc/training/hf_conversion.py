@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from megatron_lc.models.llama import build_model
-from megatron_lc.models.llama.hf import from_hf_config, to_hf_config, to_hf_name
+from megatron_lc.models.llama.hf import from_hf_config, hf_rope_scaling, to_hf_config, to_hf_name
 from megatron_lc.models.llama.model import LlamaConfig
 from megatron_lc.models.llama.zoo import config_from_dict
 from megatron_lc.errors import ConfigError
@@ -147,12 +147,7 @@ def loader_compatible_fields(config: LlamaConfig) -> dict:
     """What every Llama loader reads, as Meta's own config.json has it: `architectures`, and the rotary
     settings in both layouts transformers has used (top-level `rope_theta` and `rope_scaling`, read by
     transformers 4 and vLLM-style loaders; `rope_parameters`, transformers 5's)."""
-    scaling = None
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
-        scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                   "high_freq_factor": s.high_freq_factor,
-                   "original_max_position_embeddings": s.original_max_position_embeddings}
+    scaling = hf_rope_scaling(config)
     parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": config.rotary_base}
     return {"architectures": ["LlamaForCausalLM"], "rope_theta": config.rotary_base, "rope_scaling": scaling,
             "rope_parameters": parameters, "max_position_embeddings": config.max_position_embeddings}

@@ -21,15 +21,19 @@ def _require_transformers():
     return transformers
 
 
+def hf_rope_scaling(config: LlamaConfig) -> dict | None:
+    """The model's rope scaling as transformers' `rope_scaling` dict (None without scaling)."""
+    if config.rope_scaling is None:
+        return None
+    s = config.rope_scaling
+    return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings}
+
+
 def to_hf_config(config: LlamaConfig, **extra: Any):
     """A transformers.LlamaConfig with the same shape."""
     transformers = _require_transformers()
-    rope_scaling = None
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
-        rope_scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                        "high_freq_factor": s.high_freq_factor,
-                        "original_max_position_embeddings": s.original_max_position_embeddings}
+    rope_scaling = hf_rope_scaling(config)
     return transformers.LlamaConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
