@@ -22,6 +22,7 @@ from megatron_lc.errors import ConfigError
 from megatron_lc.cli import ArgumentParser
 from megatron_lc.attention.context_parallel import CP_IMPLS, ContextParallel
 from megatron_lc.data.sources import validate_data_flags
+from megatron_lc.attention.rotary import ROPE_TYPES
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 from megatron_lc.flags import flag, flag_list
 from megatron_lc.memory.stack import OFFLOAD_ALIASES, MemoryArgs, MemoryStack, fold_offload_aliases
@@ -47,8 +48,20 @@ class ModelArgs:
                                                      "to the embedding")
     init_method_std: float | None = flag(None, "override: standard deviation of the normal initialisation")
     use_rope_scaling: bool = flag(False, "Llama 3.x rotary scaling (factor --rope-scaling-factor, default 8)")
-    rope_scaling_factor: float | None = flag(None, "Llama 3.x rotary scaling factor (with --use-rope-scaling, or "
-                                                   "for a flavour that scales)")
+    rope_scaling_factor: float | None = flag(None, "rotary scaling factor (with --use-rope-scaling, or for a flavour "
+                                                   "or checkpoint that scales)")
+    rope_scaling_type: str | None = flag(None, "rotary scaling as transformers names it: llama3 (Llama 3.x, the "
+                                         "default), linear (position interpolation) or yarn (NTK-by-parts with its "
+                                         "attention factor)", choices=ROPE_TYPES)
+    rope_scaling_original_max_position_embeddings: int | None = flag(
+        None, "the context the base model was trained at, which the scaling stretches (default 8192, or the "
+        "checkpoint's)")
+    rope_scaling_low_freq_factor: float | None = flag(None, "llama3 scaling: low_freq_factor (default 1)")
+    rope_scaling_high_freq_factor: float | None = flag(None, "llama3 scaling: high_freq_factor (default 4)")
+    rope_scaling_beta_fast: float | None = flag(None, "yarn scaling: beta_fast (default 32)")
+    rope_scaling_beta_slow: float | None = flag(None, "yarn scaling: beta_slow (default 1)")
+    rope_scaling_attention_factor: float | None = flag(None, "yarn scaling: the factor on cos and sin (default "
+                                                       "0.1 ln(factor) + 1)")
     make_vocab_size_divisible_by: int = flag(1, "pad the vocabulary (the tokenizer's, --vocab-size or the "
                                              "flavour's) up to a multiple of this, as Megatron-LM: the pad rows "
                                              "are embedding and output rows no token uses (Megatron-LM's default "
@@ -288,8 +301,12 @@ class TrainConfig:
         base = config_from_dict(m.checkpoint_model) if m.checkpoint_model else None
         if base is None and m.model not in FLAVOURS:
             return get_config(m.model)  # refused, naming the flavours
-        scaling = rope_scaling_from_flags((base or FLAVOURS[m.model]).rope_scaling, m.use_rope_scaling,
-                                          m.rope_scaling_factor)
+        scaling = rope_scaling_from_flags(
+            (base or FLAVOURS[m.model]).rope_scaling, m.use_rope_scaling, m.rope_scaling_factor,
+            rope_type=m.rope_scaling_type, original_max_position_embeddings=m.rope_scaling_original_max_position_embeddings,
+            low_freq_factor=m.rope_scaling_low_freq_factor, high_freq_factor=m.rope_scaling_high_freq_factor,
+            beta_fast=m.rope_scaling_beta_fast, beta_slow=m.rope_scaling_beta_slow,
+            attention_factor=m.rope_scaling_attention_factor)
         config = get_config(m.model, base, num_layers=m.num_layers, hidden_size=m.hidden_size,
                           ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
                           num_query_groups=m.num_query_groups, kv_channels=m.kv_channels,
@@ -468,9 +485,6 @@ class TrainConfig:
         if m.rope_scaling_factor is not None:
             if m.rope_scaling_factor <= 0:
                 raise ConfigError(f"--rope-scaling-factor {m.rope_scaling_factor:g} must be > 0")
-            if not m.use_rope_scaling and self.model_config().rope_scaling is None:
-                raise ConfigError(f"--rope-scaling-factor {m.rope_scaling_factor:g} scales Llama 3.x rotary scaling, "
-                                  f"which --model {m.model} does not use: add --use-rope-scaling")
         if m.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by} must be >= 1")
         self.model_config()  # validates the flavour and overrides

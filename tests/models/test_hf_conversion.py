@@ -102,7 +102,9 @@ def _tool(name: str, args: list[str], cwd) -> subprocess.CompletedProcess:
     ("attention_bias", True, "attention_bias=True: the projections have no biases"),
     ("mlp_bias", True, "mlp_bias=True: the projections have no biases"),
     ("attention_dropout", 0.1, "attention_dropout=0.1: attention has no dropout"),
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling.rope_type='linear': only 'default' and"),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_scaling.rope_type='dynamic': dynamic NTK"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.7,
+                      "mscale_all_dim": 0.7}, "rope_scaling={"),
 ])
 def test_hf_config_fields_the_model_does_not_compute_are_refused_in_one_line(tmp_path, field, value, message):
     hf_dir = _hf_model_dir(tmp_path, **{field: value})
@@ -142,6 +144,21 @@ def test_megatron_flags_set_what_a_converted_llama2_shape_needs(tmp_path):
     history = train(parse_config(flags + ["--mock-data", "--seq-length", "32", "--train-iters", "1", "--device",
                                           "cpu", "--load", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "l")]))
     assert [m["step"] for m in history] == [1]  # the checkpoint's model, matched field by field
+
+
+def test_rope_scaling_flags_choose_the_type_and_each_of_its_settings():
+    from megatron_lc.models.llama import RopeScaling
+
+    yarn = parse_config(["--use-rope-scaling", "--rope-scaling-type", "yarn", "--rope-scaling-factor", "4",
+                         "--rope-scaling-original-max-position-embeddings", "64", "--rope-scaling-beta-fast", "16"])
+    assert yarn.model_config().rope_scaling == RopeScaling(rope_type="yarn", factor=4.0,
+                                                           original_max_position_embeddings=64, beta_fast=16.0)
+    llama3 = parse_config(["--model", "llama3-8b", "--rope-scaling-original-max-position-embeddings", "131072",
+                           "--rope-scaling-low-freq-factor", "2"]).model_config().rope_scaling
+    assert (llama3.rope_type, llama3.factor, llama3.original_max_position_embeddings, llama3.low_freq_factor) == (
+        "llama3", 8.0, 131072, 2.0)  # Llama 3.1's scaling, extended again from its 128K
+    linear = parse_config(["--model", "llama3-8b", "--rope-scaling-type", "linear"]).model_config().rope_scaling
+    assert (linear.rope_type, linear.factor) == ("linear", 8.0)
 
 
 def test_rope_scaling_flags_turn_llama3_scaling_on_and_set_its_factor():

@@ -52,3 +52,51 @@ def test_foreign_model_type_is_refused():
     config.model_type = "mistral"
     with pytest.raises(ValueError, match="mistral"):
         from_hf_config(config)
+
+
+# --- rotary scalings, exact against transformers' own frequencies -------------------------------------
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 128, "beta_fast": 16.0,
+     "beta_slow": 2.0, "attention_factor": 1.3},
+])
+def test_each_rope_scaling_converts_both_ways_and_gives_transformers_logits(scaling, tmp_path):
+    """The frequencies and the cos/sin factor of transformers' ROPE_INIT_FUNCTIONS, the logits of its model on
+    positions past the original context, and the same dict back on export."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_lc.attention.rotary import rope_inv_freq
+    from megatron_lc.models.llama.hf import from_hf_config, hf_rope_scaling
+
+    hf_config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                                         max_position_embeddings=512, rope_scaling=dict(scaling))
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(hf_config).eval()
+    ours_config = from_hf_config(hf_config)
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, torch.device("cpu"))
+    got = rope_inv_freq(ours_config.kv_channels, ours_config.rotary_base, ours_config.rope_scaling)
+    torch.testing.assert_close(got, want_freq.float(), rtol=1e-6, atol=0)
+    assert ours_config.rope_scaling.cos_sin_factor() == pytest.approx(want_factor, rel=1e-12)
+    defaults = {"beta_fast": 32.0, "beta_slow": 1.0} if scaling["rope_type"] == "yarn" else {}
+    assert hf_rope_scaling(ours_config) == {**defaults, **scaling}  # transformers' defaults written out
+    ours = build_model(ours_config, device="cpu", seed=None).eval()
+    ours.load_state_dict(from_hf_state_dict(theirs.state_dict(), ours_config))
+    ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(3))  # past 64/128 positions
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_ntk_is_refused_on_import_saying_why():
+    from megatron_lc.models.llama.hf import UnsupportedHFConfig, from_hf_config
+
+    hf_config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(UnsupportedHFConfig, match="dynamic NTK rescales by each batch's length at run time"):
+        from_hf_config(hf_config)

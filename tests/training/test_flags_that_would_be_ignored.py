@@ -23,7 +23,10 @@ REFUSED = {  # flags: words the one line must hold
     "FA3 on the CPU": (["--flash-attention-impl", "fa3"], "--flash-attention-impl fa3 replaces torch's flash"),
     "FA3 with another kernel": (["--flash-attention-impl", "fa4", "--attention-kernel", "reference"],
                                 "--attention-kernel reference does not use"),
-    "rope factor without rope scaling": (["--rope-scaling-factor", "4"], "--rope-scaling-factor 4 scales"),
+    "rope factor without rope scaling": (["--rope-scaling-factor", "4"], "--rope-scaling-factor sets rotary scaling, "
+                                         "which this model does not use: add --use-rope-scaling"),
+    "yarn's beta on llama3 scaling": (["--model", "llama3-8b", "--rope-scaling-beta-fast", "16"],
+                                      "--rope-scaling-beta-fast is yarn scaling's, not llama3's"),
     "rotary base zero": (["--rotary-base", "0"], "--rotary-base 0 must be > 0"),
     "rotary base negative": (["--rotary-base", "-10000"], "--rotary-base -10000 must be > 0"),
     "on-demand fetch without offload": (["--recompute-granularity", "full", "--no-offload-prefetch"],

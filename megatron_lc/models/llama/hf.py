@@ -21,13 +21,32 @@ def _require_transformers():
     return transformers
 
 
+HF_ROPE_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"),
+}
+"""transformers' keys of each rope type we compute (yarn's last three optional there)."""
+
+
 def hf_rope_scaling(config: LlamaConfig) -> dict | None:
     """The model's rope scaling as transformers' `rope_scaling` dict (None without scaling)."""
-    if config.rope_scaling is None:
-        return None
     s = config.rope_scaling
-    return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings}
+    if s is None:
+        return None
+    values = {key: getattr(s, key) for key in HF_ROPE_KEYS[s.rope_type]}
+    return {"rope_type": s.rope_type, **{k: v for k, v in values.items() if v is not None}}
+
+
+def rope_scaling_from_hf(scaling: dict, max_position_embeddings: int) -> RopeScaling:
+    """Our RopeScaling from transformers' dict (checked by `check_hf_config`)."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    values = {k: scaling[k] for k in HF_ROPE_KEYS[kind] if scaling.get(k) is not None}
+    if kind == "yarn" and "original_max_position_embeddings" not in values:  # transformers' fallback
+        values["original_max_position_embeddings"] = max_position_embeddings
+    if kind == "yarn" and "factor" not in values:
+        values["factor"] = max_position_embeddings / values["original_max_position_embeddings"]
+    return RopeScaling(rope_type=kind, **values)
 
 
 def to_hf_config(config: LlamaConfig, **extra: Any):
@@ -88,28 +107,28 @@ def check_hf_config(hf_config) -> None:
     _, scaling = _hf_rope(hf_config)
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "llama3":
-            raise _refuse("rope_scaling.rope_type", kind, "only 'default' and 'llama3' rotary embeddings are "
+        if kind == "dynamic":
+            raise _refuse("rope_scaling.rope_type", kind, "dynamic NTK rescales by each batch's length at run time, "
+                          "which a training step at one length cannot reproduce; yarn, llama3 and linear are "
                           "implemented")
-        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-                   if k not in scaling]
+        if kind not in HF_ROPE_KEYS:
+            raise _refuse("rope_scaling.rope_type", kind, "only 'default', 'llama3', 'linear' and 'yarn' rotary "
+                          "embeddings are implemented")
+        required = {"llama3": HF_ROPE_KEYS["llama3"], "linear": ("factor",), "yarn": ()}[kind]
+        missing = [k for k in required if k not in scaling]
         if missing:
-            raise _refuse("rope_scaling", scaling, f"llama3 scaling without {', '.join(missing)}")
-        extra = set(scaling) - {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                                "original_max_position_embeddings"}
+            raise _refuse("rope_scaling", scaling, f"{kind} scaling without {', '.join(missing)}")
+        extra = set(scaling) - {"rope_type", "type", "rope_theta", *HF_ROPE_KEYS[kind]} - (
+            {"truncate"} if scaling.get("truncate", True) is True else set())
         if extra:
-            raise _refuse("rope_scaling", scaling, f"unknown keys {', '.join(sorted(extra))}")
+            raise _refuse("rope_scaling", scaling, f"keys this model does not compute: {', '.join(sorted(extra))}")
 
 
 def from_hf_config(hf_config) -> LlamaConfig:
     """Our LlamaConfig from a transformers config; a field we do not compute exactly is refused (see check_hf_config)."""
     check_hf_config(hf_config)
     theta, scaling = _hf_rope(hf_config)
-    rope = None
-    if scaling is not None:
-        rope = RopeScaling(factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
-                           high_freq_factor=scaling["high_freq_factor"],
-                           original_max_position_embeddings=scaling["original_max_position_embeddings"])
+    rope = None if scaling is None else rope_scaling_from_hf(scaling, hf_config.max_position_embeddings)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     config = LlamaConfig(

@@ -57,7 +57,7 @@ class LlamaConfig:
     rotary_base: float = 500000.0
     """Rotary theta."""
     rope_scaling: RopeScaling | None = None
-    """Llama 3 rope scaling, or None for plain rotary."""
+    """Rotary scaling (llama3, linear or yarn), or None for plain rotary."""
     tie_embeddings: bool = False
     """Share the embedding matrix with the output projection."""
     max_position_embeddings: int = 131072
@@ -76,6 +76,8 @@ class LlamaConfig:
                              f"num_query_groups ({self.num_query_groups})")
         if self.kv_channels % 2:
             raise ValueError(f"kv_channels must be even for rotary embeddings, got {self.kv_channels}")
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate()
 
 
 # --- attention ----------------------------------------------------------------------------
@@ -288,7 +290,9 @@ class Transformer(nn.Module):
         if cu_seqlens is None:
             cu_seqlens = tuple(range(0, B * S + 1, S))
         h = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, rope_inv_freq(self.config.kv_channels, self.config.rotary_base, self.config.rope_scaling, h.device), h.dtype)
+        c = self.config
+        cos, sin = rope_cos_sin(position_ids, rope_inv_freq(c.kv_channels, c.rotary_base, c.rope_scaling, h.device),
+                                h.dtype, c.rope_scaling.cos_sin_factor() if c.rope_scaling else 1.0)
         for layer in self.layers:
             h = layer(h, cos, sin, tuple(cu_seqlens))
         return self.head(h, labels, per_token)

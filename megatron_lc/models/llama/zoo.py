@@ -52,11 +52,36 @@ def config_from_dict(values: dict) -> LlamaConfig:
     return LlamaConfig(**values)
 
 
-def rope_scaling_from_flags(base: RopeScaling | None, use_rope_scaling: bool,
-                            factor: float | None) -> RopeScaling | None:
-    """--use-rope-scaling turns Llama 3.x scaling on (factor 8 as Megatron-LM unless --rope-scaling-factor);
-    --rope-scaling-factor alone changes the factor of a flavour that scales."""
+ROPE_FLAGS = {"rope_type": "--rope-scaling-type", "factor": "--rope-scaling-factor",
+              "original_max_position_embeddings": "--rope-scaling-original-max-position-embeddings",
+              "low_freq_factor": "--rope-scaling-low-freq-factor", "high_freq_factor": "--rope-scaling-high-freq-factor",
+              "beta_fast": "--rope-scaling-beta-fast", "beta_slow": "--rope-scaling-beta-slow",
+              "attention_factor": "--rope-scaling-attention-factor"}
+"""RopeScaling's fields by the flag that sets each."""
+ROPE_FIELDS_OF = {"llama3": ("low_freq_factor", "high_freq_factor"), "linear": (),
+                  "yarn": ("beta_fast", "beta_slow", "attention_factor")}
+"""The fields only one rope type reads (factor and the original positions: every type's)."""
+
+
+def rope_scaling_from_flags(base: RopeScaling | None, use_rope_scaling: bool, factor: float | None,
+                            **fields) -> RopeScaling | None:
+    """--use-rope-scaling turns rotary scaling on (Llama 3's with factor 8, as Megatron-LM, unless
+    --rope-scaling-type and --rope-scaling-factor say otherwise); the --rope-scaling-* flags change the scaling of
+    a flavour or checkpoint that scales. A flag of another type's scaling, or one without any scaling, is refused
+    naming it."""
+    given = {k: v for k, v in {**fields, "factor": factor}.items() if v is not None}
     if base is None and not use_rope_scaling:
+        if given:
+            name = ROPE_FLAGS[next(iter(given))]
+            raise ValueError(f"{name} sets rotary scaling, which this model does not use: add --use-rope-scaling")
         return None
-    base = base or RopeScaling()
-    return replace(base, factor=factor) if factor is not None else base
+    if "rope_type" in given and (base is None or given["rope_type"] != base.rope_type):
+        base = RopeScaling(rope_type=given["rope_type"], **({} if base is None else {
+            "factor": base.factor, "original_max_position_embeddings": base.original_max_position_embeddings}))
+    scaling = replace(base or RopeScaling(), **given)
+    for kind, names in ROPE_FIELDS_OF.items():
+        for name in names:
+            if name in given and kind != scaling.rope_type:
+                raise ValueError(f"{ROPE_FLAGS[name]} is {kind} scaling's, not {scaling.rope_type}'s "
+                                 f"(--rope-scaling-type {kind})")
+    return scaling
