@@ -8,8 +8,11 @@
 them); with --split, one part of it (the validation part unless --split-part says otherwise).
 
 Prints one JSON object: samples, tokens, loss (mean per valid token) and, with
---loss-by-position, the mean loss in each of BUCKETS equal position ranges of the
-sequence (the long-context curve: does loss keep falling deep into the context?).
+--loss-by-position, the mean loss in each of BUCKETS equal ranges of the position a token has in
+the context its prediction sees (its document with --reset-attention-mask, else its sample): the
+long-context curve, does loss keep falling deep into the context? A bucket no token reaches has
+loss null. --reset-attention-mask and --reset-position-ids default to the training's (recorded in
+the checkpoint), so the evaluation sees the contexts training saw.
 Runs under torchrun like training (dp ranks split the samples, cp ranks the sequence).
 """
 
@@ -50,9 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     p.add_argument("--num-samples", type=int, default=None, help="samples to evaluate (default: all whole samples)")
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--reset-position-ids", action="store_true", help="restart positions at each document")
-    p.add_argument("--reset-attention-mask", action="store_true",
-                   help="attend within each document only (default: across end-of-document tokens, as Megatron-LM)")
+    p.add_argument("--reset-position-ids", action=argparse.BooleanOptionalAction, default=None,
+                   help="restart positions at each document (default: as the checkpoint's training)")
+    p.add_argument("--reset-attention-mask", action=argparse.BooleanOptionalAction, default=None,
+                   help="attend within each document only (default: as the checkpoint's training; Megatron-LM's "
+                        "default attends across end-of-document tokens)")
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-replicate", type=int, default=1,
                    help="HSDP replicas, as in training (the rest of the data-parallel ranks shard the model)")
@@ -60,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-comm-type", default="a2a", choices=CP_COMM_TYPES, help="as for megatron_lc.train")
     p.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A", "R"),
                    help="with --cp-comm-type a2a+p2p: all-to-all degree and ring degree")
+    p.add_argument("--loss-by-position-in", default="context", choices=("context", "sample"),
+                   help="with --loss-by-position: bucket a token by its position in the context its prediction sees "
+                        "(its document with --reset-attention-mask, else its sample; the default) or in its sample")
     p.add_argument("--loss-by-position", type=int, default=None, metavar="BUCKETS",
                    help="also report the mean loss in BUCKETS equal position ranges")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
@@ -73,6 +81,13 @@ def evaluate(args) -> dict:
         raise ConfigError(f"--load {args.load}: no intact checkpoint there")
     path, meta = found
     config = config_from_meta(meta)
+    trained = meta.get("train_config", {}).get("data", {})
+    for name in ("reset_position_ids", "reset_attention_mask"):  # the contexts training saw, unless told
+        if getattr(args, name) is None:
+            setattr(args, name, bool(trained.get(name, False)))
+    if args.loss_by_position is not None and not 1 <= args.loss_by_position <= args.seq_length:
+        raise ConfigError(f"--loss-by-position {args.loss_by_position}: between 1 and --seq-length "
+                          f"{args.seq_length} buckets (each holds at least one position)")
     cfg = config_from_values({"context_parallel_size": args.context_parallel_size, "cp_impl": args.cp_impl,
                               "data_parallel_replicate": args.data_parallel_replicate,
                               "cp_comm_type": args.cp_comm_type,
@@ -124,19 +139,23 @@ def evaluation_source(args, vocab_size: int | None = None) -> SampleSource:
 
 
 def _loss_over(loader, model, pstate, device, args) -> dict:
-    buckets = args.loss_by_position or 1
-    positions = [p for a, b in pstate.context_layout.token_ranges(args.seq_length, pstate.cp_rank) for p in range(a, b)]
+    buckets, S = args.loss_by_position or 1, args.seq_length
+    positions = torch.tensor([p for a, b in pstate.context_layout.token_ranges(S, pstate.cp_rank)
+                              for p in range(a, b)], device=device)
     sums = torch.zeros(buckets, dtype=torch.float64, device=device)
     counts = torch.zeros(buckets, dtype=torch.float64, device=device)
-    bucket_of = torch.tensor(positions, device=device) * buckets // args.seq_length
     samples = 0
     with torch.no_grad():
         for mb in loader:
             mb = mb.to(device)
             losses = model(mb.input_ids, mb.position_ids, mb.labels, mb.cu_seqlens, per_token=True)
             valid = (mb.labels != IGNORE_INDEX).double()
-            sums.index_add_(0, bucket_of, (losses.double() * valid).sum(0))
-            counts.index_add_(0, bucket_of, valid.sum(0))
+            batch = mb.input_ids.shape[0]
+            where = (context_position(positions, mb.cu_seqlens, batch, S) if args.loss_by_position_in == "context"
+                     else positions.expand(batch, -1))
+            bucket_of = where * buckets // S
+            sums.index_add_(0, bucket_of.flatten(), (losses.double() * valid).flatten())
+            counts.index_add_(0, bucket_of.flatten(), valid.flatten())
             samples += mb.input_ids.shape[0] * pstate.dp_size
     if pstate.distributed:
         dist.all_reduce(sums, group=pstate.loss_group)
@@ -144,12 +163,22 @@ def _loss_over(loader, model, pstate, device, args) -> dict:
     result = {"samples": samples, "tokens": samples * args.seq_length, "valid_tokens": int(counts.sum().item()),
               "loss": (sums.sum() / counts.sum().clamp(min=1)).item()}
     if args.loss_by_position:
-        width = args.seq_length // buckets
+        result["loss_by_position_in"] = ("document" if args.reset_attention_mask else "sample") \
+            if args.loss_by_position_in == "context" else "sample"
         result["loss_by_position"] = [
-            {"start": b * width, "end": (b + 1) * width, "loss": (sums[b] / counts[b].clamp(min=1)).item()}
+            {"start": -(-b * S // buckets), "end": -(-(b + 1) * S // buckets), "tokens": int(counts[b].item()),
+             "loss": (sums[b] / counts[b]).item() if counts[b] > 0 else None}
             for b in range(buckets)
         ]
     return result
+
+
+def context_position(positions: torch.Tensor, cu_seqlens: tuple[int, ...], batch: int, seq_length: int) -> torch.Tensor:
+    """[batch, local tokens]: each of this rank's tokens' position in its attention segment (`cu_seqlens`, global
+    boundaries of the micro-batch's samples back to back), given the tokens' positions in their sample."""
+    flat = positions.unsqueeze(0) + seq_length * torch.arange(batch, device=positions.device).unsqueeze(1)
+    starts = torch.tensor(cu_seqlens, device=positions.device)
+    return flat - starts[torch.searchsorted(starts, flat, right=True) - 1]
 
 
 def main(argv=None) -> None:

@@ -164,7 +164,7 @@ def main() -> None:
     out = run([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
                "-m", "megatron_lc.evaluate", "--load", str(ckpt), "--data-path", str(probe), "--seq-length",
                str(args.seq_length), "--reset-attention-mask", "--context-parallel-size", "2",
-               "--cp-impl", "untied_ulysses",
+               "--cp-impl", "untied_ulysses", "--loss-by-position-in", "sample",
                "--loss-by-position", str(args.seq_length // PROBE_HALF), "--device", "cpu"])
     result = json.loads(out.strip().splitlines()[-1])
     loss = probe_losses(result, args.seq_length)

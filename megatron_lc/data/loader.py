@@ -127,20 +127,18 @@ class MicroBatchLoader:
         """Resume where `state` stopped; returns '' when the run continues sample by sample, else one line saying
         where the token stream continues.
 
-        At the length and batch the state was saved with, sample after sample (the stream offset it started at
-        restored). At another `--seq-length` or batch layout, the token stream continues at the first token
-        not yet trained (each stream of a blend at its own), from sample 0; a source with no token stream
-        (mock data) is refused."""
+        At the length the state was saved with, sample after sample (the stream offset it started at restored)
+        whenever the samples consumed are whole steps of this batch layout. At another `--seq-length`, or a
+        batch layout the samples consumed do not divide, the token stream continues at the first token not yet
+        trained (each stream of a blend at its own), from sample 0; a source with no token stream (mock data)
+        is refused."""
         consumed = int(state["consumed_samples"])
         if consumed < 0:
             raise ValueError(f"consumed_samples {consumed} must be >= 0")
         saved_length = int(state.get("seq_length", self.samples.seq_length))
         saved_step = int(state.get("samples_per_step", self.samples_per_step))
         start = state.get("stream_start")
-        if saved_length == self.samples.seq_length and saved_step == self.samples_per_step:
-            if consumed % self.samples_per_step:
-                raise ValueError(f"consumed_samples {consumed} is not a multiple of micro_batch_size x dp_size "
-                                 f"= {self.samples_per_step}: the state records another batch layout")
+        if saved_length == self.samples.seq_length and consumed % self.samples_per_step == 0:
             if start is not None and self.samples.stream_position(0) != tuple(start):
                 self.samples = self.samples.continued(tuple(start))
             self.consumed_samples = consumed
@@ -149,8 +147,9 @@ class MicroBatchLoader:
         if position is None:
             why = "mock data is no token stream" if "stream_start" in state else "the checkpoint records no token position"
             raise ValueError(
-                f"the checkpoint's data was read at --seq-length {saved_length} x {saved_step} samples per step, this "
-                f"run reads {self.samples.seq_length} x {self.samples_per_step}, and {why} to continue from")
+                f"the checkpoint's data was read at --seq-length {saved_length} x {saved_step} samples per step "
+                f"({consumed} samples consumed), this run reads {self.samples.seq_length} x {self.samples_per_step}, "
+                f"and {why} to continue from")
         self.samples = self.samples.continued(tuple(position))
         self.consumed_samples = 0
         return (f"--seq-length {self.samples.seq_length} x {self.samples_per_step} samples per step (the checkpoint "

@@ -374,7 +374,7 @@ def _train_run(run: Run) -> list[dict]:
             history.append(metrics)
             c = cfg.checkpoint
             exiting = bool(cfg.train.exit_interval) and step % cfg.train.exit_interval == 0
-            reason = stop.reason()
+            reason = stop.reason() or (f"--exit-interval {cfg.train.exit_interval}" if exiting else None)
             if c.save and ((c.save_interval and step % c.save_interval == 0) or step == cfg.train.train_iters
                            or exiting or reason):
                 save(run, step)

@@ -69,10 +69,11 @@ def test_resumed_loader_yields_exactly_what_the_uninterrupted_one_does(samples):
         assert got.cu_seqlens == want.cu_seqlens
 
 
-def test_state_from_another_batch_layout_is_rejected(samples):
+def test_state_from_a_batch_layout_that_does_not_divide_continues_at_its_token(samples):
     loader = MicroBatchLoader(samples, micro_batch_size=2, dp_size=2)
-    with pytest.raises(ValueError, match="consumed_samples 6 is not a multiple of micro_batch_size x dp_size = 4"):
-        loader.load_state_dict({"consumed_samples": 6})
+    said = loader.load_state_dict({"consumed_samples": 6, "seq_length": SEQ_LENGTH, "samples_per_step": 3,
+                                   "stream_start": [0], "stream_position": [6 * SEQ_LENGTH]})
+    assert f"continues at token {6 * SEQ_LENGTH}" in said and loader.consumed_samples == 0
 
 
 def test_loader_stops_after_num_samples(samples):

@@ -81,7 +81,17 @@ def test_another_data_parallel_size_continues_the_stream(dataset):
     inputs, _, messages = _read_phases(source, phases)
     total = sum(s * steps * dp * 2 for s, steps, dp in phases)
     np.testing.assert_array_equal(inputs, _stream(dataset, 7, True, total)[:total])
-    assert "the checkpoint read 16 x 2" in messages[0] and "continues at token 64" in messages[0]
+    assert messages[0] == ""  # 4 samples consumed are one step of 4: sample after sample
+    assert "the checkpoint read 16 x 4" in messages[1] and "continues at token 192" in messages[1]
+
+
+def test_a_batch_layout_that_does_not_divide_the_samples_consumed_continues_at_their_token(dataset):
+    source = LongSequenceSamples(dataset, 16, seed=7)
+    phases = [(16, 3, 1), (16, 2, 2)]  # 6 samples consumed, 4 per step now
+    inputs, _, messages = _read_phases(source, phases)
+    total = sum(s * steps * dp * 2 for s, steps, dp in phases)
+    np.testing.assert_array_equal(inputs, _stream(dataset, 7, True, total)[:total])
+    assert "continues at token 96" in messages[0]
 
 
 def test_each_stream_of_a_blend_continues_at_its_own_position(tmp_path, dataset):
@@ -113,8 +123,8 @@ def test_mock_data_at_another_length_is_refused_naming_both():
     next(loader)
     state = loader.state_dict()
     assert state["stream_position"] is None
-    with pytest.raises(ValueError, match="read at --seq-length 16 x 1 samples per step, this run reads 32 x 1, and "
-                                         "mock data is no token stream"):
+    with pytest.raises(ValueError, match=r"read at --seq-length 16 x 1 samples per step \(1 samples consumed\), "
+                                         "this run reads 32 x 1, and mock data is no token stream"):
         MicroBatchLoader(MockSamples(100, 32, seed=0), 1).load_state_dict(state)
     again = MicroBatchLoader(MockSamples(100, 16, seed=0), 1)
     assert again.load_state_dict(state) == "" and again.consumed_samples == 1

@@ -42,11 +42,13 @@ def _evaluate(work, *args, nproc=1):
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("layout", [[], ["--cp-comm-type", "p2p"]], ids=["a2a", "ring"])
+@pytest.mark.parametrize("layout", [[], ["--cp-comm-type", "p2p"], ["--reset-attention-mask"]],
+                         ids=["a2a", "ring", "by-document"])
 def test_context_parallel_evaluation_equals_one_process(trained, layout):
-    """Also with ring attention, whose ranks hold two chunks each: the loss by position still lands in the
-    right buckets."""
-    one = _evaluate(trained, "--seq-length", "64", "--loss-by-position", "4")
+    """Also with ring attention, whose ranks hold two chunks each, and by position in each document: the loss by
+    position still lands in the right buckets."""
+    flags = [f for f in layout if f == "--reset-attention-mask"]
+    one = _evaluate(trained, "--seq-length", "64", "--loss-by-position", "4", *flags)
     two = _evaluate(trained, "--seq-length", "64", "--loss-by-position", "4", "--context-parallel-size", "2",
                     *layout, nproc=2)
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
@@ -55,6 +57,27 @@ def test_context_parallel_evaluation_equals_one_process(trained, layout):
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     assert [x["loss"] for x in b["loss_by_position"]] == pytest.approx([x["loss"] for x in a["loss_by_position"]],
                                                                         rel=1e-5)
+
+
+def test_loss_by_position_counts_each_token_at_its_place_in_its_document(trained):
+    """With --reset-attention-mask a token's bucket is its position in its document (the context it sees): one
+    bucket per position, the counts fall with the position, a position no document reaches is null; in the sample
+    every position holds a token of every sample."""
+    by_document = json.loads(_evaluate(trained, "--seq-length", "64", "--reset-attention-mask",
+                                       "--loss-by-position", "64").stdout.strip().splitlines()[-1])
+    buckets = by_document["loss_by_position"]
+    assert by_document["loss_by_position_in"] == "document" and [b["start"] for b in buckets] == list(range(64))
+    counts = [b["tokens"] for b in buckets]
+    assert sum(counts) == by_document["valid_tokens"] and counts == sorted(counts, reverse=True) and counts[0] > counts[-1]
+    assert all((b["loss"] is None) == (b["tokens"] == 0) for b in buckets)
+    by_sample = json.loads(_evaluate(trained, "--seq-length", "64", "--reset-attention-mask", "--loss-by-position",
+                                     "64", "--loss-by-position-in", "sample").stdout.strip().splitlines()[-1])
+    assert {b["tokens"] for b in by_sample["loss_by_position"]} == {by_sample["samples"]}
+
+
+def test_more_buckets_than_positions_is_refused_in_one_line(trained):
+    out = _evaluate(trained, "--seq-length", "64", "--loss-by-position", "65")
+    assert out.returncode == 2 and "--loss-by-position 65: between 1 and --seq-length 64 buckets" in out.stderr
 
 
 def test_attention_crosses_documents_unless_reset_attention_mask_both_as_transformers_computes(trained, tmp_path):

@@ -176,8 +176,9 @@ def test_changed_schedule_on_resume_is_refused_unless_a_flag_chooses(tmp_path):
 def test_mock_data_at_another_length_on_resume_is_refused_unless_overridden(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     train(parse_config(BASE + ["--train-iters", "2", "--save", ckpt, "--log-dir", str(tmp_path / "a")]))
-    with pytest.raises(ConfigError, match="read at --seq-length 32 x 1 samples per step, this run reads 64 x 1, and "
-                                          "mock data is no token stream.*--override-data-settings"):
+    with pytest.raises(ConfigError, match=r"read at --seq-length 32 x 1 samples per step \(2 samples consumed\), "
+                                          "this run reads 64 x 1, and mock data is no token stream.*"
+                                          "--override-data-settings"):
         train(parse_config(BASE + ["--seq-length", "64", "--train-iters", "3", "--load", ckpt]))
     capsys.readouterr()
     rest = train(parse_config(BASE + ["--seq-length", "64", "--train-iters", "3", "--load", ckpt,
