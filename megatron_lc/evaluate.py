@@ -3,6 +3,7 @@
     python -m megatron_lc.evaluate --load CKPT --data-path [W1] PREFIX1 [[W2] PREFIX2 ...] --seq-length S \
         [--split 969,30,1 [--split-part valid]] [--num-samples N] [--context-parallel-size CP] \
         [--loss-by-position BUCKETS]
+    python -m megatron_lc.evaluate --load CKPT --passkey --seq-length S [--passkey-depths 0 0.5 1]
 
 --data-path takes training's blend syntax (weights or none, blended as megatron-core blends
 them); with --split, one part of it (the validation part unless --split-part says otherwise).
@@ -41,13 +42,16 @@ from megatron_lc.training.preflight import preflight
 from megatron_lc.parallel_state import ParallelState, detect_launch, init_distributed, warm_up_collectives
 from megatron_lc.training import checkpointing
 from megatron_lc.training.step import IGNORE_INDEX
+from megatron_lc.data.tokenizers import TOKENIZER_TYPES
+from megatron_lc.passkey import DEFAULT_DEPTHS, run_passkey
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m megatron_lc.evaluate", description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True, help="checkpoint directory (a --save root or one iter_* directory)")
-    p.add_argument("--data-path", required=True, nargs="+",
-                   help="indexed dataset prefixes, as for training: PREFIX ... or W1 PREFIX1 W2 PREFIX2 ...")
+    p.add_argument("--data-path", nargs="+", default=None,
+                   help="indexed dataset prefixes, as for training: PREFIX ... or W1 PREFIX1 W2 PREFIX2 ... "
+                        "(required unless --passkey)")
     p.add_argument("--split", default=None, help="train,valid,test weights as for training (default: every document)")
     p.add_argument("--split-part", default="valid", choices=SPLIT_NAMES, help="with --split: the part evaluated")
     p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
@@ -70,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(its document with --reset-attention-mask, else its sample; the default) or in its sample")
     p.add_argument("--loss-by-position", type=int, default=None, metavar="BUCKETS",
                    help="also report the mean loss in BUCKETS equal position ranges")
+    p.add_argument("--passkey", action="store_true",
+                   help="instead of a dataset's loss, the passkey test: a key hidden at each --passkey-depths of "
+                        "--seq-length tokens of filler, retrieved or not (megatron_lc/passkey.py)")
+    p.add_argument("--passkey-depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS),
+                   help="with --passkey: where the key sits, 0 (the start) to 1 (just before the question)")
+    p.add_argument("--passkey-trials", type=int, default=5, help="with --passkey: keys per depth")
+    p.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="with --passkey: the tokenizer (default: the checkpoint's training's)")
+    p.add_argument("--tokenizer-model", default=None, help="with --passkey: its file (default: the training's)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     return p
 
@@ -85,6 +98,12 @@ def evaluate(args) -> dict:
     for name in ("reset_position_ids", "reset_attention_mask"):  # the contexts training saw, unless told
         if getattr(args, name) is None:
             setattr(args, name, bool(trained.get(name, False)))
+    if (args.data_path is None) == (not args.passkey):
+        raise ConfigError("give --data-path (the loss on a dataset) or --passkey (the passkey test), one of them")
+    tokenizer = _passkey_tokenizer(args, meta) if args.passkey else None
+    if args.passkey and (args.passkey_trials < 1 or not all(0 <= d <= 1 for d in args.passkey_depths)):
+        raise ConfigError(f"--passkey-trials {args.passkey_trials} must be >= 1 and --passkey-depths "
+                          f"{args.passkey_depths} between 0 and 1")
     if args.loss_by_position is not None and not 1 <= args.loss_by_position <= args.seq_length:
         raise ConfigError(f"--loss-by-position {args.loss_by_position}: between 1 and --seq-length "
                           f"{args.seq_length} buckets (each holds at least one position)")
@@ -92,13 +111,14 @@ def evaluate(args) -> dict:
                               "data_parallel_replicate": args.data_parallel_replicate,
                               "cp_comm_type": args.cp_comm_type,
                               "hierarchical_context_parallel_sizes": args.hierarchical_context_parallel_sizes or [],
-                              "seq_length": args.seq_length, "data_path": args.data_path, "split": args.split})
+                              "seq_length": args.seq_length, "data_path": args.data_path or [],
+                              "mock_data": args.passkey, "split": args.split})
     cfg.validate(launch.world_size)
     preflight(cfg)
-    source = evaluation_source(args, config.vocab_size)
-    total = min(args.num_samples or len(source), len(source))
+    source = None if args.passkey else evaluation_source(args, config.vocab_size)
+    total = 0 if args.passkey else min(args.num_samples or len(source), len(source))
     per_step = args.micro_batch_size * cfg.parallel_dims(launch.world_size).dp
-    if total < per_step:
+    if not args.passkey and total < per_step:
         raise ConfigError(f"--data-path {' '.join(args.data_path)} holds {len(source)} whole samples of --seq-length "
                           f"{args.seq_length}; evaluating needs at least {per_step} (shorten --seq-length)")
     set_cuda_allocator_settings()  # before CUDA initialises, as in training
@@ -113,11 +133,31 @@ def evaluate(args) -> dict:
     model, _ = build_sharded_model(cfg, config, pstate, devices)
     checkpointing.load_model_weights(path, model)
     model.eval()
+    if args.passkey:
+        return run_passkey(model, tokenizer, pstate, devices.accelerator, args.seq_length, args.passkey_depths,
+                           args.passkey_trials)
     loader = MicroBatchLoader(source, args.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
                               pstate.cp_size, reset_position_ids=args.reset_position_ids,
                               reset_attention_mask=args.reset_attention_mask, num_samples=total - total % per_step,
                               cp_ring=layout.ring_size)
     return _loss_over(loader, model, pstate, devices.accelerator, args)
+
+
+def _passkey_tokenizer(args, meta: dict):
+    """The tokenizer the passkey's text is written in: the flags', else the one the checkpoint trained with."""
+    from megatron_lc.data.tokenizers import TokenizerSpec
+
+    trained = meta.get("train_config", {}).get("data", {})
+    kind, model = args.tokenizer_type or trained.get("tokenizer_type"), args.tokenizer_model
+    if args.tokenizer_type is None:
+        model = trained.get("tokenizer_model")
+    if kind is None or kind == "NullTokenizer":
+        raise ConfigError("--passkey writes text: give --tokenizer-type and --tokenizer-model (the checkpoint "
+                          "records no text tokenizer)")
+    try:
+        return TokenizerSpec(kind, model, trained.get("vocab_file"), trained.get("merge_file")).build()
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--tokenizer-type {kind}: {e}") from None
 
 
 def evaluation_source(args, vocab_size: int | None = None) -> SampleSource:
