@@ -43,7 +43,7 @@ from megatron_lc.parallel_state import ParallelState, detect_launch, init_distri
 from megatron_lc.training import checkpointing
 from megatron_lc.training.step import IGNORE_INDEX
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
-from megatron_lc.passkey import DEFAULT_DEPTHS, run_passkey
+from megatron_lc.passkey import DEFAULT_DEPTHS, passkey_table, plot_passkey, run_passkey
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,10 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also report the mean loss in BUCKETS equal position ranges")
     p.add_argument("--passkey", action="store_true",
                    help="instead of a dataset's loss, the passkey test: a key hidden at each --passkey-depths of "
-                        "--seq-length tokens of filler, retrieved or not (megatron_lc/passkey.py)")
+                        "each --passkey-lengths tokens (the --data-path documents as haystack, else filler text), "
+                        "retrieved by greedy decoding or not (megatron_lc/passkey.py)")
     p.add_argument("--passkey-depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS),
                    help="with --passkey: where the key sits, 0 (the start) to 1 (just before the question)")
     p.add_argument("--passkey-trials", type=int, default=5, help="with --passkey: keys per depth")
+    p.add_argument("--passkey-lengths", type=int, nargs="+", default=None,
+                   help="with --passkey: the context lengths tested (default: --seq-length)")
+    p.add_argument("--passkey-plot", default=None, metavar="FILE.png",
+                   help="with --passkey: draw the depth x length retrieval map")
     p.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
                    help="with --passkey: the tokenizer (default: the checkpoint's training's)")
     p.add_argument("--tokenizer-model", default=None, help="with --passkey: its file (default: the training's)")
@@ -98,9 +103,10 @@ def evaluate(args) -> dict:
     for name in ("reset_position_ids", "reset_attention_mask"):  # the contexts training saw, unless told
         if getattr(args, name) is None:
             setattr(args, name, bool(trained.get(name, False)))
-    if (args.data_path is None) == (not args.passkey):
-        raise ConfigError("give --data-path (the loss on a dataset) or --passkey (the passkey test), one of them")
+    if args.data_path is None and not args.passkey:
+        raise ConfigError("give --data-path (the loss on a dataset) or --passkey (the passkey test)")
     tokenizer = _passkey_tokenizer(args, meta) if args.passkey else None
+    lengths = args.passkey_lengths or [args.seq_length]
     if args.passkey and (args.passkey_trials < 1 or not all(0 <= d <= 1 for d in args.passkey_depths)):
         raise ConfigError(f"--passkey-trials {args.passkey_trials} must be >= 1 and --passkey-depths "
                           f"{args.passkey_depths} between 0 and 1")
@@ -114,8 +120,13 @@ def evaluate(args) -> dict:
                               "seq_length": args.seq_length, "data_path": args.data_path or [],
                               "mock_data": args.passkey, "split": args.split})
     cfg.validate(launch.world_size)
+    for length in lengths if args.passkey else ():
+        try:
+            cfg.context_layout().check(length)
+        except ValueError as e:
+            raise ConfigError(f"--passkey-lengths: {e}") from None
     preflight(cfg)
-    source = None if args.passkey else evaluation_source(args, config.vocab_size)
+    source = None if args.passkey and not args.data_path else evaluation_source(args, config.vocab_size)
     total = 0 if args.passkey else min(args.num_samples or len(source), len(source))
     per_step = args.micro_batch_size * cfg.parallel_dims(launch.world_size).dp
     if not args.passkey and total < per_step:
@@ -134,8 +145,14 @@ def evaluate(args) -> dict:
     checkpointing.load_model_weights(path, model)
     model.eval()
     if args.passkey:
-        return run_passkey(model, tokenizer, pstate, devices.accelerator, args.seq_length, args.passkey_depths,
-                           args.passkey_trials)
+        haystack = None if source is None else (lambda n: source.read_tokens(0, 0, n).astype("int64"))
+        result = run_passkey(model, tokenizer, pstate, devices.accelerator, lengths, args.passkey_depths,
+                             args.passkey_trials, haystack=haystack)
+        if launch.rank == 0:
+            print(passkey_table(result), flush=True)
+            if args.passkey_plot:
+                plot_passkey(result, args.passkey_plot)
+        return result
     loader = MicroBatchLoader(source, args.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
                               pstate.cp_size, reset_position_ids=args.reset_position_ids,
                               reset_attention_mask=args.reset_attention_mask, num_samples=total - total % per_step,

@@ -48,13 +48,17 @@ def _passkey(ckpt, *args, nproc=1):
                           "--passkey-trials", "2", "--device", "cpu", *args], capture_output=True, text=True,
                          timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "passkey retrieved (" in out.stdout  # the table, then the JSON
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_passkey_rows_per_depth_are_the_same_on_two_context_parallel_ranks(byte_checkpoint):
-    one = _passkey(byte_checkpoint)
-    two = _passkey(byte_checkpoint, "--context-parallel-size", "2", nproc=2)
-    assert [r["depth"] for r in one["passkey"]] == [0.0, 0.25, 0.5, 0.75, 1.0] and one["trials"] == 2
+def test_passkey_rows_per_depth_and_length_are_the_same_on_two_context_parallel_ranks(byte_checkpoint, tmp_path):
+    lengths = ["--passkey-lengths", "256", "384"]
+    one = _passkey(byte_checkpoint, *lengths, "--passkey-plot", str(tmp_path / "passkey.png"))
+    two = _passkey(byte_checkpoint, *lengths, "--context-parallel-size", "2", nproc=2)
+    assert [(r["seq_length"], r["depth"]) for r in one["passkey"]] == [
+        (length, depth) for length in (256, 384) for depth in (0.0, 0.25, 0.5, 0.75, 1.0)] and one["trials"] == 2
+    assert (tmp_path / "passkey.png").stat().st_size > 1000
     for a, b in zip(one["passkey"], two["passkey"]):
         assert a["retrieved"] == b["retrieved"] and 0 <= a["retrieved"] <= 1
         assert b["answer_loss"] == pytest.approx(a["answer_loss"], rel=1e-5) and np.isfinite(a["answer_loss"])
@@ -67,3 +71,19 @@ def test_passkey_without_a_text_tokenizer_is_refused_in_one_line(tmp_path):
                           "--passkey", "--seq-length", "256", "--device", "cpu"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 2 and "--passkey writes text: give --tokenizer-type" in out.stderr
+
+
+def test_greedy_hits_are_the_full_logits_argmax():
+    import torch
+
+    from megatron_lc.models.llama import build_model, get_config
+
+    model = build_model(get_config("debug"), device="cpu", seed=0).eval()
+    ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids)
+        labels = torch.where(torch.rand(2, 48) < 0.5, logits.argmax(-1), ids)  # half of them the argmax
+        losses, hits = model(ids, labels=labels, per_token="greedy")
+    assert torch.equal(hits, logits.argmax(-1) == labels) and hits.any() and not hits.all()
+    torch.testing.assert_close(losses, torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels,
+                                                                         reduction="none"), rtol=1e-5, atol=1e-5)

@@ -237,14 +237,15 @@ class LMHead(nn.Module):
         self.tile_bounds: TileBounds = tile_bounds
         """The tile policy of the tiled loss."""
 
-    def forward(self, h, labels=None, per_token: bool = False):
+    def forward(self, h, labels=None, per_token: bool | str = False):
         """Logits [B, S, V] without labels; else (sum of token losses, valid-token count),
-        or with `per_token` (evaluation, no grad) each token's loss [B, S] (0 where ignored)."""
+        or with `per_token` (evaluation, no grad) each token's loss [B, S] (0 where ignored); with
+        `per_token="greedy"` also whether each label is the logits' argmax [B, S] (greedy decoding's choice)."""
         h = self.norm(h)
         if labels is None:
             return self.lm_head(h)
         if per_token:
-            return self._token_losses(h, labels)
+            return self._token_losses(h, labels, greedy=per_token == "greedy")
         flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
         if self.loss_tiles:
             return tiled_linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels, self.loss_tiles,
@@ -252,15 +253,19 @@ class LMHead(nn.Module):
         return linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels)
 
     @torch.no_grad()
-    def _token_losses(self, h, labels, rows_per_tile: int = 4096):
-        """Per-token cross-entropy, a tile of rows at a time (never the full logits)."""
+    def _token_losses(self, h, labels, rows_per_tile: int = 4096, greedy: bool = False):
+        """Per-token cross-entropy (and with `greedy` argmax hits), a tile of rows at a time (never the full
+        logits)."""
         flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
         out = torch.zeros(flat_labels.shape, dtype=torch.float32, device=h.device)
+        hits = torch.zeros(flat_labels.shape, dtype=torch.bool, device=h.device)
         for a in range(0, flat_h.shape[0], rows_per_tile):
             logits = self.lm_head(flat_h[a:a + rows_per_tile]).float()
             out[a:a + rows_per_tile] = F.cross_entropy(logits, flat_labels[a:a + rows_per_tile], reduction="none",
                                                        ignore_index=-100)
-        return out.view(labels.shape)
+            if greedy:
+                hits[a:a + rows_per_tile] = logits.argmax(-1) == flat_labels[a:a + rows_per_tile]
+        return (out.view(labels.shape), hits.view(labels.shape)) if greedy else out.view(labels.shape)
 
 
 # --- the model ------------------------------------------------------------------------------
