@@ -173,6 +173,14 @@ def main() -> None:
     print(f"repeat probe ({result['samples']} samples of new passages): loss {loss['first']:.2f} on first "
           f"halves, {loss['repeat']:.2f} on their repeats, {loss['across']:.2f} on the repeat whose first half "
           f"is on the other cp rank; plot in {png}")
+    passkey_png = work / "passkey.png"  # a key hidden in the validation text: retrieved by greedy decoding?
+    print(run([py, "-m", "megatron_lc.evaluate", "--load", str(ckpt), "--passkey", "--seq-length",
+               str(args.seq_length), "--passkey-lengths", str(args.seq_length // 2), str(args.seq_length),
+               "--passkey-trials", "2", "--data-path", str(work / "valid_text_document"),
+               "--passkey-plot", str(passkey_png), "--device", "cpu"]).split("{")[0].rstrip())
+    print(f"(plot in {passkey_png}; this model never saw a passkey question: the repeat probe above is the "
+          "context it learned to read, and a model extended with examples/extend_llama3_8b.sh is what this "
+          "test is for)")
     hf_dir = work / "hf"
     run([py, "tools/checkpoint/convert_to_hf.py", "--load", str(ckpt), "--save", str(hf_dir),
          "--tokenizer-model", str(work / "spm.model"), "--dtype", "float32"])
