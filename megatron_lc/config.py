@@ -51,8 +51,9 @@ class ModelArgs:
     rope_scaling_factor: float | None = flag(None, "rotary scaling factor (with --use-rope-scaling, or for a flavour "
                                                    "or checkpoint that scales)")
     rope_scaling_type: str | None = flag(None, "rotary scaling as transformers names it: llama3 (Llama 3.x, the "
-                                         "default), linear (position interpolation) or yarn (NTK-by-parts with its "
-                                         "attention factor)", choices=ROPE_TYPES)
+                                         "default), linear (position interpolation), yarn (NTK-by-parts with its "
+                                         "attention factor) or dynamic (NTK, the base raised by --seq-length over "
+                                         "--max-position-embeddings)", choices=ROPE_TYPES)
     rope_scaling_original_max_position_embeddings: int | None = flag(
         None, "the context the base model was trained at, which the scaling stretches (default 8192, or the "
         "checkpoint's)")
@@ -315,7 +316,8 @@ class TrainConfig:
                           norm_eps=m.norm_epsilon, max_position_embeddings=m.max_position_embeddings,
                           init_std=m.init_method_std, rope_scaling=scaling,
                           tie_embeddings=False if m.untie_embeddings_and_output_weights else None)
-        if m.max_position_embeddings is None and config.max_position_embeddings < self.data.seq_length:
+        dynamic = config.rope_scaling is not None and config.rope_scaling.rope_type == "dynamic"
+        if m.max_position_embeddings is None and config.max_position_embeddings < self.data.seq_length and not dynamic:
             config = dataclasses.replace(config, max_position_embeddings=self.data.seq_length)  # what is trained
         return config
 
@@ -478,7 +480,13 @@ class TrainConfig:
         if m.rotary_base is not None and m.rotary_base <= 0:
             raise ConfigError(f"--rotary-base {m.rotary_base:g} must be > 0 (rotary frequencies are base^(-2i/d); "
                               "Llama 3 uses 500000)")
-        if m.max_position_embeddings is not None and m.max_position_embeddings < self.data.seq_length:
+        rope = self.model_config().rope_scaling
+        if rope is not None and rope.rope_type == "dynamic" and self.data.reset_position_ids:
+            raise ConfigError("--rope-scaling-type dynamic scales by the sample length (--seq-length), as transformers "
+                              "scales by the largest position it sees; with --reset-position-ids that is the longest "
+                              "document instead: drop one of them")
+        if (m.max_position_embeddings is not None and m.max_position_embeddings < self.data.seq_length
+                and not (rope is not None and rope.rope_type == "dynamic")):
             raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is below --seq-length "
                               f"{self.data.seq_length}: the model's config (and its export) would claim fewer "
                               "positions than it is trained at; give at least the length, or drop the flag")

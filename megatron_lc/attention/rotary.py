@@ -1,10 +1,9 @@
 """Rotary position embeddings in the rotate-half convention of `transformers`, with the context-extension
-scalings transformers computes: llama3 (frequency-dependent), linear (position interpolation) and yarn
-(NTK-by-parts with an attention factor on cos/sin).
-
-Dynamic NTK is not here: it rescales by each batch's own length at run time (transformers recomputes
-it from the largest position id it sees), which a training step at one length turns into plain NTK
-scaling of that length; train with yarn or llama3 instead."""
+scalings transformers computes: llama3 (frequency-dependent), linear (position interpolation), yarn
+(NTK-by-parts with an attention factor on cos/sin) and dynamic NTK (the base raised by the sequence's
+length over `max_position_embeddings`; transformers takes the length from the largest position it
+sees, the model here from the sample length it is built for, which is the same without
+`--reset-position-ids`)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 
-ROPE_TYPES = ("llama3", "linear", "yarn")
+ROPE_TYPES = ("llama3", "linear", "yarn", "dynamic")
 """The scalings implemented, by transformers' `rope_type` names."""
 
 
@@ -31,7 +30,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     """Context length the base model was trained at."""
     rope_type: str = "llama3"
-    """llama3, linear or yarn."""
+    """llama3, linear, yarn or dynamic."""
     beta_fast: float = 32.0
     """yarn: rotations per original context above which a frequency is kept (extrapolated)."""
     beta_slow: float = 1.0
@@ -41,9 +40,7 @@ class RopeScaling:
 
     def validate(self) -> None:
         if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope scaling type {self.rope_type!r}: expected one of {', '.join(ROPE_TYPES)}"
-                             + (" (dynamic NTK rescales by each batch's length at run time: train with yarn)"
-                                if self.rope_type == "dynamic" else ""))
+            raise ValueError(f"rope scaling type {self.rope_type!r}: expected one of {', '.join(ROPE_TYPES)}")
         if self.factor <= 0 or self.original_max_position_embeddings < 1:
             raise ValueError(f"rope scaling factor {self.factor} and original positions "
                              f"{self.original_max_position_embeddings} must be positive")
@@ -57,9 +54,17 @@ class RopeScaling:
         return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
-    """Inverse frequencies [d/2], scaled when `scaling` is given."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None,
+                  seq_length: int | None = None, max_positions: int | None = None) -> torch.Tensor:
+    """Inverse frequencies [d/2], scaled when `scaling` is given (dynamic NTK: for sequences of `seq_length`
+    tokens against `max_positions`, the model's max_position_embeddings)."""
     d = head_dim
+    if scaling is not None and scaling.rope_type == "dynamic":
+        if seq_length is None or max_positions is None:
+            raise ValueError("dynamic NTK scaling needs the sequence length and max_position_embeddings")
+        length = max(seq_length, max_positions)
+        theta = theta * ((scaling.factor * length / max_positions) - (scaling.factor - 1)) ** (d / (d - 2))
+        scaling = None
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
     if scaling is None:
         return inv_freq.float()

@@ -102,7 +102,8 @@ def _tool(name: str, args: list[str], cwd) -> subprocess.CompletedProcess:
     ("attention_bias", True, "attention_bias=True: the projections have no biases"),
     ("mlp_bias", True, "mlp_bias=True: the projections have no biases"),
     ("attention_dropout", 0.1, "attention_dropout=0.1: attention has no dropout"),
-    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_scaling.rope_type='dynamic': dynamic NTK"),
+    ("rope_scaling", {"rope_type": "longrope", "factor": 2.0, "short_factor": [1.0] * 8, "long_factor": [1.0] * 8},
+     "rope_scaling.rope_type='longrope': only 'default', 'llama3', 'linear', 'yarn' and 'dynamic'"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.7,
                       "mscale_all_dim": 0.7}, "rope_scaling={"),
 ])

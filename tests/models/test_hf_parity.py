@@ -64,6 +64,7 @@ def test_foreign_model_type_is_refused():
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 128, "beta_fast": 16.0,
      "beta_slow": 2.0, "attention_factor": 1.3},
+    {"rope_type": "dynamic", "factor": 4.0},
 ])
 def test_each_rope_scaling_converts_both_ways_and_gives_transformers_logits(scaling, tmp_path):
     """The frequencies and the cos/sin factor of transformers' ROPE_INIT_FUNCTIONS, the logits of its model on
@@ -73,14 +74,16 @@ def test_each_rope_scaling_converts_both_ways_and_gives_transformers_logits(scal
     from megatron_lc.attention.rotary import rope_inv_freq
     from megatron_lc.models.llama.hf import from_hf_config, hf_rope_scaling
 
+    dynamic = scaling["rope_type"] == "dynamic"  # scaled once the sequence passes max_position_embeddings
     hf_config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                                         max_position_embeddings=512, rope_scaling=dict(scaling))
+                                         max_position_embeddings=128 if dynamic else 512, rope_scaling=dict(scaling))
     torch.manual_seed(0)
     theirs = transformers.LlamaForCausalLM(hf_config).eval()
     ours_config = from_hf_config(hf_config)
-    want_freq, want_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, torch.device("cpu"))
-    got = rope_inv_freq(ours_config.kv_channels, ours_config.rotary_base, ours_config.rope_scaling)
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, torch.device("cpu"), seq_len=300)
+    got = rope_inv_freq(ours_config.kv_channels, ours_config.rotary_base, ours_config.rope_scaling, seq_length=300,
+                        max_positions=ours_config.max_position_embeddings)
     torch.testing.assert_close(got, want_freq.float(), rtol=1e-6, atol=0)
     assert ours_config.rope_scaling.cos_sin_factor() == pytest.approx(want_factor, rel=1e-12)
     defaults = {"beta_fast": 32.0, "beta_slow": 1.0} if scaling["rope_type"] == "yarn" else {}
@@ -90,13 +93,3 @@ def test_each_rope_scaling_converts_both_ways_and_gives_transformers_logits(scal
     ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(3))  # past 64/128 positions
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
-
-
-def test_dynamic_ntk_is_refused_on_import_saying_why():
-    from megatron_lc.models.llama.hf import UnsupportedHFConfig, from_hf_config
-
-    hf_config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2,
-                                         rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    with pytest.raises(UnsupportedHFConfig, match="dynamic NTK rescales by each batch's length at run time"):
-        from_hf_config(hf_config)

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_lc.models.llama import build_model, get_config
+from megatron_lc.models.llama import RopeScaling, build_model, get_config
 from megatron_lc.models.llama.parallelize import ParallelizeOptions, materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from tests.exactness import BATCH, CPU, ONE_SEGMENT, check_against_reference, full
@@ -26,6 +26,16 @@ def test_gqa_with_more_cp_ranks_than_kv_heads_matches_single_process():
 
 def test_tied_embeddings_under_fsdp_and_cp_match_single_process():
     run_distributed(check_against_reference, 2, get_config("debug-tied"), 2, ParallelizeOptions(), BATCH)
+
+
+@pytest.mark.parametrize("scaling", [RopeScaling(rope_type="dynamic", factor=4.0),
+                                     RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)],
+                         ids=["dynamic", "yarn"])
+def test_rope_scalings_of_context_extension_under_cp_match_single_process(scaling):
+    """Dynamic NTK scales by the sample length on every cp rank, whichever slice it holds; yarn's factor on
+    cos and sin reaches every rank (64 tokens past 32 max positions / 16 original ones)."""
+    config = dataclasses.replace(get_config("debug"), max_position_embeddings=32, rope_scaling=scaling)
+    run_distributed(check_against_reference, 2, config, 2, ParallelizeOptions(), BATCH)
 
 
 def test_fsdp_without_cp_matches_single_process():

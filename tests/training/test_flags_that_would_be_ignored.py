@@ -28,6 +28,8 @@ REFUSED = {  # flags: words the one line must hold
     "yarn's beta on llama3 scaling": (["--model", "llama3-8b", "--rope-scaling-beta-fast", "16"],
                                       "--rope-scaling-beta-fast is yarn scaling's, not llama3's"),
     "rotary base zero": (["--rotary-base", "0"], "--rotary-base 0 must be > 0"),
+    "dynamic NTK with positions reset per document": (["--use-rope-scaling", "--rope-scaling-type", "dynamic",
+                                                       "--reset-position-ids"], "scales by the sample length"),
     "rotary base negative": (["--rotary-base", "-10000"], "--rotary-base -10000 must be > 0"),
     "on-demand fetch without offload": (["--recompute-granularity", "full", "--no-offload-prefetch"],
                                         "--no-offload-prefetch changes how offloaded block inputs come back"),

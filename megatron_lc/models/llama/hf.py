@@ -25,6 +25,7 @@ HF_ROPE_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "linear": ("factor",),
     "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"),
+    "dynamic": ("factor",),
 }
 """transformers' keys of each rope type we compute (yarn's last three optional there)."""
 
@@ -107,14 +108,10 @@ def check_hf_config(hf_config) -> None:
     _, scaling = _hf_rope(hf_config)
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "dynamic":
-            raise _refuse("rope_scaling.rope_type", kind, "dynamic NTK rescales by each batch's length at run time, "
-                          "which a training step at one length cannot reproduce; yarn, llama3 and linear are "
-                          "implemented")
         if kind not in HF_ROPE_KEYS:
-            raise _refuse("rope_scaling.rope_type", kind, "only 'default', 'llama3', 'linear' and 'yarn' rotary "
-                          "embeddings are implemented")
-        required = {"llama3": HF_ROPE_KEYS["llama3"], "linear": ("factor",), "yarn": ()}[kind]
+            raise _refuse("rope_scaling.rope_type", kind, "only 'default', 'llama3', 'linear', 'yarn' and 'dynamic' "
+                          "rotary embeddings are implemented")
+        required = {"llama3": HF_ROPE_KEYS["llama3"], "linear": ("factor",), "yarn": (), "dynamic": ("factor",)}[kind]
         missing = [k for k in required if k not in scaling]
         if missing:
             raise _refuse("rope_scaling", scaling, f"{kind} scaling without {', '.join(missing)}")

@@ -279,6 +279,9 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_layers))
         self.head = LMHead(config)
+        self.sample_length: int | None = None
+        """Tokens per sample the model is run on (set by the parallelize step; None: each input's whole length):
+        what dynamic NTK scaling scales by, whichever slice of it a context-parallel rank holds."""
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -296,8 +299,9 @@ class Transformer(nn.Module):
             cu_seqlens = tuple(range(0, B * S + 1, S))
         h = self.embed_tokens(input_ids)
         c = self.config
-        cos, sin = rope_cos_sin(position_ids, rope_inv_freq(c.kv_channels, c.rotary_base, c.rope_scaling, h.device),
-                                h.dtype, c.rope_scaling.cos_sin_factor() if c.rope_scaling else 1.0)
+        inv_freq = rope_inv_freq(c.kv_channels, c.rotary_base, c.rope_scaling, h.device,
+                                 self.sample_length or S, c.max_position_embeddings)
+        cos, sin = rope_cos_sin(position_ids, inv_freq, h.dtype, c.rope_scaling.cos_sin_factor() if c.rope_scaling else 1.0)
         for layer in self.layers:
             h = layer(h, cos, sin, tuple(cu_seqlens))
         return self.head(h, labels, per_token)

@@ -99,6 +99,7 @@ def parallelize_llama(model: Transformer, pstate: ParallelState, opts: Paralleli
                       devices: Devices) -> OffloadScheduler | None:
     """Apply CP -> memory stack -> FSDP to a meta-device model; returns the offload scheduler, if any."""
     opts.validate()
+    model.sample_length = opts.seq_length
     apply_attention_backend(model, pstate, opts, devices)
     offload = apply_memory_stack(model, opts, devices)
     if pstate.distributed:

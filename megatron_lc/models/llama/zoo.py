@@ -59,7 +59,7 @@ ROPE_FLAGS = {"rope_type": "--rope-scaling-type", "factor": "--rope-scaling-fact
               "attention_factor": "--rope-scaling-attention-factor"}
 """RopeScaling's fields by the flag that sets each."""
 ROPE_FIELDS_OF = {"llama3": ("low_freq_factor", "high_freq_factor"), "linear": (),
-                  "yarn": ("beta_fast", "beta_slow", "attention_factor")}
+                  "yarn": ("beta_fast", "beta_slow", "attention_factor"), "dynamic": ()}
 """The fields only one rope type reads (factor and the original positions: every type's)."""
 
 
