@@ -240,11 +240,33 @@ def validate_plan(planner: argparse.Namespace, cfg, argv: list[str]) -> None:
     planning_config(checked).validate(planner.num_gpus)
 
 
+STACK_HINT = ("--bf16 --context-parallel-size N --cp-impl untied_ulysses --recompute-granularity full "
+              "--offload-mode prefetch --tiled-mlp --tiled-loss")
+"""The memory stack a long-context run uses (the recipes' in examples/)."""
+
+
+def stack_hint(planner: argparse.Namespace, argv: list[str]) -> str | None:
+    """One line when the command plans no memory stack at all (plain FSDP at cp 1), naming the stack to plan;
+    None when it names any part of one, ablates or auto-fits."""
+    from megatron_lc.planning.autofit import MEMORY_FLAGS
+
+    if planner.auto_fit or planner.ablate or planner.plot:
+        return None
+    given = {arg.split("=", 1)[0] for arg in split_argv(argv)[1]}
+    if given & {*MEMORY_FLAGS, "--context-parallel-size", "--cp-comm-type", "--bf16"}:
+        return None
+    return ("estimate_memory: planning plain FSDP in fp32 at --context-parallel-size 1 with no memory stack (no "
+            f"stack flag given); a long-context run plans {STACK_HINT}, or --auto-fit chooses one")
+
+
 def plan(argv: list[str]) -> int:
     from megatron_lc.planning import report, search
 
     planner, cfg = parse(argv)
     validate_plan(planner, cfg, argv)
+    hint = stack_hint(planner, argv)
+    if hint:
+        print(hint, file=sys.stderr, flush=True)
     try:
         machine = machine_of(planner, cfg)
     except ValueError as e:

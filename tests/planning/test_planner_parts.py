@@ -288,3 +288,14 @@ def test_sdpa_efficient_standin_allocates_each_calls_backward_workspace(monkeypa
                           for c in calls]
     assert max(workspaces) <= 2 * T * H * d * 4 * (1 + 16 / (128 * 64 * 4))  # within twice the tokens' rows
     assert efficient_backward_workspace_bytes(200, 32, 16384, 128) > 53e9  # one call: 200 documents, 16K longest
+
+
+def test_a_plan_without_any_stack_flag_says_so_in_one_line(capsys):
+    """The first command a newcomer types plans plain FSDP; one line on stderr names the stack to plan instead."""
+    argv = ["--model", "debug", "--seq-length", "256", "--num-gpus", "2", "--device", "cpu", "--json"]
+    assert estimate_memory.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "planning plain FSDP in fp32 at --context-parallel-size 1 with no memory stack" in err
+    assert estimate_memory.STACK_HINT in err
+    assert estimate_memory.main([*argv, "--recompute-granularity", "full"]) == 0
+    assert "no memory stack" not in capsys.readouterr().err
