@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-comm-type", default="a2a", choices=CP_COMM_TYPES, help="as for megatron_lc.train")
     p.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A", "R"),
                    help="with --cp-comm-type a2a+p2p: all-to-all degree and ring degree")
-    p.add_argument("--loss-by-position-in", default="context", choices=("context", "sample"),
+    p.add_argument("--loss-by-position-in", default=None, choices=("context", "sample"),
                    help="with --loss-by-position: bucket a token by its position in the context its prediction sees "
                         "(its document with --reset-attention-mask, else its sample; the default) or in its sample")
     p.add_argument("--loss-by-position", type=int, default=None, metavar="BUCKETS",
@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of a dataset's loss, the passkey test: a key hidden at each --passkey-depths of "
                         "each --passkey-lengths tokens (the --data-path documents as haystack, else filler text), "
                         "retrieved by greedy decoding or not (megatron_lc/passkey.py)")
-    p.add_argument("--passkey-depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS),
+    p.add_argument("--passkey-depths", type=float, nargs="+", default=None,
                    help="with --passkey: where the key sits, 0 (the start) to 1 (just before the question)")
-    p.add_argument("--passkey-trials", type=int, default=5, help="with --passkey: keys per depth")
+    p.add_argument("--passkey-trials", type=int, default=None, help="with --passkey: keys per depth (default 5)")
     p.add_argument("--passkey-lengths", type=int, nargs="+", default=None,
                    help="with --passkey: the context lengths tested (default: --seq-length)")
     p.add_argument("--passkey-plot", default=None, metavar="FILE.png",
@@ -106,6 +106,10 @@ def evaluate(args) -> dict:
     if args.data_path is None and not args.passkey:
         raise ConfigError("give --data-path (the loss on a dataset) or --passkey (the passkey test)")
     tokenizer = _passkey_tokenizer(args, meta) if args.passkey else None
+    _refuse_flags_that_would_not_act(args)
+    args.passkey_depths = args.passkey_depths or list(DEFAULT_DEPTHS)
+    args.passkey_trials = 5 if args.passkey_trials is None else args.passkey_trials
+    args.loss_by_position_in = args.loss_by_position_in or "context"
     lengths = args.passkey_lengths or [args.seq_length]
     if args.passkey and (args.passkey_trials < 1 or not all(0 <= d <= 1 for d in args.passkey_depths)):
         raise ConfigError(f"--passkey-trials {args.passkey_trials} must be >= 1 and --passkey-depths "
@@ -158,6 +162,21 @@ def evaluate(args) -> dict:
                               reset_attention_mask=args.reset_attention_mask, num_samples=total - total % per_step,
                               cp_ring=layout.ring_size)
     return _loss_over(loader, model, pstate, devices.accelerator, args)
+
+
+def _refuse_flags_that_would_not_act(args) -> None:
+    """A flag of the other evaluation (the passkey test, or the dataset's loss by position) is refused, naming it."""
+    passkey_only = {"--passkey-depths": args.passkey_depths, "--passkey-trials": args.passkey_trials,
+                    "--passkey-lengths": args.passkey_lengths, "--passkey-plot": args.passkey_plot,
+                    "--tokenizer-type": args.tokenizer_type, "--tokenizer-model": args.tokenizer_model}
+    for name, value in passkey_only.items():
+        if value is not None and not args.passkey:
+            raise ConfigError(f"{name} sets the passkey test: add --passkey")
+    if args.passkey and args.loss_by_position is not None:
+        raise ConfigError("--loss-by-position is the dataset's loss by position, not the passkey test's: drop one")
+    if args.loss_by_position_in is not None and args.loss_by_position is None:
+        raise ConfigError(f"--loss-by-position-in {args.loss_by_position_in} chooses the buckets of "
+                          "--loss-by-position: add it")
 
 
 def _passkey_tokenizer(args, meta: dict):

@@ -75,6 +75,16 @@ def test_loss_by_position_counts_each_token_at_its_place_in_its_document(trained
     assert {b["tokens"] for b in by_sample["loss_by_position"]} == {by_sample["samples"]}
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--passkey-trials", "3"], "--passkey-trials sets the passkey test: add --passkey"),
+    (["--tokenizer-type", "ByteTokenizer"], "--tokenizer-type sets the passkey test: add --passkey"),
+    (["--loss-by-position-in", "sample"], "--loss-by-position-in sample chooses the buckets of --loss-by-position"),
+])
+def test_a_flag_of_the_other_evaluation_is_refused_in_one_line(trained, flags, words):
+    out = _evaluate(trained, "--seq-length", "64", *flags)
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr
+
+
 def test_more_buckets_than_positions_is_refused_in_one_line(trained):
     out = _evaluate(trained, "--seq-length", "64", "--loss-by-position", "65")
     assert out.returncode == 2 and "--loss-by-position 65: between 1 and --seq-length 64 buckets" in out.stderr

@@ -79,6 +79,9 @@ def rope_scaling_from_flags(base: RopeScaling | None, use_rope_scaling: bool, fa
         base = RopeScaling(rope_type=given["rope_type"], **({} if base is None else {
             "factor": base.factor, "original_max_position_embeddings": base.original_max_position_embeddings}))
     scaling = replace(base or RopeScaling(), **given)
+    if scaling.rope_type == "dynamic" and "original_max_position_embeddings" in given:
+        raise ValueError(f"{ROPE_FLAGS['original_max_position_embeddings']} is not read by dynamic scaling, which "
+                         "scales by --seq-length over --max-position-embeddings")
     for kind, names in ROPE_FIELDS_OF.items():
         for name in names:
             if name in given and kind != scaling.rope_type:
