@@ -334,8 +334,9 @@ class TrainConfig:
     def context_parallel(self) -> ContextParallel:
         """The run's context-parallel attention (`attention.context_parallel`)."""
         p = self.parallel
-        return ContextParallel(self.context_layout(), p.cp_impl, p.untied_heads_per_stage, p.untied_overlap_stages,
-                               p.attention_kernel, p.flash_attention_impl)
+        return ContextParallel(layout=self.context_layout(), impl=p.cp_impl, heads_per_stage=p.untied_heads_per_stage,
+                               overlap=p.untied_overlap_stages, kernel=p.attention_kernel,
+                               flash_impl=p.flash_attention_impl)
 
     def parallelize_options(self):
         """The ParallelizeOptions of the run: its context parallelism, memory stack and FSDP settings."""

@@ -91,11 +91,16 @@ def run_passkey(model, tokenizer: Tokenizer, pstate: ParallelState, device: torc
     return {"trials": trials, "passkey": rows}
 
 
+def _grid(result: dict) -> tuple[list[int], list[float], dict]:
+    """(lengths, depths, retrieval rate by (length, depth)) of a `run_passkey` result."""
+    rows = result["passkey"]
+    rate = {(r["seq_length"], r["depth"]): r["retrieved"] for r in rows}
+    return sorted({r["seq_length"] for r in rows}), sorted({r["depth"] for r in rows}), rate
+
+
 def passkey_table(result: dict) -> str:
     """Retrieval rate by depth (rows) and length (columns)."""
-    lengths = sorted({r["seq_length"] for r in result["passkey"]})
-    depths = sorted({r["depth"] for r in result["passkey"]})
-    rate = {(r["seq_length"], r["depth"]): r["retrieved"] for r in result["passkey"]}
+    lengths, depths, rate = _grid(result)
     lines = [f"passkey retrieved ({result['trials']} keys each), depth x length", "depth  " + "".join(
         f"{length:>12,}" for length in lengths)]
     lines += [f"{d:5.2f}  " + "".join(f"{rate[(length, d)]:>12.0%}" for length in lengths) for d in depths]
@@ -109,9 +114,7 @@ def plot_passkey(result: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths = sorted({r["seq_length"] for r in result["passkey"]})
-    depths = sorted({r["depth"] for r in result["passkey"]})
-    rate = {(r["seq_length"], r["depth"]): r["retrieved"] for r in result["passkey"]}
+    lengths, depths, rate = _grid(result)
     grid = np.array([[rate[(length, d)] for length in lengths] for d in depths])
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.5 * len(depths)))
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")

@@ -115,6 +115,10 @@ class MicroBatchLoader:
         return self.samples.get(index, self.cp_rank, self.cp_size, self.reset_position_ids, self.eod_mask_loss,
                                 self.eod_token, cp_ring=self.cp_ring)
 
+    def continue_by_sample_count(self, consumed: int) -> None:
+        """--override-data-settings where the stream cannot continue by token: from the whole steps of `consumed`."""
+        self.consumed_samples = consumed - consumed % self.samples_per_step
+
     def state_dict(self) -> dict:
         """What a checkpoint needs to resume exactly: the samples consumed, at which length and batch, and where
         each document stream stood when this run's samples began and stands now (None for mock data)."""
@@ -155,14 +159,6 @@ class MicroBatchLoader:
         return (f"--seq-length {self.samples.seq_length} x {self.samples_per_step} samples per step (the checkpoint "
                 f"read {saved_length} x {saved_step}): the token stream continues at token "
                 f"{', '.join(f'{p:,}' for p in position)}, the first not yet trained")
-
-
-def continue_by_sample_count(loader, consumed: int) -> None:
-    """--override-data-settings where the stream cannot continue by token: the next whole step's samples."""
-    inner = getattr(loader, "loader", loader)
-    inner.consumed_samples = consumed - consumed % inner.samples_per_step
-    if inner is not loader:
-        loader._iterator = None
 
 
 def _listed(position: tuple[int, ...] | None) -> list[int] | None:
@@ -228,6 +224,10 @@ class WorkerLoader:
     def load_state_dict(self, state: dict) -> str:
         self._iterator = None  # read again from the new position
         return self.loader.load_state_dict(state)
+
+    def continue_by_sample_count(self, consumed: int) -> None:
+        self._iterator = None
+        self.loader.continue_by_sample_count(consumed)
 
     def close(self) -> None:
         """Stop the worker processes."""

@@ -228,7 +228,9 @@ class MemoryArgs:
 
     def stack(self, num_layers: int, chunks: ChunkPlan | None = None) -> MemoryStack:
         """The stack these flags ask for; `chunks` gives the default tile counts (needed with tiling)."""
-        tiles = (lambda on, count, default: None if not on else count or default)
+        def tiles(on: bool, count: int | None, default: int | None) -> int | None:
+            return (count or default) if on else None
+
         return MemoryStack(
             recompute_granularity=self.recompute_granularity,
             recompute_layers=(min(self.recompute_num_layers, num_layers) if self.recompute_method == "block"

@@ -18,7 +18,6 @@ from megatron_lc.config import TrainConfig
 from megatron_lc.data.blending import normalize
 from megatron_lc.data.index_cache import dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset
-from megatron_lc.data.loader import continue_by_sample_count
 from megatron_lc.data.sources import parse_data_path, parse_split
 from megatron_lc.errors import ConfigError
 from megatron_lc.parallel_state import ParallelState
@@ -201,7 +200,7 @@ def resume(run: Run) -> int:
         if not c.override_data_settings:
             raise ConfigError(f"checkpoint {path}: {e}: resume at its --seq-length and batch, or pass "
                               "--override-data-settings to continue by sample count") from None
-        continue_by_sample_count(run.loader, int(meta["data"]["consumed_samples"]))
+        run.loader.continue_by_sample_count(int(meta["data"]["consumed_samples"]))
         continued = f"--override-data-settings: {e}; continuing by sample count"
     if continued:
         say(run, continued)

@@ -148,7 +148,6 @@ def test_counts_the_planner_reads_follow_the_scheduler():
 
 
 def test_sparse_offload_counts_of_segments():
-    assert sparse_offload_counts(7, 3) == sparse_offload_counts(7, 3)
     counts = sparse_offload_counts(7, 3)  # segments of 3, 3, 1
     assert (counts.kept_inputs, counts.replayed_forwards, counts.replay_gathers) == (3, 6, 2)
     assert sparse_offload_counts(0, 2).kept_inputs == 0

@@ -4,6 +4,7 @@ context-parallel layout."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -46,7 +47,7 @@ def _passkey(ckpt, *args, nproc=1):
                  f"--master-port={free_port()}", "-m"] if nproc > 1 else [sys.executable, "-m"])
     out = subprocess.run([*launcher, "megatron_lc.evaluate", "--load", str(ckpt), "--passkey", "--seq-length", "256",
                           "--passkey-trials", "2", "--device", "cpu", *args], capture_output=True, text=True,
-                         timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "passkey retrieved (" in out.stdout  # the table, then the JSON
     return json.loads(out.stdout.strip().splitlines()[-1])
