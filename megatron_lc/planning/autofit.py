@@ -56,6 +56,7 @@ from megatron_lc.config import TrainConfig
 from megatron_lc.memory.chunks import plan_chunks
 from megatron_lc.memory.stack import OffloadMode
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
+from megatron_lc.planning.estimator import Estimator
 from megatron_lc.planning.timing import StepTime, TimeModel
 
 MODES = (("none", "none"), ("selective", "none"), ("full", "none"), ("full", "early"), ("full", "prefetch"),
@@ -228,7 +229,86 @@ def search_space(cfg: TrainConfig) -> SearchSpace:
                        tuple(attention), tuple(slots.values()), cfg.memory.offload_keep_last, (True, False))
 
 
+# --- the layouts ---------------------------------------------------------------------------
+
+
+LAYOUT_FLAGS = ("--context-parallel-size", "--cp-comm-type", "--hierarchical-context-parallel-sizes")
+"""The flags of the parallel layout: given any, auto-fit keeps the layout; else it searches it."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to lay the GPUs out: the context-parallel group (its degree and how it communicates), the rest
+    data-parallel."""
+
+    cp: int
+    comm_type: str
+    """a2a (Ulysses and Untied Ulysses), p2p (ring attention) or a2a+p2p (all-to-all in a node, a ring across)."""
+    hierarchical: tuple[int, ...] = ()
+
+    @property
+    def chain(self) -> str:
+        """Layouts of one chain differ in cp only: with the same stack, a smaller cp holds more per GPU."""
+        return "none" if self.cp == 1 else self.comm_type
+
+    def flags(self) -> list[str]:
+        out = ["--context-parallel-size", str(self.cp)]
+        if self.cp > 1 and self.comm_type != "a2a":
+            out += ["--cp-comm-type", self.comm_type]
+        if self.hierarchical:
+            out += ["--hierarchical-context-parallel-sizes", *map(str, self.hierarchical)]
+        return out
+
+    def apply(self, cfg: TrainConfig) -> TrainConfig:
+        parallel = dataclasses.replace(cfg.parallel, context_parallel_size=self.cp,
+                                       cp_comm_type=self.comm_type if self.cp > 1 else "a2a",
+                                       hierarchical_context_parallel_sizes=list(self.hierarchical))
+        return dataclasses.replace(cfg, parallel=parallel)
+
+    def describe(self, num_gpus: int) -> str:
+        how = {"a2a": "all-to-all", "p2p": "ring", "a2a+p2p": "all-to-all x ring"}[self.comm_type]
+        dp = num_gpus // self.cp
+        return "no context parallelism" + (f", dp {dp}" if dp > 1 else "") if self.cp == 1 else \
+            f"cp {self.cp} {how}" + (f" {'x'.join(map(str, self.hierarchical))}" if self.hierarchical else "") + \
+            (f", dp {dp}" if dp > 1 else "")
+
+
+def layout_of(cfg: TrainConfig) -> Layout:
+    p = cfg.parallel
+    return Layout(p.context_parallel_size, p.cp_comm_type if p.context_parallel_size > 1 else "a2a",
+                  tuple(p.hierarchical_context_parallel_sizes))
+
+
+def search_layouts(cfg: TrainConfig, num_gpus: int, gpus_per_node: int) -> list[Layout]:
+    """Every layout of `num_gpus` GPUs that `cfg` validates with: cp over the divisors of the GPU count (the rest
+    data-parallel, within --global-batch-size when given), all-to-all where the heads allow it (across nodes:
+    all-to-all in a node, a ring across), and the ring."""
+    from megatron_lc.planning.estimate import planning_config
+
+    found = []
+    for cp in sorted((d for d in range(1, num_gpus + 1) if num_gpus % d == 0), reverse=True):
+        options = [Layout(cp, "a2a")] if cp == 1 else [Layout(cp, "p2p")]
+        if 1 < cp <= gpus_per_node:
+            options.insert(0, Layout(cp, "a2a"))
+        elif cp > gpus_per_node:
+            for inner in range(gpus_per_node, 1, -1):
+                if cp % inner == 0:
+                    options.insert(0, Layout(cp, "a2a+p2p", (inner, cp // inner)))
+                    break
+        for layout in options:
+            try:
+                planning_config(layout.apply(cfg)).validate(num_gpus)
+            except ValueError:
+                continue  # heads that do not divide, a global batch the replicas do not divide
+            found.append(layout)
+    return found
+
+
 # --- the search -----------------------------------------------------------------------------
+
+
+TOLERANCE = 0.01
+"""Predicted steps closer than this fraction are not told apart: the answer is within it of the fastest."""
 
 
 @dataclass
@@ -241,6 +321,16 @@ class Traced:
     """Its memory on the machine."""
     cost: StepTime
     """Its predicted step time."""
+    layout: Layout | None = None
+    """Its parallel layout (None: the configured one)."""
+
+
+@dataclass
+class LayoutVerdict:
+    """Why a layout's stacks were or were not chosen."""
+
+    layout: Layout
+    reason: str
 
 
 @dataclass
@@ -256,21 +346,29 @@ class AutoFitResult:
     traced: list[Traced] = field(default_factory=list)
     """Every estimate made, in order."""
     candidates: int = 0
-    """Size of the search space."""
+    """Size of the search space (all layouts)."""
     capped: bool = False
     """The trace cap stopped the search: the answer is the fastest known to fit, maybe not the fastest."""
     time_model: TimeModel = field(default_factory=TimeModel)
     """The rates the step times were predicted at."""
+    layout: Layout | None = None
+    """The answer's layout."""
+    layout_searched: bool = False
+    """The layout was chosen by the search (else kept as configured)."""
+    verdicts: list[LayoutVerdict] = field(default_factory=list)
+    """Per layout: why it was not chosen (or that it was)."""
+    tolerance: float = TOLERANCE
 
     @property
     def runner_up(self) -> Traced | None:
         """The fastest traced stack that fits besides the answer."""
-        others = [t for t in self.traced if t.estimate.fits and t.candidate != self.choice]
-        return min(others, key=lambda t: t.cost.step_s, default=None)
+        others = [t for t in self.traced if t.estimate.fits
+                  and (t.candidate, t.layout) != (self.choice, self.layout)]
+        return min(others, key=lambda t: t.cost.step_s / t.cost.tokens, default=None)
 
 
 class _Knowledge:
-    """What the traces so far imply about any point, under the monotonicity assumption."""
+    """What the traces so far imply about the points of one layout, under the monotonicity assumption."""
 
     def __init__(self, space: SearchSpace, offload_modes: set[int]):
         self.space, self.offload_modes = space, offload_modes
@@ -318,69 +416,250 @@ class _Knowledge:
         return None
 
 
+Option = tuple[int, tuple[int, ...]]
+"""(layout index, canonical point of that layout's space)."""
+
+
 def auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None = None,
              max_traces: int = DEFAULT_MAX_TRACES,
-             evaluate: Callable[[TrainConfig, Machine, int], Estimate] = estimate,
-             on_estimate: Callable[[Candidate, Estimate], None] | None = None,
-             space: SearchSpace | None = None) -> AutoFitResult:
-    """The fastest candidate of `space` (default `search_space(cfg)`) that fits `machine`, by `time_model`
-    (default: the machine's published rates)."""
+             evaluate: Callable[[TrainConfig, Machine, int], Estimate] | Estimator = estimate,
+             on_estimate: Callable[[Candidate, Estimate, Layout], None] | None = None,
+             space: SearchSpace | None = None, layouts: list[Layout] | None = None,
+             tolerance: float = TOLERANCE) -> AutoFitResult:
+    """The fastest candidate that fits `machine` (within `tolerance` of the fastest by `time_model`, default the
+    machine's published rates): over `layouts` (default: the configured one only) and each layout's memory
+    stacks (`space`, default `search_space`; a given space is for the configured layout only)."""
     time_model = time_model or TimeModel.for_machine(machine, cfg)
-    search = _Search(cfg, machine, time_model, max_traces, evaluate, on_estimate, space or search_space(cfg))
-    fastest = min(search.space.points(), key=lambda p: (search.cost(p).step_s, p))
-    best = fastest if search.fits(fastest) else None  # one trace when no technique is needed
-    for levels in sorted(_families(search.space), key=search.floor):
-        if best is None or search.floor(levels) < search.cost(best).step_s:
-            best = search.family(levels, best)
+    searched = layouts is not None
+    layouts = layouts or [layout_of(cfg)]
+    spaces = [space or search_space(layout.apply(cfg)) for layout in layouts]
+    estimator = evaluate if isinstance(evaluate, Estimator) else Estimator(evaluate)
+    search = _Search(cfg, machine, time_model, max_traces, estimator, on_estimate, layouts, spaces, tolerance)
+    best = search.run()
     best = search.pipelined(best)
     result = search.result
+    result.layout_searched = searched
     if best is not None:
-        result.choice, result.estimate = search.space.candidate(best), search.known.estimates[best]
-        result.cost = search.cost(best)
+        layout, point = best
+        result.choice, result.estimate = spaces[layout].candidate(point), search.known[layout].estimates[point]
+        result.cost, result.layout = search.cost(best), layouts[layout]
+    result.verdicts = search.verdicts(best)
     return result
 
 
 class _Search:
-    """The state of one auto-fit search: knowledge, traces, costs."""
+    """The state of one auto-fit search: knowledge, traces, costs.
+
+    Options (a layout and a stack) are visited in order of predicted time per token. An option whose fit is
+    unknown is decided by its *probe*, the same stack with tiles and Untied stages at their most memory-saving
+    levels (they cost little time): when the probe does not fit, neither does any stack that saves no more in
+    its layout (nor, by more than the NCCL bytes a smaller group saves, in a layout of the same chain with a
+    smaller cp: with every other choice fixed each GPU holds more); when it fits and is within the tolerance of
+    the option's time, it is the answer; else the option itself is traced. The search stops at the first
+    option no faster than the answer so far by more than the tolerance. Each round traces the probes of the
+    next options whose fit is unknown, as many as the estimator's workers, at once."""
 
     def __init__(self, cfg: TrainConfig, machine: Machine, time_model: TimeModel, max_traces: int,
-                 evaluate: Callable[[TrainConfig, Machine, int], Estimate],
-                 on_estimate: Callable[[Candidate, Estimate], None] | None, space: SearchSpace):
+                 estimator: Estimator, on_estimate: Callable[[Candidate, Estimate, Layout], None] | None,
+                 layouts: list[Layout], spaces: list[SearchSpace], tolerance: float):
         self.cfg, self.machine, self.time_model, self.max_traces = cfg, machine, time_model, max_traces
-        self.evaluate, self.on_estimate, self.space = evaluate, on_estimate, space
-        self.known = _Knowledge(space, {i for i, (_, off) in enumerate(space.modes) if off != "none"})
-        self.result = AutoFitResult(None, None, None, candidates=len(space.points()), time_model=time_model)
-        self.costs: dict[tuple[int, ...], StepTime] = {}
+        self.estimator, self.on_estimate, self.tolerance = estimator, on_estimate, tolerance
+        self.layouts, self.spaces = layouts, spaces
+        self.configs = [layout.apply(cfg) for layout in layouts]
+        self.known = [_Knowledge(sp, {i for i, (_, off) in enumerate(sp.modes) if off != "none"}) for sp in spaces]
+        self.result = AutoFitResult(None, None, None, candidates=sum(len(sp.points()) for sp in spaces),
+                                    time_model=time_model, tolerance=tolerance)
+        self.costs: dict[Option, StepTime] = {}
+        self.column_fails: list[tuple[int, tuple, int, bool]] = []
+        """(layout, column, margin bytes, by the GPU) of probes that did not fit: see `_column`."""
 
-    def cost(self, point: tuple[int, ...]) -> StepTime:
-        point = self.space.canonical(point)
-        if point not in self.costs:
-            cfg = self.space.candidate(point).apply(self.cfg)
-            self.costs[point] = self.time_model.predict(cfg, self.machine.num_gpus)
-        return self.costs[point]
+    # costs
 
-    def floor(self, levels: list[int]) -> float:
-        """The fastest candidate's cost in one attention family."""
-        return min(self.cost(p).step_s for p in _family_points(self.space, levels))
+    def cost(self, option: Option) -> StepTime:
+        layout, point = option[0], self.spaces[option[0]].canonical(option[1])
+        if (layout, point) not in self.costs:
+            cfg = self.spaces[layout].candidate(point).apply(self.configs[layout])
+            self.costs[(layout, point)] = self.time_model.predict(cfg, self.machine.num_gpus)
+        return self.costs[(layout, point)]
 
-    def fits(self, point: tuple[int, ...], force: bool = False) -> bool | None:
-        """Whether `point` fits, traced when unknown (always with `force`); None when the cap stops it."""
-        point = self.space.canonical(point)
-        status = self.known.status(point)
-        if (status is None or force) and point not in self.known.estimates:
-            if len(self.result.traced) >= self.max_traces and not force:
-                self.result.capped = True
-                return None
-            candidate = self.space.candidate(point)
-            e = self.evaluate(candidate.apply(self.cfg), self.machine, self.cfg.data.seq_length)
-            self.known.record(point, e)
-            self.result.traced.append(Traced(candidate, e, self.cost(point)))
+    def per_token(self, option: Option) -> float:
+        c = self.cost(option)
+        return c.step_s / c.tokens
+
+    # knowledge
+
+    def _column(self, option: Option) -> tuple:
+        """What a probe's failure carries to smaller cp: the mode, k, kept attention and attention kind."""
+        space, point = self.spaces[option[0]], option[1]
+        impl = space.attention[point[3]][0]
+        return (space.modes[point[0]], space.offload_every[point[4]] if space.offloads(point) else 1,
+                space.keep_attention[point[5]] and space.modes[point[0]][0] == "full", impl)
+
+    def status(self, option: Option) -> bool | None:
+        layout, point = option[0], self.spaces[option[0]].canonical(option[1])
+        known = self.known[layout].status(point)
+        if known is not None:
+            return known
+        mine, column = self.layouts[layout], self._column((layout, self.probe((layout, point))))
+        for other, failed, margin, by_gpu in self.column_fails:
+            theirs = self.layouts[other]
+            if theirs.cp > mine.cp and (theirs.chain == mine.chain or mine.cp == 1) and margin > 0 \
+                    and _weaker(column, failed, by_gpu, any_kind=mine.cp == 1):
+                return False
+        return None
+
+    def probe(self, option: Option) -> tuple[int, ...]:
+        """The option with its tiles and Untied stages at their most memory-saving levels."""
+        space, (mode, _, _, attention, k, keep) = self.spaces[option[0]], option[1]
+        impl, _, overlap = space.attention[attention]
+        same_kind = [i for i, (other, _, o) in enumerate(space.attention) if other == impl and o == overlap]
+        return space.canonical((mode, len(space.mlp_tiles) - 1, len(space.loss_tiles) - 1, same_kind[-1], k, keep))
+
+    def trace(self, options: list[Option]) -> None:
+        """Estimate `options` in one round (at most the cap's remainder)."""
+        options = list(dict.fromkeys((o[0], self.spaces[o[0]].canonical(o[1])) for o in options))
+        options = [o for o in options if o[1] not in self.known[o[0]].estimates]
+        room = self.max_traces - len(self.result.traced)
+        if len(options) > room:
+            self.result.capped = True
+            options = options[:max(room, 0)]
+        jobs = [(self.spaces[lay].candidate(p).apply(self.configs[lay]), self.machine, self.cfg.data.seq_length)
+                for lay, p in options]
+        for (layout, point), e in zip(options, self.estimator.many(jobs)):
+            self.known[layout].record(point, e)
+            candidate = self.spaces[layout].candidate(point)
+            self.result.traced.append(Traced(candidate, e, self.cost((layout, point)), self.layouts[layout]))
+            if point == self.probe((layout, point)) and not e.fits:
+                by_gpu = not e.fits_gpu
+                margin = (e.gpu_peak_bytes - e.gpu_budget_bytes - e.nccl_bytes) if by_gpu else 1
+                self.column_fails.append((layout, self._column((layout, point)), margin, by_gpu))
             if self.on_estimate:
-                self.on_estimate(candidate, e)
-            status = e.fits
-        return status
+                self.on_estimate(candidate, e, self.layouts[layout])
 
-    def pipelined(self, best: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    # the search
+
+    def options(self) -> list[Option]:
+        """Every option the search visits (pipelined stages are tried on the answer, not searched), fastest
+        per token first, a larger cp first among equals."""
+        everything = [(i, p) for i, sp in enumerate(self.spaces) for p in sp.points() if not sp.attention[p[3]][2]]
+        return sorted(everything, key=lambda o: (self.per_token(o), -self.layouts[o[0]].cp, o))
+
+    def _column_point(self, layout: int, column: tuple) -> tuple[int, ...] | None:
+        """The probe of `column` (mode, k, kept attention, attention kind) in `layout`, if it has one."""
+        space = self.spaces[layout]
+        mode, k, keep, impl = column
+        kinds = [i for i, (other, _, o) in enumerate(space.attention) if other == impl and not o]
+        if mode not in space.modes or not kinds or (k not in space.offload_every and mode[1] != "none"):
+            return None
+        k_level = space.offload_every.index(k) if mode[1] != "none" else 0
+        keep_level = space.keep_attention.index(keep) if keep in space.keep_attention else 0
+        return space.canonical((space.modes.index(mode), len(space.mlp_tiles) - 1, len(space.loss_tiles) - 1,
+                                kinds[-1], k_level, keep_level))
+
+    def target(self, probe: Option) -> Option:
+        """What to trace to decide `probe`: the same column in the layout of its chain with the largest cp, while
+        that is unknown (its failure rules out the column at every smaller cp), else the probe itself."""
+        mine = self.layouts[probe[0]]
+        column = self._column(probe)
+        for i, theirs in enumerate(self.layouts):
+            if theirs.chain == mine.chain and theirs.cp > mine.cp:
+                point = self._column_point(i, column)
+                if point is not None and self.status((i, point)) is None:
+                    return i, point
+        return probe
+
+    def strongest(self) -> list[Option]:
+        """Per chain, in its layout with the largest cp, each attention kind's most memory-saving stack: when one
+        does not fit the GPU, nothing of its kind in the chain does."""
+        out, seen = [], set()
+        for i, layout in sorted(enumerate(self.layouts), key=lambda x: -x[1].cp):
+            if layout.chain in seen:
+                continue
+            seen.add(layout.chain)
+            space = self.spaces[i]
+            kinds = {impl: level for level, (impl, _, overlap) in enumerate(space.attention) if not overlap}
+            for level in kinds.values():
+                out.append((i, space.canonical((len(space.modes) - 1, len(space.mlp_tiles) - 1,
+                                                len(space.loss_tiles) - 1, level, len(space.offload_every) - 1,
+                                                len(space.keep_attention) - 1))))
+        return out
+
+    def run(self) -> Option | None:
+        order, best = self.options(), None
+        if self.status(order[0]) is None:  # the fastest of all first: it fits when no technique is needed
+            self.trace([(order[0][0], self.probe(order[0])), order[0]][-self.estimator.workers:])
+        if self.status(order[0]) is not True:
+            self.trace(self.strongest())
+        i = 0
+        while i < len(order):
+            option = order[i]
+            if best is not None and self.per_token(option) * (1 + self.tolerance) >= self.per_token(best):
+                break
+            status = self.status(option)
+            if status is False:
+                i += 1
+                continue
+            if status is True:  # known to fit: confirmed by a trace of its own
+                self.trace([option])
+                e = self.known[option[0]].estimates.get(option[1])
+                if e is None:
+                    break  # capped
+                if e.fits:
+                    break
+                i += 1  # the assumption did not hold here: the trace decides
+                continue
+            probe = (option[0], self.probe(option))
+            probe_status = self.status(probe)
+            if probe_status is None:
+                self.estimator.expected_left = self._left(order, i, best)
+                first = self.target(probe)
+                self.trace([first] + self._speculative(order, i + 1, self.estimator.workers - 1, first))
+                if first[1] not in self.known[first[0]].estimates:
+                    break  # capped
+                continue  # the same option, with what the round taught
+            if probe_status and self.per_token(probe) <= self.per_token(option) * (1 + self.tolerance):
+                self.trace([probe])
+                break
+            if probe_status:
+                best = probe if best is None or self.per_token(probe) < self.per_token(best) else best
+                self.trace([option])
+                if self.status(option) is None:
+                    break  # capped
+                continue
+            i += 1
+        return self._fastest_traced_fit()
+
+    def _fastest_traced_fit(self) -> Option | None:
+        """The answer: the fastest option traced that fits (what the search stopped at, or, capped, the best known)."""
+        fits = [(layout, point) for layout, k in enumerate(self.known) for point, e in k.estimates.items() if e.fits
+                and not self.spaces[layout].attention[point[3]][2]]
+        return min(fits, key=lambda o: (self.per_token(o), -self.layouts[o[0]].cp, o), default=None)
+
+    def _left(self, order: list[Option], start: int, best: Option | None) -> int:
+        """At most the traces still to make: two per column of unknown fit faster than the answer so far."""
+        probes = set()
+        for option in order[start:]:
+            if best is not None and self.per_token(option) * (1 + self.tolerance) >= self.per_token(best):
+                break
+            if self.status(option) is None:
+                probes.add((option[0], self.probe(option)))
+        return min(2 * len(probes) + 1, self.max_traces - len(self.result.traced))
+
+    def _speculative(self, order: list[Option], start: int, count: int, first: Option) -> list[Option]:
+        """What decides the next `count` options of unknown fit after `start` (traced in the same round)."""
+        out: list[Option] = []
+        for option in order[start:]:
+            if len(out) >= count:
+                break
+            if self.status(option) is None:
+                probe = (option[0], self.probe(option))
+                if self.status(probe) is None:
+                    target = self.target(probe)
+                    if target != first and target not in out:
+                        out.append(target)
+        return out
+
+    def pipelined(self, best: Option | None) -> Option | None:
         """The answer's memory stack with pipelined Untied stages (`--untied-overlap-stages`): at an Untied
         answer's stage width or the widest narrower one (any width for a Ulysses answer) that fits and is
         predicted faster; else `best`. Pipelining costs stage buffers and saves exposed exchange time only,
@@ -388,97 +667,64 @@ class _Search:
         than the answer's holds more than the synchronous one that did not fit."""
         if best is None:
             return None
-        impl, u, overlap = self.space.attention[best[3]]
+        layout, point = best
+        space = self.spaces[layout]
+        impl, u, overlap = space.attention[point[3]]
         if impl not in ("ulysses", "untied_ulysses") or overlap:
             return best
         u = u or self.cfg.model_config().num_attention_heads
-        for level, (other, v, pipelined) in enumerate(self.space.attention):
-            point = self.space.canonical((*best[:3], level, *best[4:]))
-            if other == "untied_ulysses" and pipelined and v <= u \
-                    and self.cost(point).step_s < self.cost(best).step_s:
-                if self.fits(point) and self.fits(point, force=True):
-                    return point
+        for level, (other, v, pipelined) in enumerate(space.attention):
+            option = (layout, space.canonical((*point[:3], level, *point[4:])))
+            if other == "untied_ulysses" and pipelined and v <= u and self.per_token(option) < self.per_token(best) \
+                    and self.status(option) is not False:
+                self.trace([option])
+                e = self.known[layout].estimates.get(option[1])
+                if e is not None and e.fits:
+                    return option
         return best
 
-    def family(self, levels: list[int], best: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        """The fastest point of one family that fits and is faster than `best` (else `best`)."""
-        top = _strongest(self.space, self.known, self.fits, levels)
-        if top is None:
-            return best
-        lower = _lower_bounds(top, levels, self.fits)
-        box = [p for p in _family_points(self.space, levels) if _within(self.space, lower, top, p) and p[0] <= top[0]]
-        for point in sorted(box, key=lambda p: (self.cost(p).step_s, p)):
-            if best is not None and (self.cost(point).step_s, point) >= (self.cost(best).step_s, best):
-                return best
-            for probe in _probes(point, top):
-                if self.known.status(point) is not None:
-                    break
-                self.fits(probe)
-            if self.fits(point) and self.fits(point, force=True):
-                return point
-        return best
+    def verdicts(self, best: Option | None) -> list[LayoutVerdict]:
+        """Per layout, why its stacks were not chosen (from the traces and the search's order)."""
+        out = []
+        limit = self.per_token(best) if best is not None else None
+        for i, layout in enumerate(self.layouts):
+            if best is not None and i == best[0]:
+                out.append(LayoutVerdict(layout, "chosen"))
+                continue
+            floor = min(self.per_token((i, p)) for p in self.spaces[i].points())
+            traces = [e for e in self.known[i].estimates.values()]
+            fitting = [(self.per_token((i, p)), p) for p, e in self.known[i].estimates.items() if e.fits]
+            if fitting:
+                t, p = min(fitting)
+                reason = f"fits with {' '.join(self.spaces[i].candidate(p).flags()) or 'no memory flags'}, " \
+                         f"predicted {100 * (t / limit - 1):+.1f}% per token" if limit else "fits"
+            elif limit is not None and floor * (1 + self.tolerance) >= limit:
+                reason = (f"not traced: even its fastest stack ({100 * (floor / limit - 1):+.1f}% per token) is within "
+                          f"the {100 * self.tolerance:g}% tolerance of the answer or slower")
+            elif traces:
+                closest = min(traces, key=lambda e: e.usage)
+                what = "GPU" if not closest.fits_gpu else "host"
+                reason = (f"no stack faster than the answer fits: the closest traced needs {what} "
+                          + (f"{closest.gpu_peak_bytes / GIB:.1f} GiB of {closest.gpu_budget_bytes / GIB:.1f}"
+                             if what == "GPU" else
+                             f"{closest.host_bytes_per_node / GIB:.0f} GiB of {closest.host_budget_bytes / GIB:.0f}"))
+            else:
+                reason = "ruled out by the traces of a larger cp (each GPU holds more with fewer in the group)"
+            out.append(LayoutVerdict(layout, reason))
+        return out
 
 
-def _within(space: SearchSpace, lower: tuple[int, ...], top: tuple[int, ...], point: tuple[int, ...]) -> bool:
-    """`point` is at or above the lower bounds found at `top`. The bounds of k and of kept attention hold the
-    host's limit when `top` offloads: they bind the points that offload as `top` does, not the others (kept
-    attention costs those GPU bytes instead, bounded by the GPU traces)."""
-    dims = [0, 1, 2, 3] + ([4, 5] if space.offloads(point) == space.offloads(top) else [])
-    return all(lower[i] <= point[i] for i in dims)
-
-
-def _probes(point: tuple[int, ...], top: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Points to trace before `point`: it with both tile choices, then the loss's, at their strongest.
-    Tile counts cost little, so when one of these does not fit, neither does anything below it: a failure
-    rules out a whole column of candidates at once."""
-    both = (point[0], top[1], top[2], *point[3:])
-    loss = (point[0], point[1], top[2], *point[3:])
-    return [p for p in dict.fromkeys((both, loss)) if p != point]
-
-
-def _family_points(space: SearchSpace, levels: list[int]) -> list[tuple[int, ...]]:
-    return [p for p in space.points() if p[3] in levels]
-
-
-def _families(space: SearchSpace) -> list[list[int]]:
-    """Attention levels by family (Ulysses; Untied Ulysses by stage width): memory is ordered within one only.
-    Pipelined Untied levels are no family: `_Search.pipelined` tries them on the answer."""
-    families: dict[str | None, list[int]] = {}
-    for i, (impl, _, overlap) in enumerate(space.attention):
-        if not overlap:
-            families.setdefault(impl, []).append(i)
-    return list(families.values())
-
-
-def _strongest(space: SearchSpace, known: _Knowledge, fits, levels: list[int]) -> tuple[int, ...] | None:
-    """The strongest point of one attention family that fits (offload dropped when the host cannot hold it)."""
-    for mode in range(len(space.modes) - 1, -1, -1):
-        offloads = mode in known.offload_modes
-        if offloads and known.host_fits(len(space.offload_every) - 1, len(space.keep_attention) - 1) is False:
-            continue
-        point = space.canonical((mode, len(space.mlp_tiles) - 1, len(space.loss_tiles) - 1, levels[-1],
-                                 len(space.offload_every) - 1, len(space.keep_attention) - 1))
-        if fits(point):
-            return point
-        e = known.estimates.get(point)
-        if e is None or not e.fits_gpu:
-            return None  # capped, or out of GPU memory: weaker modes hold more
-    return None
-
-
-def _lower_bounds(top: tuple[int, ...], levels: list[int], fits) -> tuple[int, ...]:
-    """For each choice, the weakest level that fits with every other choice at `top` (binary search)."""
-    lower = list(top)
-    for k in range(len(top)):
-        lo, hi = (levels[0], top[k]) if k == 3 else (0, top[k])
-        while lo < hi:
-            mid = (lo + hi) // 2
-            status = fits(tuple(mid if i == k else v for i, v in enumerate(top)))
-            if status is None:
-                break  # capped: lo stays a valid bound
-            lo, hi = (lo, mid) if status else (mid + 1, hi)
-        lower[k] = lo
-    return tuple(lower)
+def _weaker(column: tuple, failed: tuple, by_gpu: bool, any_kind: bool) -> bool:
+    """A column (mode, k, kept attention, attention kind) that holds at least what a failed one did: by the GPU,
+    a mode no stronger (and with the same mode, attention kept if it was); by the host, offloading with k no
+    sparser and attention kept if it was (host bytes do not depend on the rest)."""
+    mode, k, keep, kind = column
+    their_mode, their_k, their_keep, their_kind = failed
+    if by_gpu:
+        same_kind = any_kind or kind == their_kind
+        order = MODES.index(mode) - MODES.index(their_mode)
+        return same_kind and (order < 0 or (order == 0 and keep >= their_keep))
+    return mode[1] != "none" and k <= their_k and keep >= their_keep
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -489,20 +735,29 @@ def _estimate_json(e: Estimate) -> dict:
             "host_peak_gib": round(e.host_bytes_per_node / GIB, 3)}
 
 
-def auto_fit_json(result: AutoFitResult, command: list[str] | None = None) -> dict:
-    """The answer (flags, memory, predicted step time), the runner-up, the rates and every trace."""
+def auto_fit_json(result: AutoFitResult, command: list[str] | None = None, num_gpus: int | None = None) -> dict:
+    """The answer (layout, flags, memory, predicted step time), the runner-up, the rates, each layout's verdict
+    and every trace."""
     out: dict = {"flags": None, "fits": False, "candidates": result.candidates, "capped": result.capped,
+                 "tolerance": result.tolerance, "layout_searched": result.layout_searched,
                  "rates": result.time_model.rates.name, "attention_rates": result.time_model.family}
     if result.choice is not None:
         out.update(flags=result.choice.flags(), **_estimate_json(result.estimate), time=result.cost.to_json())
+        out["layout"] = {"flags": result.layout.flags(), "context_parallel_size": result.layout.cp,
+                         "cp_comm_type": result.layout.comm_type,
+                         "hierarchical_context_parallel_sizes": list(result.layout.hierarchical)}
         if command is not None:
             out["command"] = command + result.choice.flags()
     runner_up = result.runner_up
     if runner_up is not None:
         out["runner_up"] = {"flags": runner_up.candidate.flags(), **_estimate_json(runner_up.estimate),
+                            "layout": runner_up.layout.flags() if runner_up.layout else None,
                             "time": runner_up.cost.to_json()}
-    out["traced"] = [{"flags": t.candidate.flags(), **_estimate_json(t.estimate), "step_s": round(t.cost.step_s, 6)}
-                     for t in result.traced]
+    if num_gpus is not None:
+        out["layouts"] = [{"layout": v.layout.describe(num_gpus), "flags": v.layout.flags(), "verdict": v.reason}
+                          for v in result.verdicts]
+    out["traced"] = [{"flags": t.candidate.flags(), "layout": t.layout.flags() if t.layout else None,
+                      **_estimate_json(t.estimate), "step_s": round(t.cost.step_s, 6)} for t in result.traced]
     return out
 
 
@@ -511,30 +766,42 @@ def _choice_lines(title: str, flags: list[str], e: Estimate, c: StepTime) -> lis
     return [f"{title}: {' '.join(flags) or '(none: no memory technique needed)'}",
             f"  GPU {e.gpu_peak_bytes / GIB:.2f} GiB of {e.gpu_budget_bytes / GIB:.2f}; "
             f"host {e.host_bytes_per_node / GIB:.0f} GiB per node of {e.host_budget_bytes / GIB:.0f}",
-            f"  predicted step {c.step_s:.2f} s, {c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}% "
-            f"(s: {causes})"]
+            f"  predicted step {c.step_s:.2f} s ({c.tokens:,} tokens), {c.tokens_per_s:,.0f} tokens/s, "
+            f"MFU {100 * c.mfu:.1f}% (s: {causes})"]
 
 
-def auto_fit_text(result: AutoFitResult, command: list[str] | None = None) -> str:
-    """For people: the flags to paste, the memory, the predicted step time, the runner-up, and the traces."""
+def auto_fit_text(result: AutoFitResult, command: list[str] | None = None, num_gpus: int | None = None) -> str:
+    """For people: the layout and flags to paste, the memory, the predicted step time, the runner-up, why each
+    other layout was not chosen, and the traces."""
     lines = [f"auto-fit: {len(result.traced)} of {result.candidates} candidate stacks traced"
+             + (f" over {len(result.verdicts)} layouts" if result.layout_searched else "")
              + (" (trace cap reached: the fastest known to fit, maybe not the fastest)" if result.capped else "")]
     if result.choice is None:
         lines.append("no candidate fits: not even the strongest stack")
     else:
-        lines += _choice_lines("fastest stack that fits", result.choice.flags(), result.estimate, result.cost)
+        if num_gpus is not None and result.layout is not None:
+            lines.append(f"layout: {result.layout.describe(num_gpus)}"
+                         + (" (searched)" if result.layout_searched else " (as given)"))
+        title = "fastest stack that fits" + (f" (within {100 * result.tolerance:g}% of the fastest predicted)"
+                                             if result.tolerance else "")
+        lines += _choice_lines(title, result.choice.flags(), result.estimate, result.cost)
         if command is not None:
             lines.append("paste: " + " ".join(command + result.choice.flags()))
         if result.runner_up is not None:
             r = result.runner_up
-            lines += _choice_lines("runner-up (traced)", r.candidate.flags(), r.estimate, r.cost)
+            lines += _choice_lines("runner-up (traced)", (r.layout.flags() if r.layout and result.layout_searched
+                                                         else []) + r.candidate.flags(), r.estimate, r.cost)
     m = result.time_model
     lines.append(f"step times predicted at the {m.rates.name} rates, attention as {m.family} (planning/timing.py; "
                  "predictions, not measurements)")
+    if num_gpus is not None and len(result.verdicts) > 1:
+        lines.append("layouts:")
+        lines += [f"  {v.layout.describe(num_gpus):<32} {v.reason}" for v in result.verdicts]
     lines.append("traced (in order):")
     for t in result.traced:
         verdict = "fits" if t.estimate.fits else ("no (host)" if t.estimate.fits_gpu else "no")
+        where = f"[{t.layout.describe(num_gpus)}] " if num_gpus is not None and t.layout else ""
         lines.append(f"  {verdict:<9} GPU {t.estimate.gpu_peak_bytes / GIB:8.2f} GiB  host/node "
                      f"{t.estimate.host_bytes_per_node / GIB:7.0f} GiB  step {t.cost.step_s:9.3f} s  "
-                     f"{' '.join(t.candidate.flags()) or '(no memory flags)'}")
+                     f"{where}{' '.join(t.candidate.flags()) or '(no memory flags)'}")
     return "\n".join(lines)

@@ -26,9 +26,10 @@ import sys
 from megatron_lc.errors import ConfigError
 from megatron_lc.cli import ArgumentParser, run_tool
 from megatron_lc.config import build_parser, parse_config
-from megatron_lc.planning.estimate import Machine, estimate, planning_config
+from megatron_lc.planning.estimate import Machine, planning_config
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
-from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES
+from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, TOLERANCE
+from megatron_lc.planning.estimator import CACHE_ENV, MAX_WORKERS
 from megatron_lc.planning.standins import NcclSettings
 
 NCCL = NcclSettings()
@@ -92,6 +93,16 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto-fit", action="store_true", help=AUTO_FIT_HELP)
     group.add_argument("--auto-fit-max-traces", type=int, default=DEFAULT_MAX_TRACES,
                        help=f"auto-fit: at most this many estimates (default: {DEFAULT_MAX_TRACES})")
+    group.add_argument("--auto-fit-tolerance", type=float, default=TOLERANCE,
+                       help="auto-fit: predicted steps closer than this fraction are not told apart; the answer is "
+                            "within it of the fastest stack that fits (0: the fastest itself, more traces) "
+                            f"(default: {TOLERANCE})")
+    group.add_argument("--planner-workers", type=int, default=None,
+                       help="processes tracing at once (default: one per core, at most "
+                            f"{MAX_WORKERS}; each takes about 1 GiB)")
+    group.add_argument("--planner-cache", default=None, metavar="DIR",
+                       help="where estimates are remembered across calls, keyed by configuration, machine and code "
+                            f"(default: ${CACHE_ENV}, else ~/.cache/megatron_lc/plans; 'off': none)")
     group.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -99,7 +110,8 @@ PLANNER_FLAGS = ("num_gpus", "machine", "no_expandable_segments", "nccl_nvls", "
                  "host_memory_gib", "host_reserve_gib",
                  "reserve_gib", "nccl_buffsize", "nccl_channels", "nccl_p2p_channels_per_peer",
                  "nccl_net_channels_per_peer", "with_flash_attn", "with_fa3",
-                 "find_max_seq_length", "ablate", "plot", "auto_fit", "auto_fit_max_traces", "json")
+                 "find_max_seq_length", "ablate", "plot", "auto_fit", "auto_fit_max_traces", "auto_fit_tolerance",
+                 "planner_workers", "planner_cache", "json")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
@@ -117,7 +129,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
 
 def check_planner_flags(planner: argparse.Namespace) -> None:
     """Sizes that cannot describe a machine, refused by flag before any tracing."""
-    for name in ("num_gpus", "gpus_per_node", "auto_fit_max_traces", "nccl_buffsize", "nccl_channels",
+    if not 0 <= planner.auto_fit_tolerance < 1:
+        raise ConfigError(f"--auto-fit-tolerance {planner.auto_fit_tolerance} must be in [0, 1)")
+    for name in ("num_gpus", "gpus_per_node", "auto_fit_max_traces", "planner_workers", "nccl_buffsize", "nccl_channels",
                  "nccl_p2p_channels_per_peer", "nccl_net_channels_per_peer"):
         value = getattr(planner, name)
         if value is not None and value < 1:
@@ -152,37 +166,60 @@ def machine_of(planner: argparse.Namespace, cfg) -> Machine:
                    device=device, flash_attn=planner.with_flash_attn, fa3=planner.with_fa3)
 
 
-def progress(e) -> None:
-    """Print each estimate of a search on stderr, so a long search shows it is moving."""
-    print(f"  {e.seq_length:>12,} tokens: GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, "
-          f"host/node {e.host_bytes_per_node / 2**30:8.1f} GiB -> {'fits' if e.fits else 'no'}", file=sys.stderr,
-          flush=True)
+def estimator_of(planner: argparse.Namespace):
+    """The estimator of this call: its workers and its cache."""
+    from pathlib import Path
+
+    from megatron_lc.planning.estimator import EstimateCache, Estimator, default_cache_dir, default_workers
+
+    given = planner.planner_cache
+    cache_dir = default_cache_dir() if given is None else (None if given == "off" else Path(given))
+    return Estimator(workers=planner.planner_workers or default_workers(), cache=EstimateCache(cache_dir))
 
 
-def auto_fit_progress(candidate, e) -> None:
-    """Print each estimate of the auto-fit search on stderr."""
-    print(f"  GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, host/node {e.host_bytes_per_node / 2**30:8.1f} GiB -> "
-          f"{'fits' if e.fits else 'no'}: {' '.join(candidate.flags()) or '(no memory flags)'}", file=sys.stderr,
-          flush=True)
+def progress_printer(estimator):
+    """A line on stderr per estimate of a length search, with elapsed time, traces and ETA."""
+    def progress(e) -> None:
+        print(f"  {estimator.progress()} {e.seq_length:>12,} tokens: GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, "
+              f"host/node {e.host_bytes_per_node / 2**30:8.1f} GiB -> {'fits' if e.fits else 'no'}", file=sys.stderr,
+              flush=True)
+    return progress
 
 
-def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str], out: dict) -> None:
-    """--auto-fit: the fastest stack that fits, printed (or added to `out` under `auto_fit`)."""
+def auto_fit_printer(estimator, num_gpus: int):
+    """A line on stderr per estimate of the auto-fit search."""
+    def progress(candidate, e, layout) -> None:
+        print(f"  {estimator.progress()} GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, host/node "
+              f"{e.host_bytes_per_node / 2**30:8.1f} GiB -> {'fits' if e.fits else 'no'}: "
+              f"[{layout.describe(num_gpus)}] "
+              f"{' '.join(candidate.flags()) or '(no memory flags)'}", file=sys.stderr, flush=True)
+    return progress
+
+
+def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str], out: dict, estimator) -> bool:
+    """--auto-fit: the fastest layout and stack that fit, printed (or added to `out` under `auto_fit`)."""
     from megatron_lc.planning import autofit
 
-    result = autofit.auto_fit(cfg, machine, None, planner.auto_fit_max_traces, on_estimate=auto_fit_progress)
-    command = launch_command(machine, autofit.strip_memory_flags(split_argv(argv)[1]))
+    training = split_argv(argv)[1]
+    given = {arg.split("=", 1)[0] for arg in training}
+    layouts = None if given & set(autofit.LAYOUT_FLAGS) else autofit.search_layouts(cfg, machine.num_gpus,
+                                                                                     machine.gpus_per_node)
+    result = autofit.auto_fit(cfg, machine, None, planner.auto_fit_max_traces, evaluate=estimator,
+                              on_estimate=auto_fit_printer(estimator, machine.num_gpus), layouts=layouts,
+                              tolerance=planner.auto_fit_tolerance)
+    layout_flags = result.layout.flags() if result.layout is not None and layouts is not None else []
+    command = launch_command(machine, autofit.strip_memory_flags(training) + layout_flags)
     if result.estimate is not None:
         out.update(result.estimate.to_json())
     else:
         out.update(seq_length=cfg.data.seq_length, fits=False, gpu_peak_gib=None, host_peak_gib=None)
-    out["auto_fit"] = autofit.auto_fit_json(result, command)
+    out["auto_fit"] = autofit.auto_fit_json(result, command, machine.num_gpus)
     if result.choice is None:
         out["auto_fit"]["reason"] = no_fit_reason(min((t.estimate for t in result.traced),
                                                       key=lambda e: e.gpu_peak_bytes, default=None),
                                                   "the strongest stack traced")
     if not planner.json:
-        print(autofit.auto_fit_text(result, command))
+        print(autofit.auto_fit_text(result, command, machine.num_gpus))
         if result.choice is None:
             print(out["auto_fit"]["reason"])
         elif DATA_PLACEHOLDER in command:
@@ -260,8 +297,6 @@ def stack_hint(planner: argparse.Namespace, argv: list[str]) -> str | None:
 
 
 def plan(argv: list[str]) -> int:
-    from megatron_lc.planning import report, search
-
     planner, cfg = parse(argv)
     validate_plan(planner, cfg, argv)
     hint = stack_hint(planner, argv)
@@ -273,10 +308,23 @@ def plan(argv: list[str]) -> int:
         raise ConfigError(str(e)) from e
     out: dict = {}
     fits = True
+    with estimator_of(planner) as estimator:
+        fits = run_plan(planner, cfg, machine, argv, out, estimator)
+    if planner.json:
+        print(json.dumps(out, indent=1))
+    return 0 if fits else 1
+
+
+def run_plan(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str], out: dict, estimator) -> bool:
+    """What the flags ask for, printed or put in `out`; False when nothing fits."""
+    from megatron_lc.planning import report, search
+
+    fits = True
+    progress = progress_printer(estimator)
     if planner.auto_fit:
-        fits = run_auto_fit(planner, cfg, machine, argv, out)
+        fits = run_auto_fit(planner, cfg, machine, argv, out, estimator)
     if planner.ablate or planner.plot:
-        rows = search.ablate(cfg, machine, on_estimate=progress)
+        rows = search.ablate(cfg, machine, on_estimate=progress, evaluate=estimator)
         out.update(report.ablation_json(rows))
         if not planner.json:
             print(report.ablation_table(rows))
@@ -284,7 +332,7 @@ def plan(argv: list[str]) -> int:
             title = f"{cfg.model.model} on {machine.num_gpus} GPUs ({machine.gpu_memory_gib:g} GiB)"
             report.plot_memory(rows, planner.plot, title, machine.gpu_memory_gib)
     if planner.find_max_seq_length:
-        result = search.find_max_seq_length(cfg, machine, on_estimate=progress)
+        result = search.find_max_seq_length(cfg, machine, evaluate=estimator, on_estimate=progress)
         out.update(report.search_json(result))
         if not result.max_seq_length:
             fits = False
@@ -298,13 +346,11 @@ def plan(argv: list[str]) -> int:
             else:
                 print(out["reason"])
     if not (planner.ablate or planner.plot or planner.find_max_seq_length or planner.auto_fit):
-        e = estimate(cfg, machine)
+        e = estimator(cfg, machine)
         out.update(e.to_json())
         if not planner.json:
             print(report.estimate_table(cfg, e))
-    if planner.json:
-        print(json.dumps(out, indent=1))
-    return 0 if fits else 1
+    return fits
 
 
 if __name__ == "__main__":

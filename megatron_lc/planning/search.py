@@ -1,10 +1,13 @@
 """The longest sequence that fits, and the stack table: the longest with each memory layer added in turn.
 
-Memory grows monotonically with the sequence length, and nearly linearly, so the search
-brackets the limit by doubling (jumping straight to the linear prediction when it is
-further), then narrows the bracket by interpolation, falling back to bisection whenever
-interpolation stalls on one side. Every length it answers with was estimated: the
-answer fits, and the next allowed length does not.
+Memory grows monotonically with the sequence length and is piecewise linear in it (tile and stage
+counts change in steps), so the search predicts the limit on lines through the estimates it has and
+traces in rounds of two, which an `Estimator` runs at once on two cores: first two far-apart lengths
+(the first line), then a pair just either side of each predicted limit while the prediction rests on
+far-apart points, then the pair (L, L + one multiple) at the interpolated limit, which ends the search
+when L fits and L + one multiple does not. When interpolation lands on the same side twice it bisects.
+Every length it answers with was estimated: the answer fits, and the next allowed length does not;
+`tests/planning/test_planner_parts.py` checks that this is the limit a scan of every length finds.
 """
 
 from __future__ import annotations
@@ -17,11 +20,20 @@ from dataclasses import dataclass, field
 from megatron_lc.attention.registry import CP_IMPLS
 from megatron_lc.config import TrainConfig
 from megatron_lc.planning.estimate import Estimate, Machine, estimate
+from megatron_lc.planning.estimator import Estimator
 
 TOKEN_GRANULE = 1024
 """Lengths searched are multiples of this (and of what the configuration requires)."""
 START_LENGTH = 32768
+FIRST_SPAN = 8
+"""The first round traces START_LENGTH and this many times it: the first line."""
 MAX_LENGTH = 1 << 31
+SPREAD = 0.01
+"""A prediction from far-apart points is traced this fraction either side, so the next line is short."""
+TIGHT = 0.05
+"""A bracket narrower than this fraction of its lower end is interpolated to a closing pair."""
+ROUNDS_LEFT_GUESS = 3
+"""Rounds a search usually has left before any length fails (for the ETA of the progress lines)."""
 
 
 @dataclass
@@ -59,73 +71,72 @@ def _predict(a: Estimate, b: Estimate) -> float | None:
 
 
 def find_max_seq_length(cfg: TrainConfig, machine: Machine, start: int = START_LENGTH,
-                        evaluate: Callable[[TrainConfig, Machine, int], Estimate] = estimate,
+                        evaluate: Callable[[TrainConfig, Machine, int], Estimate] | Estimator = estimate,
                         on_estimate: Callable[[Estimate], None] | None = None) -> SearchResult:
-    """The longest multiple of `length_multiple(cfg)` whose estimate fits `machine`."""
+    """The longest multiple of `length_multiple(cfg)` whose estimate fits `machine` (traced in rounds by
+    `evaluate`: an `Estimator` runs each round's two at once)."""
     step = length_multiple(cfg)
-    cache: dict[int, Estimate] = {}
+    estimator = evaluate if isinstance(evaluate, Estimator) else Estimator(evaluate)
+    known: dict[int, Estimate] = {}
 
-    def at(length: int) -> Estimate:
-        if length not in cache:
-            cache[length] = evaluate(cfg, machine, length)
+    def run(lengths: list[int]) -> None:
+        new = sorted({min(max(step, n), MAX_LENGTH) for n in lengths} - known.keys())
+        for e in estimator.many([(cfg, machine, n) for n in new]):
+            known[e.seq_length] = e
             if on_estimate:
-                on_estimate(cache[length])
-        return cache[length]
+                on_estimate(e)
 
-    lo, hi = _bracket(at, _round(start, step), step)
-    lo, hi = _narrow(at, lo, hi, step)
-    evaluated = sorted(cache.values(), key=lambda e: e.seq_length)
+    first = _round(start, step)
+    estimator.expected_left = 2 + 2 * ROUNDS_LEFT_GUESS
+    run([first, _round(first * FIRST_SPAN, step)])
+    same_side, last_side = 0, None
+    while True:
+        lo, hi = _bracket(known)
+        if hi is None and (lo.seq_length >= MAX_LENGTH):
+            break
+        if hi is not None and (hi.seq_length - (lo.seq_length if lo else 0) <= step):
+            break
+        proposals = _proposals(known, lo, hi, step, bisect=same_side >= 2)
+        tight = hi is not None and hi.seq_length - lo.seq_length <= TIGHT * lo.seq_length if lo else False
+        rounds = 1 if tight else (2 if hi is not None else ROUNDS_LEFT_GUESS)
+        estimator.expected_left = len(proposals) + 2 * (rounds - 1)
+        run(proposals)
+        side = lo is not None and _bracket(known)[0] is not lo  # the lower end moved
+        same_side = same_side + 1 if side == last_side else 0
+        last_side = side
+    estimator.expected_left = 0
+    lo, _ = _bracket(known)
+    evaluated = sorted(known.values(), key=lambda e: e.seq_length)
     return SearchResult(lo.seq_length if lo else 0, lo, evaluated)
 
 
-def _bracket(at, length: int, step: int) -> tuple[Estimate | None, Estimate | None]:
-    """(an estimate that fits or None, one that does not or None) with nothing known in between."""
-    first = at(length)
-    if not first.fits:
-        return _bracket_down(at, first, step)
-    lo = first
-    while lo.seq_length < MAX_LENGTH:
-        candidate = at(_round(2 * lo.seq_length, step))
-        if not candidate.fits:
-            return lo, candidate
-        predicted = _predict(lo, candidate)
-        lo = candidate
-        if predicted and predicted > 2 * lo.seq_length:
-            jump = at(_round(predicted * 1.02, step))  # just past the predicted limit, to close the bracket
-            if not jump.fits:
-                return lo, jump
-            lo = jump
-    return lo, None
+def _bracket(known: dict[int, Estimate]) -> tuple[Estimate | None, Estimate | None]:
+    """(the longest estimate that fits, the shortest longer one that does not), each None when there is none."""
+    lo = max((e for e in known.values() if e.fits), key=lambda e: e.seq_length, default=None)
+    above = [e for e in known.values() if not e.fits and (lo is None or e.seq_length > lo.seq_length)]
+    return lo, min(above, key=lambda e: e.seq_length, default=None)
 
 
-def _bracket_down(at, hi: Estimate, step: int) -> tuple[Estimate | None, Estimate]:
-    """Halve from a length that does not fit until one does (None when not even `step` fits)."""
-    while hi.seq_length > step:
-        smaller = at(_round(hi.seq_length // 2, step))
-        if smaller.fits:
-            return smaller, hi
-        hi = smaller
-    return None, hi
-
-
-def _narrow(at, lo: Estimate | None, hi: Estimate | None, step: int) -> tuple[Estimate | None, Estimate | None]:
-    """Shrink [lo, hi] to adjacent lengths by interpolation, bisecting after two moves of the same end."""
-    if lo is None or hi is None:
-        return lo, hi
-    last_fit, same_side = None, 0
-    while hi.seq_length - lo.seq_length > step:
-        predicted = _predict(lo, hi)
-        use_prediction = predicted is not None and same_side < 2
-        guess = predicted if use_prediction else (lo.seq_length + hi.seq_length) / 2
-        length = min(max(_round(guess, step), lo.seq_length + step), hi.seq_length - step)
-        candidate = at(length)
-        same_side = same_side + 1 if candidate.fits == last_fit else 0
-        last_fit = candidate.fits
-        if candidate.fits:
-            lo = candidate
-        else:
-            hi = candidate
-    return lo, hi
+def _proposals(known: dict[int, Estimate], lo: Estimate | None, hi: Estimate | None, step: int,
+               bisect: bool) -> list[int]:
+    """The next round's two lengths."""
+    if lo is None:  # nothing fits yet: halve twice at once
+        return [_round(hi.seq_length // 2, step), _round(hi.seq_length // 4, step)]
+    if hi is None:  # everything fits: past the limit predicted from the two longest, or four times further
+        fitting = sorted((e for e in known.values() if e.fits), key=lambda e: e.seq_length)
+        predicted = _predict(fitting[-2], fitting[-1]) if len(fitting) >= 2 else None
+        guess = predicted if predicted and predicted > lo.seq_length else 4 * lo.seq_length
+        guess = min(guess, 64 * lo.seq_length)
+        return [max(_round(guess * (1 - SPREAD), step), lo.seq_length + step),
+                max(_round(guess * (1 + SPREAD), step), lo.seq_length + 2 * step)]
+    low, high = lo.seq_length + step, hi.seq_length - step  # the lengths not known yet
+    predicted = None if bisect else _predict(lo, hi)
+    guess = predicted if predicted is not None else (lo.seq_length + hi.seq_length) / 2
+    at = min(max(_round(guess, step), low), high)
+    if bisect or hi.seq_length - lo.seq_length <= TIGHT * lo.seq_length:
+        return [at, min(at + step, high)] if at < high else [at]
+    return [min(max(_round(guess * (1 - SPREAD), step), low), high),
+            min(max(_round(guess * (1 + SPREAD), step), low), high)]
 
 
 # --- the stack table -----------------------------------------------------------------------
@@ -180,13 +191,14 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
     return layers
 
 
-def ablate(cfg: TrainConfig, machine: Machine,
-           on_estimate: Callable[[Estimate], None] | None = None) -> list[tuple[StackLayer, SearchResult]]:
+def ablate(cfg: TrainConfig, machine: Machine, on_estimate: Callable[[Estimate], None] | None = None,
+           evaluate: Callable[[TrainConfig, Machine, int], Estimate] | Estimator = estimate
+           ) -> list[tuple[StackLayer, SearchResult]]:
     """The longest context with each layer of the stack added in turn."""
     rows = []
     start = START_LENGTH
     for layer in stack_layers(cfg, machine.num_gpus):
-        result = find_max_seq_length(layer.config, machine, start=start, on_estimate=on_estimate)
+        result = find_max_seq_length(layer.config, machine, start=start, evaluate=evaluate, on_estimate=on_estimate)
         rows.append((layer, result))
         start = max(START_LENGTH, result.max_seq_length)  # each layer reaches at least as far as the previous
     return rows

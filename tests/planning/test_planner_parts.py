@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_lc.planning import cli as estimate_memory
-from megatron_lc.config import config_from_values
+from megatron_lc.config import config_from_values, parse_config
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.search import find_max_seq_length, length_multiple, stack_layers
 from megatron_lc.planning.standins import (
@@ -299,3 +299,51 @@ def test_a_plan_without_any_stack_flag_says_so_in_one_line(capsys):
     assert estimate_memory.STACK_HINT in err
     assert estimate_memory.main([*argv, "--recompute-granularity", "full"]) == 0
     assert "no memory stack" not in capsys.readouterr().err
+
+
+def _piecewise(limit: int, jump_every: int):
+    """Memory linear in the length with a step every `jump_every` tokens (tile counts changing), fitting to `limit`."""
+    def evaluate(cfg, machine, length):
+        steps = length // jump_every
+        usage = 0.2 + 0.75 * length / limit + 0.05 * steps / max(1, limit // jump_every)
+        by_category = dict.fromkeys(("parameters", "gradients", "optimizer state", "activations",
+                                     "communication buffers", "temporaries"), 0)
+        by_category["activations"] = int(machine.gpu_memory_gib * GIB * usage)
+        return Estimate(length, by_category, 0, 0, "test", [], 0, (1,), machine)
+    return evaluate
+
+
+def _scan(cfg, machine, evaluate) -> int:
+    """The exhaustive answer: every multiple in turn, up to the first that does not fit."""
+    step, length = length_multiple(cfg), 0
+    while evaluate(cfg, machine, length + step).fits:
+        length += step
+    return length
+
+
+@pytest.mark.parametrize("limit,jump", [(50_000, 7_000), (3_000_000, 250_000), (700_000, 1_024), (9_000, 100_000)])
+def test_fast_search_returns_the_limit_a_scan_finds_with_piecewise_memory(limit, jump):
+    cfg = config_from_values(dict(model="debug", context_parallel_size=2))
+    machine = Machine(num_gpus=2, gpu_memory_gib=10, reserve_gib=0)
+    evaluate = _piecewise(limit, jump)
+    calls = []
+    result = find_max_seq_length(cfg, machine, evaluate=lambda *a: calls.append(a) or evaluate(*a))
+    assert result.max_seq_length == _scan(cfg, machine, evaluate)
+    assert len(calls) <= 16, len(calls)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--recompute-granularity", "full"],
+    ["--tiled-mlp", "--tiled-loss", "--context-parallel-size", "2"],
+    ["--context-parallel-size", "2", "--recompute-granularity", "full", "--offload-mode", "prefetch"],
+])
+def test_fast_search_returns_the_limit_a_scan_finds_on_real_traces(flags):
+    """On a tiny model traced for real, the rounds of the fast search stop where a scan of every length does."""
+    cfg = parse_config(["--model", "debug", "--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256",
+                        "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "2048",
+                        "--device", "cpu", "--mock-data", "--seq-length", "1024", *flags])
+    probe = estimate(cfg, Machine(num_gpus=2, reserve_gib=0, device="cpu"), 12 * 1024)
+    machine = Machine(num_gpus=2, reserve_gib=0, device="cpu", gpu_memory_gib=probe.gpu_peak_bytes / GIB,
+                      host_memory_gib=max(probe.host_bytes_per_node / GIB, 1e-3) * 1.5, host_reserve_gib=0)
+    fast = find_max_seq_length(cfg, machine)
+    assert fast.max_seq_length == _scan(cfg, machine, estimate) >= 12 * 1024

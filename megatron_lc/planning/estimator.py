@@ -1,0 +1,186 @@
+"""Estimates made several at a time and remembered: what the planner's searches trace through.
+
+An estimate is two fake-tensor traces of a training step: seconds of one CPU core each, independent of
+the sequence length. The searches (`search.find_max_seq_length`, `autofit`) ask for estimates in rounds;
+`Estimator.many` runs a round on worker processes (one per core, up to `MAX_WORKERS`), and every
+estimate is kept in a cache on disk keyed by the configuration, the machine and a fingerprint of this
+package's code and torch's version, so asking again (another search, another call) costs nothing and a
+change of code never answers from an old trace. Every answer a search prints is still an estimate of
+that configuration: the cache only skips tracing the same thing twice.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import hashlib
+import multiprocessing
+import os
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from megatron_lc.config import TrainConfig
+from megatron_lc.planning.estimate import Estimate, Machine, estimate, planning_config
+
+MAX_WORKERS = 8
+"""Worker processes at most: each holds a traced model of a few layers (about 1 GiB)."""
+CACHE_ENV = "MEGATRON_LC_PLAN_CACHE"
+"""A directory for the planner's cache in place of the default (`off`: no cache on disk)."""
+
+Job = tuple[TrainConfig, Machine, "int | None"]
+
+
+def default_workers() -> int:
+    """One worker per core this process may use, at most `MAX_WORKERS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_WORKERS))
+
+
+def default_cache_dir() -> Path | None:
+    """$MEGATRON_LC_PLAN_CACHE, else $XDG_CACHE_HOME/megatron_lc/plans (~/.cache by default); None for `off`."""
+    given = os.environ.get(CACHE_ENV)
+    if given:
+        return None if given == "off" else Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "megatron_lc" / "plans"
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A digest of every source file of this package and of torch's version: what a trace depends on."""
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class EstimateCache:
+    """Estimates on disk, one file per (configuration, machine, code); unreadable files count as absent."""
+
+    def __init__(self, directory: Path | None):
+        self.directory = directory
+
+    def key(self, cfg: TrainConfig, machine: Machine, seq_length: int | None) -> str:
+        what = repr((planning_config(cfg, seq_length), machine, code_fingerprint()))
+        return hashlib.sha256(what.encode()).hexdigest()
+
+    def get(self, key: str) -> Estimate | None:
+        if self.directory is None:
+            return None
+        try:
+            with open(self.directory / f"{key}.pkl", "rb") as f:
+                found = pickle.load(f)
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError):
+            return None
+        return found if isinstance(found, Estimate) else None
+
+    def put(self, key: str, e: Estimate) -> None:
+        if self.directory is None:
+            return
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            partial = self.directory / f"{key}.{os.getpid()}.tmp"
+            with open(partial, "wb") as f:
+                pickle.dump(e, f)
+            os.replace(partial, self.directory / f"{key}.pkl")  # whole or absent, with several planners at once
+        except OSError:
+            pass  # a read-only or full disk costs the cache, not the answer
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker: the workers are the parallelism
+
+
+class Estimator:
+    """`estimate` (or a stand-in with its signature), run `workers` at a time and remembered.
+
+    Callable as `estimate(cfg, machine, seq_length)`; `many` takes a round of jobs. Worker processes
+    run the real `estimate` only (a stand-in runs in this process, as tests give one). It keeps the count
+    and the seconds of the traces it made, for progress lines with an ETA."""
+
+    def __init__(self, evaluate: Callable[[TrainConfig, Machine, int | None], Estimate] = estimate,
+                 workers: int = 1, cache: EstimateCache | None = None):
+        self.evaluate, self.workers = evaluate, max(1, workers)
+        self.cache = cache or EstimateCache(None)
+        self.memory: dict[str, Estimate] = {}
+        self.traced = self.cached = 0
+        self.trace_seconds = 0.0
+        """Wall seconds of the rounds that traced, summed: a round of n traces on w workers counts once."""
+        self.started = time.perf_counter()
+        self.expected_left: int | None = None
+        """Traces the running search expects still to make (an upper bound where it knows one), for the ETA."""
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def __call__(self, cfg: TrainConfig, machine: Machine, seq_length: int | None = None) -> Estimate:
+        return self.many([(cfg, machine, seq_length)])[0]
+
+    def many(self, jobs: Sequence[Job]) -> list[Estimate]:
+        """The estimates of `jobs`, in order: remembered ones at once, the rest traced together."""
+        keys = [self.cache.key(*job) for job in jobs]
+        todo: dict[str, Job] = {}
+        for key, job in zip(keys, jobs):
+            if key not in self.memory and key not in todo:
+                found = self.cache.get(key)
+                if found is not None:
+                    self.memory[key] = found
+                    self.cached += 1
+                else:
+                    todo[key] = job
+        if todo:
+            start = time.perf_counter()
+            for key, e in zip(todo, self._trace(list(todo.values()))):
+                self.memory[key] = e
+                self.cache.put(key, e)
+            self.trace_seconds += time.perf_counter() - start
+            self.traced += len(todo)
+        return [self.memory[key] for key in keys]
+
+    def _trace(self, jobs: list[Job]) -> list[Estimate]:
+        if self.workers == 1 or len(jobs) == 1 or self.evaluate is not estimate:
+            return [self.evaluate(*job) for job in jobs]
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+        return list(self._pool.map(estimate, *zip(*jobs)))
+
+    @property
+    def seconds_per_round(self) -> float | None:
+        """Mean wall seconds of a round of traces so far (None before the first)."""
+        rounds = max(1, self.traced // self.workers) if self.traced else 0
+        return self.trace_seconds / rounds if rounds else None
+
+    def eta_s(self, traces_left: int) -> float | None:
+        """Seconds for `traces_left` more traces at this run's pace (None before the first trace)."""
+        per_round = self.seconds_per_round
+        return None if per_round is None else per_round * -(-traces_left // self.workers)
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def progress(self) -> str:
+        """`[elapsed | traced (cached) | ETA]` for a progress line."""
+        parts = [f"{self.elapsed_s():5.0f} s", f"{self.traced} traced" + (f", {self.cached} cached" if self.cached else "")]
+        eta = None if self.expected_left is None else self.eta_s(self.expected_left)
+        if eta is not None:
+            parts.append(f"ETA <= {eta:.0f} s" if self.expected_left else "finishing")
+        return "[" + " | ".join(parts) + "]"
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> "Estimator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

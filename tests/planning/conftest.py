@@ -1,0 +1,9 @@
+"""Planner tests trace in this process and remember nothing between runs: a test sees its own traces only."""
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _planner_traces_here(monkeypatch):
+    monkeypatch.setenv("MEGATRON_LC_PLAN_CACHE", "off")
+    monkeypatch.setattr("megatron_lc.planning.estimator.default_workers", lambda: 1)
