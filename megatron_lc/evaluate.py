@@ -26,7 +26,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_lc.attention.kernels import activate_flash_impl
 from megatron_lc.cli import ArgumentParser
 from megatron_lc.errors import ConfigError
 from megatron_lc.config import config_from_values
@@ -38,7 +37,7 @@ from megatron_lc.devices import resolve_devices, set_cuda_allocator_settings
 from megatron_lc.entry import run_entry_point
 from megatron_lc.training.hf_conversion import config_from_meta
 from megatron_lc.training.build import build_sharded_model
-from megatron_lc.training.preflight import preflight
+from megatron_lc.training.preflight import activate_flash, preflight
 from megatron_lc.parallel_state import ParallelState, detect_launch, init_distributed, warm_up_collectives
 from megatron_lc.training import checkpointing
 from megatron_lc.training.step import IGNORE_INDEX
@@ -140,7 +139,7 @@ def evaluate(args) -> dict:
     devices = resolve_devices(args.device, launch.local_rank)
     if devices.is_cuda:
         torch.cuda.set_device(devices.accelerator)
-        activate_flash_impl(cfg.parallel.flash_attention_impl, devices.accelerator)  # before any attention, as in training
+        activate_flash(cfg, devices.accelerator)  # before any attention, as in training
     init_distributed(devices.accelerator)
     layout = cfg.context_layout()
     pstate = ParallelState(cfg.parallel_dims(launch.world_size), devices.accelerator.type)

@@ -68,13 +68,22 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
 def _import_flash_attn():
     """flash-attn's interface module and why it cannot be used ('' when it can)."""
     try:  # optional: flash-attn is only on CUDA machines that installed the `gpu` extra
         import flash_attn
         import flash_attn.flash_attn_interface as interface
-    except ImportError:  # pragma: no cover - depends on the machine
+    except ModuleNotFoundError:  # pragma: no cover - depends on the machine
         return None, "flash-attn is not installed (pip install 'megatron_lc[gpu]')"
+    except Exception as e:  # a build for another torch or CUDA: undefined symbols, a failing extension
+        problem = f"flash-attn is installed but cannot be imported ({_first_line(e)})"
+        warnings.warn(problem + "; 'auto' uses torch's kernels instead", stacklevel=2)
+        return None, problem
     version = getattr(flash_attn, "__version__", "0")
     if _version_tuple(version) < FLASH_ATTN_MIN_VERSION:
         wanted = ".".join(map(str, FLASH_ATTN_MIN_VERSION))
@@ -678,12 +687,17 @@ FLASH_IMPLS = {"fa3": ("FA3", "flash_attn_interface", (9,)), "fa4": ("FA4", "fla
 """--flash-attention-impl -> (torch's registry name, the module providing its kernels, compute capabilities)."""
 
 
+FA3_MAX_CALL_ROWS = (1 << 31) // 128 - 1
+"""Rows (tokens) of q one FA3 call takes: its backward sizes the fp32 dq accumulator's workspace, rows x 128
+(head dims rounded), in a 32-bit int (about 16.7M tokens)."""
+
+
 def _importable(module: str) -> bool:
     import importlib.util
 
     try:
         return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package that is missing or broken
+    except Exception:  # a parent package that is missing, broken, or fails on import (ABI, CUDA)
         return False
 
 
@@ -699,10 +713,11 @@ def _why_unavailable_here(impl: str) -> str:
 
 
 def resolve_flash_impl(name: str, capability: tuple[int, int] | None,
-                       why_unavailable: Callable[[str], str] | None = None) -> tuple[str, str]:
+                       why_unavailable: Callable[[str], str] | None = None, max_call_rows: int = 0
+                       ) -> tuple[str, str]:
     """(the implementation `--flash-attention-impl NAME` runs on a device of `capability`, why not the one asked
     for ('' when it is)). `capability` None: not CUDA, torch's own kernels. `auto` takes FA3, then FA4, where
-    the device and the installation allow."""
+    the device, the installation and the longest kernel call (`max_call_rows` tokens) allow."""
     if name == "default" or capability is None:
         return "default", ""
     why_unavailable = why_unavailable or _why_unavailable_here  # looked up now: tests stand in for the machine
@@ -710,6 +725,9 @@ def resolve_flash_impl(name: str, capability: tuple[int, int] | None,
         majors = FLASH_IMPLS[impl][2]
         why = "" if capability[0] in majors else \
             f"it needs compute capability {' or '.join(f'{m}.0' for m in majors)}, the GPU is {capability[0]}.{capability[1]}"
+        if not why and impl == "fa3" and max_call_rows > FA3_MAX_CALL_ROWS:
+            why = (f"one attention call takes {max_call_rows:,} tokens, past the {FA3_MAX_CALL_ROWS:,} its backward's "
+                   "32-bit workspace size holds")
         why = why or why_unavailable(impl)
         if not why:
             return impl, ""
@@ -718,17 +736,72 @@ def resolve_flash_impl(name: str, capability: tuple[int, int] | None,
     return "default", f"--flash-attention-impl {name}: {why}; torch's own flash kernels run instead"
 
 
-def activate_flash_impl(name: str, device: torch.device) -> str:
+class FlashImplRefused(RuntimeError):
+    """The implementation asked for by name cannot run here (one line: why)."""
+
+
+def _restore_default_flash() -> None:
+    """torch's own flash kernels behind its operators again, whatever a failed activation left registered."""
+    attention = torch.nn.attention
+    if hasattr(attention, "restore_flash_attention_impl"):
+        attention.restore_flash_attention_impl(_raise_warn=False)
+    if hasattr(torch._C, "_set_sdp_use_fa3"):  # set by FA3's registration before it registers its kernels
+        torch._C._set_sdp_use_fa3(False)
+
+
+def probe_flash_kernel(kernel: Kernel, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """'' when `kernel` runs a tiny causal varlen GQA forward and backward in `dtype` on `device` as the fp32
+    reference does, else why not (its exception, or how far it is off)."""
+    g = torch.Generator().manual_seed(0)
+    T, H, Hkv, d, cu = 96, 4, 2, 64, (0, 40, 96)
+    q, k, v = (torch.randn(T, h, d, generator=g) for h in (H, Hkv, Hkv))
+    dout = torch.randn(T, H, d, generator=g)
+    inputs = [t.detach().to(device, dtype, copy=True).requires_grad_() for t in (q, k, v)]
+    try:
+        out = attention(*inputs, cu, kernel)
+        out.backward(dout.to(device, dtype))
+        got = [t.detach().float().cpu() for t in (out, *(x.grad for x in inputs))]
+    except Exception as e:  # a schema the kernel does not take, an ABI it does not match, a launch that fails
+        return _first_line(e)
+    exact = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want_out = naive_attention(*exact, cu)[0]
+    want_out.backward(dout)
+    for what, a, b in zip(("output", "dq", "dk", "dv"), got, (want_out, *(x.grad for x in exact))):
+        err = (a - b.detach()).abs().max().item() / max(b.abs().max().item(), 1e-6)
+        if not err < 0.05:  # bf16 keeps about 3 significant digits; a wrong kernel is off by far more
+            return f"its {what} is off the fp32 reference by {err:.3g} (relative)"
+    return ""
+
+
+def activate_flash_impl(name: str, device: torch.device, max_call_rows: int = 0,
+                        probe: Callable[[torch.device], str] | None = None) -> str:
     """Put the implementation `--flash-attention-impl NAME` resolves to behind torch's flash operators, before
-    the first attention; returns it ('default', 'fa3' or 'fa4'). Activating the one already active does
-    nothing; an unavailable one asked for by name falls back to torch's own with one warning."""
+    the first attention, and prove it on a tiny forward and backward (`probe`, default `probe_flash_kernel` of
+    torch's flash kernel); returns what runs ('default', 'fa3' or 'fa4'). Activating the one already active does
+    nothing. Whatever fails (not installed, a build torch cannot register, a schema or numbers off the
+    reference) leaves torch's own kernels registered: with one warning under `auto`, refused in one line
+    (`FlashImplRefused`) when NAME asked for it."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    impl, why = resolve_flash_impl(name, capability)
+    impl, why = resolve_flash_impl(name, capability, max_call_rows=max_call_rows)
     if why:
+        if name != "auto" and "not installed" not in why and "capability" not in why:
+            raise FlashImplRefused(why.split("; torch's own")[0])
         warnings.warn(why, stacklevel=2)
-    if impl != "default" and torch.nn.attention.current_flash_attention_impl() != FLASH_IMPLS[impl][0]:
+    if impl == "default" or torch.nn.attention.current_flash_attention_impl() == FLASH_IMPLS[impl][0]:
+        return impl
+    try:
         torch.nn.attention.activate_flash_attention_impl(FLASH_IMPLS[impl][0])
-    return impl
+        why = (probe or (lambda dev: probe_flash_kernel(KERNELS["sdpa_flash"], dev)))(device)
+    except Exception as e:
+        why = _first_line(e)
+    if not why:
+        return impl
+    _restore_default_flash()
+    message = f"--flash-attention-impl {name}: {FLASH_IMPLS[impl][0]} failed its start-up check ({why})"
+    if name != "auto":
+        raise FlashImplRefused(message + "; drop the flag to run torch's own flash kernels")
+    warnings.warn(message + "; torch's own flash kernels run instead", stacklevel=2)
+    return "default"
 
 
 def active_flash_impl() -> str:
@@ -776,6 +849,14 @@ def resolve_kernel_name(device_type: str, name: str, dtype: torch.dtype, flash_a
     if flash_impl != "default":
         return "sdpa_flash"
     return "flash_attn" if flash_attn_installed else "sdpa_flash"
+
+
+def running_kernel(device_type: str, name: str, dtype: torch.dtype) -> str:
+    """What `--attention-kernel NAME` runs in this process, in words: the kernel, and FA3/FA4 when activated
+    behind torch's flash operators (what rank 0 prints and metrics.jsonl records)."""
+    impl = active_flash_impl()
+    kernel = resolve_kernel_name(device_type, name, dtype, flash_attn_available(), impl)
+    return f"{kernel} ({FLASH_IMPLS[impl][0]})" if impl != "default" and kernel == "sdpa_flash" else kernel
 
 
 class _Attention(torch.autograd.Function):

@@ -107,6 +107,11 @@ class _CheckpointBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        with _released_on_error(ctx):
+            return _CheckpointBlock._backward(ctx, grad_y)
+
+    @staticmethod
+    def _backward(ctx, grad_y):
         x = _restore_input(ctx)
         _prefetch_previous(ctx, early=True)
         x = x.detach().requires_grad_(True)
@@ -136,6 +141,11 @@ class _CheckpointResidualBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with _released_on_error(ctx):
+            return _CheckpointResidualBlock._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         x = _restore_input(ctx)
         _prefetch_previous(ctx, early=True)
         leaves, edges = [], []
@@ -274,6 +284,19 @@ def _recompute_input(ctx) -> torch.Tensor:
         for i, replay in enumerate(replays):
             x = replay(x, i == len(replays) - 1)  # the previous input is dropped here
     return x
+
+
+@contextlib.contextmanager
+def _released_on_error(ctx):
+    """A block backward that raises leaves no copy in flight: the scheduler waits for its side stream, then lets
+    every offloaded tensor go (the step is abandoned; the next one offloads afresh). Without this, a prefetched
+    input dropped unfetched could go back to the allocator while its copy still writes into it."""
+    try:
+        yield
+    except BaseException:
+        if ctx.offload is not None:
+            ctx.offload.release_all()
+        raise
 
 
 def _prefetch_previous(ctx, early: bool) -> None:

@@ -411,7 +411,8 @@ class OffloadScheduler:
         handle.host_buffer = handle.arena = None
 
     def release_all(self) -> None:
-        """Return every unfetched slot to its arena (after a step without backward)."""
+        """Return every unfetched slot to its arena (after a step without backward, or a backward that raised);
+        copies still in flight end first, so no copy writes into memory the allocator handed out again."""
         if self._is_cuda:
             self._copy_stream.synchronize()
         for handles in list(self._pending.values()):

@@ -10,6 +10,7 @@ import importlib.util
 
 import torch
 
+from megatron_lc.attention.kernels import FlashImplRefused, activate_flash_impl
 from megatron_lc.cli import check_writable
 from megatron_lc.config import TrainConfig
 from megatron_lc.errors import ConfigError
@@ -65,3 +66,14 @@ def _check_device(cfg: TrainConfig) -> None:
     if impl in ("fa3", "fa4") and on_cpu:
         raise ConfigError(f"--flash-attention-impl {impl} replaces torch's flash kernels on a CUDA GPU; this run is "
                           "on the CPU: drop the flag (or run on a GPU)")
+
+
+def activate_flash(cfg: TrainConfig, device: torch.device) -> str:
+    """--flash-attention-impl put behind torch's flash kernels and proven on a tiny step, or refused in one line
+    (what it returns runs: 'default', 'fa3' or 'fa4')."""
+    layout = cfg.context_layout()
+    rows = cfg.data.micro_batch_size * cfg.data.seq_length // layout.ring_size  # one kernel call's tokens
+    try:
+        return activate_flash_impl(cfg.parallel.flash_attention_impl, device, max_call_rows=rows)
+    except FlashImplRefused as e:
+        raise ConfigError(str(e)) from e

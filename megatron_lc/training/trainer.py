@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megatron_lc.attention.kernels import activate_flash_impl
+from megatron_lc.attention.kernels import running_kernel
 from megatron_lc.errors import ConfigError
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
-from megatron_lc.training.preflight import preflight
+from megatron_lc.training.preflight import activate_flash, preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
@@ -43,6 +43,7 @@ from megatron_lc.training.resume import apply_checkpoint_args, resume, save, tak
 from megatron_lc.training.run import Run, global_batch_size, say
 from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
+
 
 def set_allocator_defaults() -> None:
     """Expandable segments in the CUDA allocator's settings, merged into the user's (see devices.py).
@@ -143,9 +144,7 @@ def build_run(cfg: TrainConfig) -> Run:
     devices = resolve_devices(cfg.train.device, launch.local_rank)
     if devices.is_cuda:
         torch.cuda.set_device(devices.accelerator)
-        impl = activate_flash_impl(cfg.parallel.flash_attention_impl, devices.accelerator)  # before any attention
-        if launch.rank == 0 and impl != "default":
-            print(f"attention: {impl.upper()} behind torch's flash kernels (--flash-attention-impl)", flush=True)
+        activate_flash(cfg, devices.accelerator)  # before any attention and any process group
     init_distributed(devices.accelerator, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     p = cfg.parallel
     pstate = ParallelState(cfg.parallel_dims(launch.world_size), devices.accelerator.type)
@@ -344,14 +343,17 @@ def _train_run(run: Run) -> list[dict]:
                            validation_ppl_to_tensorboard=g.log_validation_ppl_to_tensorboard,
                            wandb=(g.wandb_project, g.wandb_exp_name, cfg.to_dict()))
     n = count_parameters(run.model)
+    kernel = running_kernel(run.devices.accelerator.type, cfg.parallel.attention_kernel,
+                            torch.bfloat16 if cfg.train.bf16 else torch.float32)
     say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
-              f"seq {cfg.data.seq_length} | metrics in {log_dir}/metrics.jsonl")
+              f"seq {cfg.data.seq_length} | attention: {kernel} | metrics in {log_dir}/metrics.jsonl")
     stop = StopRequest(cfg, run.devices.accelerator)
     history, step_times, began = [], [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
     try:
         for step in range(start + 1, cfg.train.train_iters + 1):
             metrics = train_one_step(run, step)
+            metrics["attention_kernel"] = kernel
             step_times.append(metrics["step_time_s"])
             since_log.append(metrics["step_time_s"])
             metrics.update(elapsed_s=time.monotonic() - began, eta_s=_eta_s(step_times, cfg.train.train_iters - step))

@@ -63,7 +63,7 @@ def registry(monkeypatch):
 def test_activation_happens_once_and_auto_then_runs_torchs_flash_kernel(registry, monkeypatch):
     cuda = torch.device("cuda", 0)
     assert kernels.active_flash_impl() == "default"
-    assert activate_flash_impl("auto", cuda) == "fa3" and registry.activations == ["FA3"]
+    assert activate_flash_impl("auto", cuda, probe=lambda d: "") == "fa3" and registry.activations == ["FA3"]
     assert activate_flash_impl("auto", cuda) == "fa3" and registry.activations == ["FA3"]  # already active
     assert kernels.active_flash_impl() == "fa3"
     monkeypatch.setattr(kernels, "flash_attn_available", lambda: True)  # even with flash-attn 2 installed
@@ -122,3 +122,104 @@ def test_sdpa_flash_calls_pass_torchs_fa3_support_checks(monkeypatch, dtype):
     with pytest.raises(AssertionError, match="dropout_p must be 0"):  # the checks are live: they refuse dropout
         q = torch.zeros(CU[-1], 2, 16, dtype=dtype)
         rec.forward(q, q, q, torch.tensor(CU, dtype=torch.int32), None, 96, 96, 0.1, True, False, scale=0.25)
+
+
+# --- activation that cannot crash a run ---------------------------------------------------------
+
+
+class _FailingRegistry(_Registry):
+    """A registry whose activation fails as torch's does for a broken FA3 build, and records restores."""
+
+    def __init__(self, error: BaseException | None):
+        super().__init__()
+        self.error, self.restores, self.sdp_flags = error, 0, []
+
+    def activate(self, name):
+        self.activations.append(name)
+        if self.error is not None:
+            raise self.error
+        self.active = name
+
+    def restore(self, _raise_warn=True):
+        self.restores += 1
+        self.active = None
+
+
+def _failing_registry(monkeypatch, error):
+    reg = _FailingRegistry(error)
+    monkeypatch.setattr(torch.nn.attention, "activate_flash_attention_impl", reg.activate)
+    monkeypatch.setattr(torch.nn.attention, "restore_flash_attention_impl", reg.restore)
+    monkeypatch.setattr(torch.nn.attention, "current_flash_attention_impl", lambda: reg.active)
+    monkeypatch.setattr(torch._C, "_set_sdp_use_fa3", reg.sdp_flags.append, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(kernels, "_why_unavailable_here", lambda impl: "" if impl == "fa3" else "not installed")
+    return reg
+
+
+@pytest.mark.parametrize("error", [
+    ImportError("flash_attn_3/_C.abi3.so: undefined symbol: _ZN3c104cuda9SetDevice"),  # built for another torch
+    RuntimeError("Module 'flash_attn_interface' does not expose FA3 kernels"),  # kernels through pybind
+    OSError("libcudart.so.13: cannot open shared object file"),
+])
+def test_a_failing_fa3_registration_restores_torchs_kernels_with_one_warning(monkeypatch, error):
+    reg = _failing_registry(monkeypatch, error)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert activate_flash_impl("auto", torch.device("cuda", 0), probe=lambda device: "") == "default"
+    assert reg.activations == ["FA3"] and reg.restores == 1 and reg.sdp_flags == [False] and reg.active is None
+    assert len(caught) == 1 and "FA3 failed its start-up check" in str(caught[0].message)
+    assert type(error).__name__ in str(caught[0].message) and "\n" not in str(caught[0].message)
+
+
+@pytest.mark.parametrize("why", ["TypeError: fwd() takes 22 positional arguments but 34 were given",
+                                 "its dq is off the fp32 reference by 0.9 (relative)"])
+def test_a_start_up_check_that_fails_falls_back_under_auto_and_refuses_when_asked_by_name(monkeypatch, why):
+    reg = _failing_registry(monkeypatch, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert activate_flash_impl("auto", torch.device("cuda", 0), probe=lambda device: why) == "default"
+    assert reg.restores == 1 and reg.active is None and len(caught) == 1 and why in str(caught[0].message)
+    with pytest.raises(kernels.FlashImplRefused, match="fa3: FA3 failed its start-up check") as refused:
+        activate_flash_impl("fa3", torch.device("cuda", 0), probe=lambda device: why)
+    assert "\n" not in str(refused.value) and reg.restores == 2
+    assert activate_flash_impl("fa3", torch.device("cuda", 0), probe=lambda device: "") == "fa3"  # a good build
+
+
+def test_a_kernel_call_past_fa3s_workspace_limit_is_not_given_to_fa3(monkeypatch):
+    """FA3's backward sizes its dq workspace in a 32-bit int: one call of more rows goes to torch's kernels under
+    auto, and is refused in one line when FA3 was asked for by name."""
+    reg = _failing_registry(monkeypatch, None)
+    rows = kernels.FA3_MAX_CALL_ROWS + 1
+    assert activate_flash_impl("auto", torch.device("cuda", 0), max_call_rows=rows, probe=lambda d: "") == "default"
+    with pytest.raises(kernels.FlashImplRefused, match="past the 16,777,215"):
+        activate_flash_impl("fa3", torch.device("cuda", 0), max_call_rows=rows, probe=lambda d: "")
+    assert reg.activations == []
+    assert activate_flash_impl("fa3", torch.device("cuda", 0), max_call_rows=rows - 1, probe=lambda d: "") == "fa3"
+
+
+def test_an_fa4_package_that_raises_on_import_counts_as_not_installed(monkeypatch):
+    import importlib.util
+
+    def broken(name, *args):
+        raise RuntimeError("CUDA driver initialization failed")  # what a cute-DSL import can raise
+    monkeypatch.setattr(importlib.util, "find_spec", broken)
+    assert kernels._why_unavailable_here("fa4") == "flash_attn.cute.interface is not installed"
+
+
+def _scaled(kernel, factor):
+    def forward(q, k, v, cu, scale=None, **kw):
+        out, lse, state = kernel.forward(q, k, v, cu, scale, **kw)
+        return out * factor, lse, state
+    return kernels.Kernel("scaled", forward, kernel.backward)
+
+
+def test_the_start_up_probe_passes_a_right_kernel_and_names_what_is_wrong_with_another():
+    cpu, ref = torch.device("cpu"), KERNELS["reference"]
+    assert kernels.probe_flash_kernel(ref, cpu, torch.float32) == ""
+    assert kernels.probe_flash_kernel(KERNELS["cpu_flash"], cpu, torch.bfloat16) == ""
+    assert kernels.probe_flash_kernel(_scaled(ref, 1.5), cpu, torch.float32).startswith("its output is off")
+
+    def wrong_schema(*args, **kwargs):
+        raise TypeError("fwd() takes 22 positional arguments but 34 were given")
+    why = kernels.probe_flash_kernel(kernels.Kernel("bad", wrong_schema, ref.backward), cpu, torch.float32)
+    assert why == "TypeError: fwd() takes 22 positional arguments but 34 were given"

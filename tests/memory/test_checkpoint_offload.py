@@ -466,3 +466,70 @@ def test_sparse_offload_second_backward_is_a_clear_error():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="layer 0's offloaded input was consumed"):
         out.sum().backward()
+
+
+class _FailsOnce(nn.Module):
+    """A block whose first recompute (in backward) raises, as an out-of-memory error would."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block, self.armed, self.calls = block, False, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.armed and torch.is_grad_enabled():
+            self.armed = False
+            raise RuntimeError("CUDA out of memory (stand-in)")
+        return self.block(x)
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_backward_that_raises_leaves_no_offloaded_tensor_behind_and_the_next_step_is_exact(early):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_FailsOnce(Block(16, 32)) for _ in range(4))
+    x = torch.randn(64, 16, requires_grad=True)
+    offload = OffloadScheduler(4, keep_last=1, accelerator=CPU, prefetch=True, prefetch_early=early)
+
+    def step():
+        y = x
+        for i, block in enumerate(blocks):
+            y = checkpoint_block(block, y, offload=offload, layer_idx=i)
+        y.square().sum().backward()
+
+    blocks[1].armed = True  # layer 2's backward prefetched layer 1's input (early) before layer 1 raises
+    with pytest.raises(RuntimeError, match="out of memory"):
+        step()
+    assert offload.host_bytes_in_use == 0 and not any(offload._pending.values())
+    blocks.zero_grad(set_to_none=True)
+    x.grad = None
+    step()
+    got = [p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()]
+    blocks.zero_grad(set_to_none=True)
+    x.grad = None
+    y = x
+    for block in blocks:
+        y = block(y)
+    y.square().sum().backward()
+    for g, w in zip(got, [p.grad for p in blocks.parameters()] + [x.grad]):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_release_waits_for_the_side_stream_before_dropping_copies_in_flight():
+    """CUDA's contract: memory a side-stream copy writes may go back to the allocator only after the copy; the
+    scheduler synchronizes its copy stream before dropping a prefetched tensor (a recording stand-in stream)."""
+    offload = OffloadScheduler(3, keep_last=1, accelerator=CPU)
+    handles = [offload.offload(i, torch.randn(4, 4)) for i in range(2)]
+    offload.prefetch(1)  # on CPU the copy is done at once; on CUDA it would be in flight on the side stream
+    in_flight = [h for h in handles if h.on_accelerator is not None]
+    assert in_flight
+
+    class Stream:
+        synchronized_with = None
+
+        def synchronize(self):
+            self.synchronized_with = [h.on_accelerator is not None for h in in_flight]
+
+    offload._is_cuda, offload._copy_stream = True, Stream()
+    offload.release_all()
+    assert offload._copy_stream.synchronized_with == [True] * len(in_flight)  # still held when it synchronized
+    assert all(h.on_accelerator is None and h.host_buffer is None for h in handles)

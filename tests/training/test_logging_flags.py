@@ -58,3 +58,12 @@ def test_tensorboard_gets_every_nth_step_whatever_the_console_interval(tmp_path)
     assert [e.step for e in events.Scalars("params-norm")] == [2, 4]
     assert len((tmp_path / "log" / "metrics.jsonl").read_text().splitlines()) == 2  # console: steps 1 and 5
     assert torch.isfinite(torch.tensor([e.value for e in events.Scalars("params-norm")])).all()
+
+
+def test_the_attention_kernel_that_runs_is_printed_and_recorded_in_metrics(tmp_path, capsys):
+    import json
+
+    train(parse_config(BASE + ["--train-iters", "1", "--log-dir", str(tmp_path / "log")]))
+    assert "attention: cpu_flash" in capsys.readouterr().out
+    record = json.loads((tmp_path / "log" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["attention_kernel"] == "cpu_flash"
