@@ -76,14 +76,15 @@ class Machine:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
 
-    def flash_impl(self, asked: str) -> str:
-        """What `--flash-attention-impl ASKED` runs on these GPUs: an implementation named is taken as
-        installed; `auto` finds FA3 where `fa3` says it is installed."""
+    def flash_impl(self, asked: str, max_call_rows: int = 0) -> str:
+        """What `--flash-attention-impl ASKED` runs on these GPUs for kernel calls of at most `max_call_rows`
+        tokens: an implementation named is taken as installed; `auto` finds FA3 where `fa3` says it is
+        installed; FA3 never takes a call past its backward's workspace limit."""
         from megatron_lc.attention.kernels import resolve_flash_impl
 
         installed = {asked} if asked != "auto" else ({"fa3"} if self.fa3 else set())
         return resolve_flash_impl(asked, NODES[self.node].compute_capability,
-                                  lambda impl: "" if impl in installed else "not installed")[0]
+                                  lambda impl: "" if impl in installed else "not installed", max_call_rows)[0]
 
     @property
     def gpus_on_node(self) -> int:
