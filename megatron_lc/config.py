@@ -393,6 +393,11 @@ class TrainConfig:
         return context_layout_from_flags(p.context_parallel_size, p.cp_comm_type,
                                          p.hierarchical_context_parallel_sizes)
 
+    def attention_call_tokens(self) -> int:
+        """Query tokens of the longest attention kernel call: a micro-batch's sequences, whole after the
+        all-to-all, a ring's share with one (what a kernel's workspace limits bound)."""
+        return self.data.micro_batch_size * self.data.seq_length // self.context_layout().ring_size
+
     def validate(self, world_size: int) -> None:
         """Every impossible combination, with the reason and the fix, before any GPU time is spent. Rules
         only: what the run needs of disks, packages and hardware is `training.preflight`'s (the planner,

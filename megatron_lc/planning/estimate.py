@@ -317,7 +317,9 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     if cfg.parallel.fsdp_cpu_offload:
         raise ValueError("--fsdp-cpu-offload: the planner does not model FSDP's CPU offload yet")
     counts = traced_layer_counts(cfg)
-    traces = [trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn) for n in counts]
+    flash_impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call_tokens()) \
+        if machine.device == "cuda" else "default"
+    traces = [trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn, flash_impl) for n in counts]
     num_layers = cfg.model_config().num_layers
     step = combine(traces, num_layers, anchor_depth(cfg))
     analysis = step.trace.analysis

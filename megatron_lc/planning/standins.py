@@ -118,6 +118,57 @@ def _sdpa_flash_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
     return _flash_varlen_kernel("sdpa_flash", name_buffer, copies_strided=True)
 
 
+FA3_BWD_BLOCK_M, FA3_BWD_BLOCK_N = 64, 128
+"""FA3's sm90 backward tiles for a causal head_dim of 128 (`hopper/flash_api.cpp`: kBlockM 64, kBlockN 128): its
+workspaces pad every segment by a tile."""
+
+
+def _fa3_head_dim(d: int) -> int:
+    """FA3's rounded head dimension (`round_up_headdim`: 64, 96, 128, 192 or 256)."""
+    return next(r for r in (64, 96, 128, 192, 256) if d <= r)
+
+
+def _fa3_varlen_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
+    """FlashAttention-3 behind torch's flash operators (`--flash-attention-impl fa3`), allocating what its
+    varlen kernels allocate (`hopper/flash_api.cpp`, `mha_fwd`/`mha_bwd`, through torch/nn/attention/_fa3.py).
+
+    Forward: out and an fp32 log-sum-exp `[H, T]` (no split-KV accumulators in training). Backward: dq, dk, dv;
+    fp32 `softmax_d` and `softmax_lse_log2` `[H, Tq]`, the fp32 dq accumulator `[H, Tq * d_r]`, and with GQA
+    fp32 dk/dv accumulators `[Hkv, Tk, d_r]` (where flash-attention 2 expands dk/dv to every q head in 16 bits),
+    Tq = round_up(T + segments * 64, 64), Tk = round_up(T + segments * 128, 128); torch's wrapper copies only a
+    last dimension that is not contiguous."""
+
+    def forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
+        kernels._check_flash_dtype(q, "sdpa_flash")
+        kernels.segment_pairs(cu_seqlens, cu_seqlens_k, causal)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        name_buffer(lse, "FA3 log-sum-exp")
+        return out, lse, (torch.empty(2, dtype=torch.int64, device=q.device),)
+
+    def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None, causal=True):
+        rows, heads, d = q.shape
+        segments = len(cu_seqlens) - 1
+        q_rows = _round_up(rows + segments * FA3_BWD_BLOCK_M, FA3_BWD_BLOCK_M)
+        k_rows = _round_up(k.shape[0] + segments * FA3_BWD_BLOCK_N, FA3_BWD_BLOCK_N)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        workspace = [torch.empty(heads, q_rows, dtype=torch.float32, device=q.device) for _ in range(2)]
+        workspace.append(torch.empty(heads, q_rows * _fa3_head_dim(d), dtype=torch.float32, device=q.device))
+        name_buffer(workspace[0], "FA3 bwd softmax_d (fp32)")
+        name_buffer(workspace[1], "FA3 bwd softmax_lse_log2 (fp32)")
+        name_buffer(workspace[2], "FA3 bwd dq accumulator (fp32)")
+        if k.shape[1] != heads:  # GQA: dk, dv accumulated per kv head in fp32
+            accumulators = [torch.zeros(k.shape[1], k_rows, _fa3_head_dim(d), dtype=torch.float32, device=k.device)
+                            for _ in range(2)]
+            for t in accumulators:
+                name_buffer(t, "FA3 bwd dk/dv accumulator (fp32)")
+            workspace += accumulators
+        del workspace
+        return dq, dk, dv
+
+    return kernels.Kernel(PLANNED_PREFIX + "fa3", forward, backward)
+
+
 EFFICIENT_BWD_TILE = (kernels.EFFICIENT_TILE_ROWS, 64)
 """Rows and columns of the memory-efficient backward's dq tile (`kBlockSizeI`, `kBlockSizeJ`): 128 x 64 (or
 128 x 128 over a head_dim of 128, the same bytes), the largest of torch's sm80 kernels (`cutlassB.h`; an
@@ -180,21 +231,26 @@ def efficient_op_models(name_buffer: NameBuffer) -> dict[str, Callable]:
 
 
 CUDA_KERNEL_MODELS = {"flash_attn": _flash_attn_kernel, "sdpa_flash": _sdpa_flash_kernel,
-                      "sdpa_efficient": _sdpa_efficient_kernel}
+                      "sdpa_efficient": _sdpa_efficient_kernel, "fa3": _fa3_varlen_kernel}
+"""CUDA kernels by what runs: `fa3` is torch's flash operators with FA3 behind them; FA4 is modelled as torch's
+own flash kernel (its allocations are not modelled yet)."""
 
 
 def planned_kernel_name(kernel: str, device: str, dtype: torch.dtype = torch.bfloat16,
-                        flash_attn_installed: bool = False) -> str:
+                        flash_attn_installed: bool = False, flash_impl: str = "default") -> str:
     """The kernel the trace selects: the one the runtime would run (`auto` resolved as
-    `select_kernel` resolves it for inputs of `dtype`), as its CUDA stand-in, or the CPU kernel itself."""
-    name = kernels.resolve_kernel_name(device, kernel, dtype, flash_attn_installed)
+    `select_kernel` resolves it for inputs of `dtype`, with `flash_impl` behind torch's flash operators), as its
+    CUDA stand-in, or the CPU kernel itself."""
+    name = kernels.resolve_kernel_name(device, kernel, dtype, flash_attn_installed, flash_impl)
+    if name == "sdpa_flash" and flash_impl == "fa3" and device != "cpu":
+        name = "fa3"
     if device == "cpu":
         if name in CUDA_KERNEL_MODELS:
             raise ValueError(f"--attention-kernel {kernel} needs CUDA; plan with --device cuda")
         return name
     if name not in CUDA_KERNEL_MODELS:
         raise ValueError(f"--attention-kernel {kernel}: the planner models {', '.join(CUDA_KERNEL_MODELS)} on CUDA")
-    if name in ("flash_attn", "sdpa_flash") and dtype not in kernels.FLASH_DTYPES:
+    if name in ("flash_attn", "sdpa_flash", "fa3") and dtype not in kernels.FLASH_DTYPES:
         raise ValueError(f"--attention-kernel {kernel} takes fp16/bf16 only: add --bf16, or use auto")
     return PLANNED_PREFIX + name
 

@@ -108,12 +108,14 @@ def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
 
 
 def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str = "cuda",
-               flash_attn_installed: bool = False) -> StepTrace:
+               flash_attn_installed: bool = False, flash_impl: str = "default") -> StepTrace:
     """Trace one step of `cfg` with `num_layers` blocks on rank 0 of `world_size`, planning for `device`
-    (with flash-attn installed there or not: it decides what `auto` runs)."""
+    (with flash-attn installed there or not, and `flash_impl` behind torch's flash operators: they decide what
+    `auto` runs)."""
     namer = BufferNamer()
     compute_dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32  # what attention sees (--bf16: autocast)
-    kernel = planned_kernel_name(cfg.parallel.attention_kernel, device, compute_dtype, flash_attn_installed)
+    kernel = planned_kernel_name(cfg.parallel.attention_kernel, device, compute_dtype, flash_attn_installed,
+                                 flash_impl)
     opts = cfg.parallelize_options()
     opts = dataclasses.replace(opts, cp=dataclasses.replace(opts.cp, kernel=kernel), kernels=planned_kernels(namer),
                                tile_bounds=representative_tile_bounds)

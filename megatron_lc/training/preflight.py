@@ -71,9 +71,7 @@ def _check_device(cfg: TrainConfig) -> None:
 def activate_flash(cfg: TrainConfig, device: torch.device) -> str:
     """--flash-attention-impl put behind torch's flash kernels and proven on a tiny step, or refused in one line
     (what it returns runs: 'default', 'fa3' or 'fa4')."""
-    layout = cfg.context_layout()
-    rows = cfg.data.micro_batch_size * cfg.data.seq_length // layout.ring_size  # one kernel call's tokens
     try:
-        return activate_flash_impl(cfg.parallel.flash_attention_impl, device, max_call_rows=rows)
+        return activate_flash_impl(cfg.parallel.flash_attention_impl, device, max_call_rows=cfg.attention_call_tokens())
     except FlashImplRefused as e:
         raise ConfigError(str(e)) from e

@@ -50,6 +50,42 @@ def test_flash_attn_standin_allocates_the_cuda_backward_workspace():
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
+
+def test_fa3_standin_allocates_fa3s_backward_workspace_and_is_what_the_planner_traces_with_fa3():
+    """hopper/flash_api.cpp's varlen mha_bwd: dq, dk, dv + fp32 softmax_d and softmax_lse_log2 [H, Tq] + fp32 dq
+    accumulator [H, Tq * 128] + fp32 dk/dv accumulators [Hkv, Tk, 128] (GQA), Tq and Tk padded by a tile per
+    segment; less than flash-attention 2 with GQA (no dk/dv expanded to every q head)."""
+    from megatron_lc.planning.standins import _fa3_varlen_kernel, planned_kernel_name
+
+    T, H, Hkv, d = 4096, 4, 1, 128
+    namer = BufferNamer()
+    kernel = _fa3_varlen_kernel(namer)
+    with FakeTensorMode():
+        q, dout, out = (torch.empty(T, H, d, dtype=torch.bfloat16) for _ in range(3))
+        k, v = (torch.empty(T, Hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        lse = torch.empty(H, T)
+        tracker = PlannerMemTracker()
+        namer.tracker = tracker
+        with tracker:
+            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, (0, 1000, T))
+        peak = tracker.analyse().peak.total
+    q_rows = -(-(T + 2 * 64) // 64) * 64
+    k_rows = -(-(T + 2 * 128) // 128) * 128
+    expected = (T * H * d + 2 * T * Hkv * d) * 2 + 2 * H * q_rows * 4 + H * q_rows * d * 4 + 2 * Hkv * k_rows * d * 4
+    assert peak == expected
+    assert planned_kernel_name("auto", "cuda", torch.bfloat16, flash_impl="fa3") == "planned:fa3"
+    assert planned_kernel_name("auto", "cuda", torch.bfloat16, flash_impl="default") == "planned:sdpa_flash"
+    # A model whose peak is attention's backward (long sequence, small vocabulary): FA3's workspace is what is traced.
+    cfg = config_from_values(dict(model="debug", context_parallel_size=2, bf16=True, seq_length=65536,
+                                  vocab_size=128, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+                                  kv_channels=128, ffn_hidden_size=256, recompute_granularity="full"))
+    fa2 = estimate(cfg, Machine(num_gpus=2, reserve_gib=0))
+    fa3 = estimate(cfg, Machine(num_gpus=2, reserve_gib=0, fa3=True))
+    assert any(name.startswith("FA3 bwd") for name, _, _ in fa3.top_buffers), fa3.top_buffers
+    assert not any(name.startswith("FA3") for name, _, _ in fa2.top_buffers)
+    assert fa3.gpu_peak_bytes < fa2.gpu_peak_bytes  # GQA: fp32 kv-head accumulators, not 16-bit q-head copies
+
+
 def _fake_estimate(limit: int):
     """An evaluator whose memory grows a little faster than linearly and fits up to `limit` tokens."""
     def evaluate(cfg, machine, length):
