@@ -88,6 +88,15 @@ class Rates:
     sources: dict = field(default_factory=dict)
     cores_per_process: float = 1.0
     """`local` only: the share of the measured core(s) each process gets."""
+    causal_overhead_tokens: dict = field(default_factory=dict)
+    """By kernel family: c in rate(T) = rate / (1 + c / T) for a causal call of T tokens (the diagonal tiles' cost;
+    0 when absent: the rates are already the causal ones at the measured length)."""
+
+    def attention_rates(self, family: str, call_tokens: int) -> tuple[float, float]:
+        """(forward, backward) FLOP/s of a causal call of `call_tokens` tokens."""
+        c = self.causal_overhead_tokens.get(family, 0.0)
+        factor = 1.0 / (1.0 + c / max(call_tokens, 1))
+        return self.attention_fwd_flops[family] * factor, self.attention_bwd_flops[family] * factor
 
     def scaled(self, share: float) -> "Rates":
         """Rates of a process that gets `share` of the compute it was measured with (oversubscribed cores)."""
@@ -99,23 +108,33 @@ class Rates:
 
 
 _H100_PEAK = PEAK_DENSE_BF16_FLOPS["H100"][0]
-_GEMM_EFFICIENCY = 0.65
-"""Share of the dense peak large bf16 GEMMs sustain (an assumption until measured)."""
+_H100_GEMM = 795e12
+"""Dense bf16 GEMM FLOP/s an H100 SXM sustains at the best shapes (the maximum achievable matmul FLOPS measured in
+stas00/ml-engineering's MAMF table); the step's GEMMs are [S/cp, 4096] x [4096, n] at S/cp >= 16K tokens."""
+_GEMM_EFFICIENCY = _H100_GEMM / _H100_PEAK
+"""Share of the dense peak large bf16 GEMMs sustain (A100: the same share, an assumption)."""
 _H100_SOURCES = {
     "peak_flops": "989.4 TFLOP/s dense BF16, NVIDIA H100 SXM5 datasheet",
-    "gemm_flops": "65% of the dense peak (assumed)",
-    "attention": "flash-attention 2 / 3 forward about 350 / 640 TFLOP/s and backward about 300 / 480 TFLOP/s, "
-                 "causal, head dim 128, long sequences, read off the FlashAttention-3 paper's figures "
-                 "(arXiv 2407.08608); torch's memory-efficient kernel assumed at half of FA2",
+    "gemm_flops": "795 TFLOP/s: maximum achievable matmul FLOPS of an H100 SXM, stas00/ml-engineering's MAMF table",
+    "attention": "FlashAttention-3 paper (arXiv 2407.08608), H100 SXM5, bf16, head dim 128, at 16K tokens: forward "
+                 "non-causal FA2 370 / FA3 648 TFLOP/s, causal 335 / 616; backward non-causal FA2 322 / FA3 561 "
+                 "(the paper's figures); a causal call of T tokens runs at the non-causal rate / (1 + c / T), c fitted "
+                 "to the forward's causal/non-causal ratio at 16K (FA2 1,712, FA3 851 tokens: the diagonal tiles' "
+                 "share), applied to the backward too (an assumption); torch's memory-efficient kernel at half of FA2 "
+                 "(assumed)",
     "hbm_bytes": "3.35 TB/s HBM3, NVIDIA H100 SXM5 datasheet",
     "host_copy_bytes": "PCIe Gen5 x16: 64 GB/s per direction (PCI-SIG), 50 GB/s sustained (assumed)",
-    "intra_node_bytes": "NVLink 4: 450 GB/s per direction per GPU (NVIDIA), 70% in all-to-all (assumed)",
-    "inter_node_bytes": "one 400 Gb/s ConnectX-7 per GPU (DGX H100 datasheet): 50 GB/s, 80% sustained (assumed)",
+    "intra_node_bytes": "320 GB/s: NCCL all-to-all bus bandwidth on 8 x H100 NVLink 4 (nccl-tests, NVIDIA GTC25 "
+                        "S72583, as reproduced in stas00/ml-engineering)",
+    "inter_node_bytes": "48 GB/s: NCCL all-to-all bus bandwidth across DGX H100 nodes with 8 x 400 Gb/s RDMA "
+                        "(same source)",
     "launch_s": "20 us per tile, stage or collective and pass (assumed)",
+    "nccl_sm_share": "not priced: NCCL's kernels take SMs from an attention they overlap (no published figure "
+                     "for this pairing that we know of)",
 }
-_H100 = Rates("dgx-h100", _GEMM_EFFICIENCY * _H100_PEAK, {"fa2": 350e12, "fa3": 640e12, "efficient": 175e12},
-              {"fa2": 300e12, "fa3": 480e12, "efficient": 150e12}, 3.35e12, 50e9, 0.7 * 450e9, 0.8 * 50e9, 20e-6,
-              _H100_PEAK, _H100_SOURCES)
+_H100 = Rates("dgx-h100", _H100_GEMM, {"fa2": 370e12, "fa3": 648e12, "efficient": 185e12},
+              {"fa2": 322e12, "fa3": 561e12, "efficient": 161e12}, 3.35e12, 50e9, 320e9, 48e9, 20e-6,
+              _H100_PEAK, _H100_SOURCES, causal_overhead_tokens={"fa2": 1712.0, "fa3": 851.0, "efficient": 1712.0})
 RATES = {
     "dgx-h100": _H100,
     "dgx-h200": dataclasses.replace(_H100, name="dgx-h200", hbm_bytes=4.8e12, sources={
@@ -124,6 +143,7 @@ RATES = {
         "dgx-a100-80gb", _GEMM_EFFICIENCY * PEAK_DENSE_BF16_FLOPS["A100"][0], {"fa2": 190e12, "efficient": 95e12},
         {"fa2": 150e12, "efficient": 75e12}, 2.039e12, 25e9, 0.7 * 300e9, 0.8 * 25e9, 20e-6, PEAK_DENSE_BF16_FLOPS["A100"][0], {
             "peak_flops": "312 TFLOP/s dense BF16, NVIDIA A100 datasheet",
+            "gemm_flops": "the H100's MAMF share of its peak (80%), assumed",
             "attention": "flash-attention 2 about 190 / 150 TFLOP/s forward / backward on A100 (FlashAttention-2 "
                          "paper, arXiv 2307.08691, read off its figures); no FA3 before sm90",
             "hbm_bytes": "2.039 TB/s, NVIDIA A100 80GB SXM datasheet",
@@ -351,7 +371,7 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
     mbs = cfg.data.micro_batch_size
     micro = max(1, (cfg.data.global_batch_size or mbs * dp) // (mbs * dp))
     layout = cfg.context_layout()
-    fwd_rate, bwd_rate = rates.attention_fwd_flops[family], rates.attention_bwd_flops[family]
+    fwd_rate, bwd_rate = rates.attention_rates(family, cfg.data.seq_length)  # one document per sample
     gemm = w.gemm_fwd * 3 / rates.gemm_flops
     a_fwd, a_re, a_bwd = w.attention_fwd / fwd_rate, w.attention_recompute / fwd_rate, w.attention_bwd / bwd_rate
     a2a_link = rates.intra_node_bytes if layout.a2a_size <= gpus_per_node else rates.inter_node_bytes

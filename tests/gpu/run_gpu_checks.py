@@ -23,6 +23,10 @@ reports it, after CUDA init, NCCL's first use of each collective, and around eac
   (collectives move nothing, so values are meaningless and times are compute only, but every
   allocation is the real kernel's): Llama3-8B shape, 4 layers, 1M tokens, Untied Ulysses and
   Ulysses, full stack, against the planner.
+- contracts: `--flash-attention-impl auto` activated and proven by its start-up probe (what runs, and the
+  probe's verdict); offload with the early prefetch and kept attention outputs at k = 1 and 2, loss and
+  every gradient bitwise against no offload, under TORCH_CUDA_SANITIZER=1 (a subprocess); the caching
+  allocator's segments all expandable.
 - ratios: step-time ratios in one run: no stack, + checkpointing, + offload (prefetch and on
   demand), + tiled MLP and loss; Untied vs Ulysses in the cp_rank setting (compute only).
 Every case is sized to the card it finds, or skipped with the reason recorded.
@@ -583,6 +587,93 @@ def section_ratios(s: Sizes, results: dict) -> dict:
     return {"seq_length": s.ratio_length, "step_seconds": seconds, "ratio_to_no_stack": ratios, "skipped": skipped}
 
 
+# --- contracts: the kernel selection, offload's streams, the allocator ----------------------------
+
+BITWISE_STACKS = {  # offload + early prefetch + kept attention, against the same blocks without offload
+    "k1": dict(recompute_granularity="full", offload_mode="early", keep_attention_output=True),
+    "k2": dict(recompute_granularity="full", offload_mode="early", keep_attention_output=True,
+               offload_every_k_layers=2),
+}
+
+
+def step_loss_and_grads(cfg, s: Sizes) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward and backward of `cfg` on one device, from seed 0, on a fixed batch: the loss and every
+    gradient, on the CPU."""
+    torch.manual_seed(0)
+    devices = Devices(torch.device(s.device), torch.device("cpu"))
+    pstate = ParallelState(parallel_dims(cfg, 1), device_type=s.device)
+    model, _ = build_sharded_model(cfg, cfg.model_config(), pstate, devices)
+    torch.manual_seed(1)
+    batch = synthetic_batch(cfg, pstate)
+    from megatron_lc.training.step import forward_backward
+
+    with step_autocast(cfg.train.bf16, pstate, s.device):
+        result = forward_backward(model, [batch], pstate, devices.accelerator)
+    grads = [p.grad.full_tensor().cpu() if hasattr(p.grad, "full_tensor") else p.grad.cpu()
+             for p in model.parameters()]
+    return result.loss.detach().cpu(), grads
+
+
+def case_offload_bitwise(s: Sizes) -> dict:
+    """Offload with the early prefetch and kept attention outputs, every input kept (k = 1) and every second
+    (k = 2): loss and every gradient bitwise equal to the same checkpointed blocks without offload. On CUDA the
+    caller runs it under TORCH_CUDA_SANITIZER=1 (a stream race raises there)."""
+    base = config(s, s.ratio_length, dict(recompute_granularity="full", keep_attention_output=True))
+    want_loss, want = step_loss_and_grads(base, s)
+    out, failures = {}, []
+    for name, stack in BITWISE_STACKS.items():
+        loss, grads = step_loss_and_grads(config(s, s.ratio_length, stack), s)
+        equal = bool(torch.equal(loss, want_loss)) and all(torch.equal(a, b) for a, b in zip(grads, want))
+        out[name] = {"bitwise_equal": equal, "loss": float(loss)}
+        if not equal:
+            failures.append(f"offload_{name}")
+    out["sanitizer"] = os.environ.get("TORCH_CUDA_SANITIZER") == "1"
+    out["failures"] = failures
+    return out
+
+
+def sanitized_offload_bitwise(s: Sizes, out: Path) -> dict:
+    """`case_offload_bitwise` in a subprocess under TORCH_CUDA_SANITIZER=1 (read when torch starts)."""
+    if s.device != "cuda":
+        return {**case_offload_bitwise(s), "sanitizer_note": "CUDA only: the CPU rehearsal runs unsanitized"}
+    import subprocess
+
+    sub = out / "sanitized"
+    env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--sections", "offload_bitwise", "--out", str(sub)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    result = json.loads((sub / "gpu_checks.json").read_text()).get("offload_bitwise", {}) if \
+        (sub / "gpu_checks.json").exists() else {}
+    return {**result.get("result", {}), "returncode": proc.returncode, "stderr_tail": proc.stderr[-2000:],
+            "failures": result.get("result", {}).get("failures", ["sanitized subprocess"]) if proc.returncode == 0
+            else ["sanitized subprocess"]}
+
+
+def allocator_snapshot(s: Sizes) -> dict:
+    """The caching allocator's segments after a step: expandable segments on, as the trainer sets them."""
+    if s.device != "cuda":
+        return {"skipped": "CUDA only"}
+    torch.zeros(1 << 20, device="cuda")
+    segments = torch.cuda.memory._snapshot()["segments"]
+    expandable = [seg.get("is_expandable") for seg in segments]
+    return {"segments": len(segments), "expandable": sum(bool(e) for e in expandable),
+            "failures": [] if segments and all(expandable) else ["expandable_segments"]}
+
+
+def section_contracts(s: Sizes, out: Path) -> dict:
+    """What runs attention (the start-up probe of --flash-attention-impl auto), offload's streams under the
+    sanitizer, bitwise, and the allocator's segments."""
+    device = torch.device(s.device)
+    impl = kernels.activate_flash_impl("auto", device)
+    kernel = kernels.KERNELS["sdpa_flash" if s.device == "cuda" else "cpu_flash"]
+    probe = kernels.probe_flash_kernel(kernel, device, torch.bfloat16)
+    offload = sanitized_offload_bitwise(s, out)
+    snapshot = allocator_snapshot(s)
+    failures = (["flash_probe"] if probe else []) + offload.get("failures", []) + snapshot.get("failures", [])
+    return {"flash_impl": impl, "running_kernel": kernels.running_kernel(s.device, "auto", torch.bfloat16),
+            "probe": probe or "ok", "offload_bitwise": offload, "allocator": snapshot, "failures": failures}
+
+
 # --- driver ---------------------------------------------------------------------------------
 
 
@@ -629,7 +720,7 @@ def environment(s: Sizes, dry_run: bool) -> dict:
             "fp32_output_gemm": fp32_out_gemm_available(device)}
 
 
-SECTIONS = ("nccl", "kernels", "kernel_cases", "single_gpu", "cp_rank", "ratios")
+SECTIONS = ("nccl", "kernels", "kernel_cases", "contracts", "single_gpu", "cp_rank", "ratios")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -651,7 +742,8 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"environment": environment(s, args.dry_run), "memory_timeline": TIMELINE.events}
     sections = {"nccl": lambda: section_nccl(s), "kernels": lambda: section_kernels(s),
                 "kernel_cases": lambda: section_kernel_cases(s), "single_gpu": lambda: section_single_gpu(s),
-                "cp_rank": lambda: section_cp_rank(s), "ratios": lambda: section_ratios(s, results)}
+                "cp_rank": lambda: section_cp_rank(s), "ratios": lambda: section_ratios(s, results),
+                "contracts": lambda: section_contracts(s, out), "offload_bitwise": lambda: case_offload_bitwise(s)}
     real_page_lock = offload_module.page_lock
     offload_module.page_lock = recording_page_lock(real_page_lock, TIMELINE)  # every arena registration
     try:

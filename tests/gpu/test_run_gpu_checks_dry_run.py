@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 SCRIPT = Path(__file__).with_name("run_gpu_checks.py")
-SECTIONS = ("nccl", "kernels", "kernel_cases", "single_gpu", "cp_rank", "ratios")
+SECTIONS = ("nccl", "kernels", "kernel_cases", "contracts", "single_gpu", "cp_rank", "ratios")
 
 
 def test_dry_run_writes_every_section(tmp_path):
@@ -49,6 +49,9 @@ def test_dry_run_writes_every_section(tmp_path):
     assert cases["many_segments"]["segments"] == 300 and cases["many_segments"]["cpu_flash"]["within_tolerance"]
     workspace = cases["efficient_workspace"]
     assert workspace["measured_backward_peak_bytes"] > 0 and workspace["modelled_backward_peak_bytes"] > 0
+    contracts = results["contracts"]["result"]
+    assert contracts["flash_impl"] == "default" and contracts["probe"] == "ok"
+    assert contracts["offload_bitwise"]["k1"]["bitwise_equal"] and contracts["offload_bitwise"]["k2"]["bitwise_equal"]
     env = results["environment"]
     assert {"nccl_version", "NCCL_NVLS_ENABLE", "host_memory_stats_keys", "gpu_total_bytes"} <= env.keys()
     assert "expandable_segments:True" in env["PYTORCH_CUDA_ALLOC_CONF"]

@@ -90,7 +90,17 @@ def test_fa3_rates_shorten_attention_only():
     cfg = _cfg("--recompute-granularity", "full")
     fa2, fa3 = predict(cfg, 8, H100, family="fa2"), predict(cfg, 8, H100, family="fa3")
     assert fa3.step_s < fa2.step_s and fa3.seconds["GEMMs"] == fa2.seconds["GEMMs"]
-    assert fa3.seconds["attention forward"] == pytest.approx(fa2.seconds["attention forward"] * 350 / 640)
+    fa2_rate, fa3_rate = H100.attention_rates("fa2", 1048576)[0], H100.attention_rates("fa3", 1048576)[0]
+    assert fa3.seconds["attention forward"] == pytest.approx(fa2.seconds["attention forward"] * fa2_rate / fa3_rate)
+
+
+def test_causal_attention_rates_approach_the_non_causal_ones_as_calls_grow():
+    """At 16K tokens the rates are the FA3 paper's causal figures (forward FA2 335, FA3 616 TFLOP/s); longer calls
+    lose a vanishing share to the diagonal tiles."""
+    for family, causal_16k, non_causal in (("fa2", 335e12, 370e12), ("fa3", 616e12, 648e12)):
+        assert H100.attention_rates(family, 16384)[0] == pytest.approx(causal_16k, rel=1e-3)
+        assert H100.attention_rates(family, 1 << 20)[0] == pytest.approx(non_causal, rel=2e-3)
+        assert H100.attention_rates(family, 4096)[0] < H100.attention_rates(family, 16384)[0]
 
 
 def test_mfu_counts_three_passes_of_the_model_and_no_recompute():
@@ -223,10 +233,11 @@ def test_early_prefetch_hides_the_copy_back_behind_the_next_layers_backward():
     # A host link too slow for the backward: the excess is exposed.
     slow = dataclasses.replace(H100, host_copy_bytes=H100.host_copy_bytes / 1e4)
     w = step_work(_cfg(*stack, "--offload-prefetch-early"), 8)
-    block_bwd = ((2 * w.gemm_fwd + w.gemm_recompute) / slow.gemm_flops + w.attention_recompute
-                 / slow.attention_fwd_flops["fa2"] + w.attention_bwd / slow.attention_bwd_flops["fa2"]) / w.layers
+    fwd_rate, bwd_rate = slow.attention_rates("fa2", 1048576)
+    block_bwd = ((2 * w.gemm_fwd + w.gemm_recompute) / slow.gemm_flops + w.attention_recompute / fwd_rate
+                 + w.attention_bwd / bwd_rate) / w.layers
     slow_copy = copy * 1e4
-    block_fwd = (w.gemm_fwd / slow.gemm_flops + w.attention_fwd / slow.attention_fwd_flops["fa2"]) / w.layers
+    block_fwd = (w.gemm_fwd / slow.gemm_flops + w.attention_fwd / fwd_rate) / w.layers
     assert predict(_cfg(*stack, "--offload-prefetch-early"), 8, slow).seconds["offload stalls"] == pytest.approx(
         31 * (slow_copy - block_fwd) + 31 * (slow_copy - block_bwd))
 
