@@ -42,6 +42,12 @@ ATTENTION_KIND = "attention"
 _STATE = threading.local()
 
 
+def kept_bytes_per_layer(tokens: int, heads: int, head_dim: int, itemsize: int) -> int:
+    """What one block keeps for one rank: its attention output `[tokens, heads, head_dim]` in the compute dtype and
+    the fp32 log-sum-exp, `heads x tokens` (per rank: `tokens` the rank's share, all heads, whatever the layout)."""
+    return tokens * heads * (head_dim * itemsize + 4)
+
+
 class KeptAttention:
     """One block's kept attention results, first in first out, on the host (offloaded) or the accelerator."""
 
@@ -56,7 +62,7 @@ class KeptAttention:
         items = []
         for t, host in zip(tensors, to_host):
             if host and self.offload is not None:
-                slots = self.offload.offloaded_layers * counts[(tuple(t.shape), t.dtype)]
+                slots = self.offload.attention_layers * counts[(tuple(t.shape), t.dtype)]
                 items.append(self.offload.offload(self.layer_idx, t, kind=ATTENTION_KIND, slots=slots))
             else:
                 items.append(t)

@@ -212,6 +212,7 @@ class OffloadScheduler:
         prefetch_early: bool = False,
         page_locked: bool | None = None,
         every_k: int = 1,
+        attention_layers: int | None = None,
     ) -> None:
         if every_k < 1:
             raise ValueError(f"every_k must be >= 1, got {every_k}")
@@ -221,6 +222,7 @@ class OffloadScheduler:
             raise ValueError(f"keep_last={keep_last} and keep_first={keep_first} must be >= 0")
         self.num_layers, self.keep_last, self.keep_first = num_layers, keep_last, keep_first
         self.every_k = every_k
+        self._attention_layers = attention_layers
         if prefetch_early and not prefetch:
             raise ValueError("prefetch_early needs prefetch")
         self.prefetch_enabled, self.prefetch_early = prefetch, prefetch_early
@@ -264,6 +266,13 @@ class OffloadScheduler:
     def offloaded_layers(self) -> int:
         """Layers in the offloaded range (with sparse offload, only one per segment keeps its input)."""
         return max(0, self.num_layers - self.keep_last - self.keep_first)
+
+    @property
+    def attention_layers(self) -> int:
+        """Offloaded layers that keep their attention output on the host (`--keep-attention-output-layers`):
+        the slots of each kept-attention arena."""
+        every = self.offloaded_layers
+        return every if self._attention_layers is None else min(self._attention_layers, every)
 
     @property
     def host_slots(self) -> int:

@@ -62,6 +62,8 @@ class MemoryStack:
     keep_attention_output: bool = False
     """Full recompute: each checkpointed block keeps its attention output and lse; the recompute runs no
     attention forward."""
+    keep_attention_layers: int | None = None
+    """With keep_attention_output: only the first this many checkpointed blocks keep theirs (None: all)."""
     mlp_tiles: int | None = None
     """Sequence tiles of the MLP; None: untiled."""
     loss_tiles: int | None = None
@@ -94,6 +96,9 @@ class MemoryStack:
         if self.keep_attention_output and not full:
             raise ConfigError("--keep-attention-output keeps what full recompute would run again: it needs "
                               "--recompute-granularity full")
+        if self.keep_attention_layers is not None and (not self.keep_attention_output or self.keep_attention_layers < 1):
+            raise ConfigError(f"--keep-attention-output-layers {self.keep_attention_layers}: a block count >= 1 of "
+                              "--keep-attention-output")
         for name, tiles in (("--tiled-mlp-tiles", self.mlp_tiles), ("--tiled-loss-tiles", self.loss_tiles)):
             if tiles is not None and tiles < 1:
                 raise ConfigError(f"{name} {tiles} must be >= 1")
@@ -112,6 +117,14 @@ class MemoryStack:
         if self.recompute_granularity != "full":
             return self.recompute_granularity
         return "full" if layer < self.checkpointed_layers(num_layers) else "none"
+
+    def kept_attention_layers(self, num_layers: int) -> int:
+        """Checkpointed blocks that keep their attention output (the first --keep-attention-output-layers of them,
+        else all); 0 without --keep-attention-output."""
+        if not (self.keep_attention_output and self.recompute_granularity == "full"):
+            return 0
+        checkpointed = self.checkpointed_layers(num_layers)
+        return checkpointed if self.keep_attention_layers is None else min(self.keep_attention_layers, checkpointed)
 
     def offloaded_layers(self, num_layers: int) -> int:
         """Checkpointed blocks whose inputs go to the host: all but the last --offload-keep-last of them."""
@@ -134,7 +147,8 @@ class MemoryStack:
             return None
         return OffloadScheduler(checkpointed, keep_last=self.offload_keep_last, accelerator=devices.accelerator,
                                 host=devices.host, prefetch=self.offload_mode != "on_demand",
-                                prefetch_early=self.offload_mode == "early", every_k=self.offload_every_k_layers)
+                                prefetch_early=self.offload_mode == "early", every_k=self.offload_every_k_layers,
+                                attention_layers=self.kept_attention_layers(num_layers))
 
     def apply(self, model, devices, bounds: TileBounds = tile_bounds) -> OffloadScheduler | None:
         """Set each block's recompute, offload, kept attention and MLP tiles, and the head's loss tiles, on a
@@ -145,7 +159,7 @@ class MemoryStack:
         for i, layer in enumerate(model.layers):
             layer.memory.recompute = self.block_recompute(i, num_layers)
             layer.memory.offload = offload if layer.memory.recompute == "full" else None
-            layer.memory.keep_attention = self.keep_attention_output and layer.memory.recompute == "full"
+            layer.memory.keep_attention = layer.memory.recompute == "full" and i < self.kept_attention_layers(num_layers)
             layer.mlp.num_tiles, layer.mlp.tile_bounds = self.mlp_tiles, bounds
         model.head.loss_tiles, model.head.tile_bounds = self.loss_tiles, bounds
         return offload
@@ -193,6 +207,9 @@ class MemoryArgs:
                                        "--offload-mode) so that the recompute does not run the attention "
                                        "forward again: about twice the kept bytes per layer, one attention "
                                        "forward less per layer")
+    keep_attention_output_layers: int | None = flag(None, "with --keep-attention-output: only the first N "
+                                                    "checkpointed blocks keep theirs (default: all): the kept bytes "
+                                                    "of N blocks, N attention forwards less")
     tiled_mlp: bool = flag(False, "compute the MLP over sequence tiles, recomputed in backward")
     tiled_mlp_tiles: int | None = flag(None, "with --tiled-mlp: MLP tiles (default: about hidden-size tokens per tile)")
     tiled_loss: bool = flag(False, "fuse output projection and cross-entropy over sequence tiles")
@@ -218,6 +235,13 @@ class MemoryArgs:
                                   "checkpointing here is per block (each block one FSDP and offload unit that keeps "
                                   "its own input), so groups of several blocks are not; give 1, or --recompute-method "
                                   "block to checkpoint only the first N")
+        if self.keep_attention_output_layers is not None:
+            if not self.keep_attention_output:
+                raise ConfigError(f"--keep-attention-output-layers {self.keep_attention_output_layers} chooses the "
+                                  "blocks of --keep-attention-output: add it")
+            if not 1 <= self.keep_attention_output_layers <= num_layers:
+                raise ConfigError(f"--keep-attention-output-layers {self.keep_attention_output_layers} must be in "
+                                  f"1..{num_layers} (--num-layers)")
         if self.offload_keep_last is not None and self.offload_mode == "none":
             raise ConfigError(f"--offload-keep-last {self.offload_keep_last} chooses which offloaded block inputs stay "
                               "on the accelerator: it needs --offload-mode (prefetch, early or on_demand)")
@@ -238,6 +262,7 @@ class MemoryArgs:
             offload_mode=self.offload_mode,
             offload_keep_last=1 if self.offload_keep_last is None else self.offload_keep_last,
             offload_every_k_layers=self.offload_every_k_layers, keep_attention_output=self.keep_attention_output,
+            keep_attention_layers=self.keep_attention_output_layers if self.keep_attention_output else None,
             mlp_tiles=tiles(self.tiled_mlp, self.tiled_mlp_tiles, chunks and chunks.mlp_tiles),
             loss_tiles=tiles(self.tiled_loss, self.tiled_loss_tiles, chunks and chunks.loss_tiles))
 

@@ -54,6 +54,7 @@ from megatron_lc.attention.registry import CP_IMPLS
 from megatron_lc.attention.untied_ulysses import valid_heads_per_stage
 from megatron_lc.config import TrainConfig
 from megatron_lc.memory.chunks import plan_chunks
+from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.memory.stack import OffloadMode
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.estimator import Estimator
@@ -91,6 +92,8 @@ class Candidate:
     """--untied-overlap-stages (Untied Ulysses only): its stages pipelined, one more set of stage buffers."""
     offload_keep_last: int | None = None
     """--offload-keep-last as the user gave it (with offload only; None: the default)."""
+    keep_attention_layers: int | None = None
+    """--keep-attention-output-layers (with keep_attention): only the first this many blocks keep (None: all)."""
 
     def flags(self) -> list[str]:
         """The training flags of this stack (defaults left out)."""
@@ -103,6 +106,8 @@ class Candidate:
             out += ["--offload-every-k-layers", str(self.offload_every)]
         if self.keep_attention and self.recompute == "full":
             out.append("--keep-attention-output")
+            if self.keep_attention_layers is not None:
+                out += ["--keep-attention-output-layers", str(self.keep_attention_layers)]
         if self.mlp_tiles:
             out += ["--tiled-mlp", "--tiled-mlp-tiles", str(self.mlp_tiles)]
         if self.loss_tiles:
@@ -118,7 +123,9 @@ class Candidate:
             cfg.memory, recompute_granularity=self.recompute, offload_mode=self.offload,
             offload_keep_last=self.offload_keep_last if self.offload != "none" else None,
             offload_every_k_layers=self.offload_every if self.offload != "none" else 1,
-            keep_attention_output=self.keep_attention and self.recompute == "full", tiled_mlp=self.mlp_tiles is not None,
+            keep_attention_output=self.keep_attention and self.recompute == "full",
+            keep_attention_output_layers=self.keep_attention_layers if self.keep_attention else None,
+            tiled_mlp=self.mlp_tiles is not None,
             tiled_mlp_tiles=self.mlp_tiles, tiled_loss=self.loss_tiles is not None, tiled_loss_tiles=self.loss_tiles)
         parallel = cfg.parallel
         if self.cp_impl is not None:
@@ -130,6 +137,7 @@ class Candidate:
 MEMORY_FLAGS = {"--recompute-granularity": 1, "--offload-mode": 1, "--offload-activations": 0,
                 "--no-offload-prefetch": 0, "--offload-prefetch-early": 0,
                 "--offload-every-k-layers": 1, "--offload-keep-last": 1, "--keep-attention-output": 0,
+                "--keep-attention-output-layers": 1,
                 "--tiled-mlp": 0, "--tiled-mlp-tiles": 1, "--tiled-loss": 0, "--tiled-loss-tiles": 1,
                 "--cp-impl": 1, "--untied-heads-per-stage": 1, "--untied-overlap-stages": 0}
 """The flags auto-fit chooses, with the number of values each takes."""
@@ -425,10 +433,12 @@ def auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None = 
              evaluate: Callable[[TrainConfig, Machine, int], Estimate] | Estimator = estimate,
              on_estimate: Callable[[Candidate, Estimate, Layout], None] | None = None,
              space: SearchSpace | None = None, layouts: list[Layout] | None = None,
-             tolerance: float = TOLERANCE) -> AutoFitResult:
+             tolerance: float = TOLERANCE, partial_keep: bool = True) -> AutoFitResult:
     """The fastest candidate that fits `machine` (within `tolerance` of the fastest by `time_model`, default the
     machine's published rates): over `layouts` (default: the configured one only) and each layout's memory
-    stacks (`space`, default `search_space`; a given space is for the configured layout only)."""
+    stacks (`space`, default `search_space`; a given space is for the configured layout only); with `partial_keep`,
+    an answer that offloads without keeping attention outputs keeps those of as many first blocks as the host
+    holds, where that is faster and fits (`_Search.kept_attention`)."""
     time_model = time_model or TimeModel.for_machine(machine, cfg)
     searched = layouts is not None
     layouts = layouts or [layout_of(cfg)]
@@ -443,6 +453,8 @@ def auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None = 
         layout, point = best
         result.choice, result.estimate = spaces[layout].candidate(point), search.known[layout].estimates[point]
         result.cost, result.layout = search.cost(best), layouts[layout]
+        if partial_keep:
+            search.kept_attention(result, layout)
     result.verdicts = search.verdicts(best)
     return result
 
@@ -682,6 +694,33 @@ class _Search:
                 if e is not None and e.fits:
                     return option
         return best
+
+    def kept_attention(self, result: AutoFitResult, layout: int) -> None:
+        """The answer with the attention outputs of as many of its first blocks kept as the host has room for
+        (`--keep-attention-output-layers`), when it offloads without keeping them all: each kept block saves its
+        attention forward in the recompute. Traced, and taken where it fits and is predicted faster."""
+        choice, e = result.choice, result.estimate
+        if choice.recompute != "full" or choice.offload == "none" or choice.keep_attention:
+            return
+        cfg = self.configs[layout]
+        c, stack = cfg.model_config(), choice.apply(cfg).memory_stack()
+        tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
+        per_node = kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels, 2 if cfg.train.bf16 else 4) \
+            * self.machine.gpus_on_node
+        room = e.host_budget_bytes - e.host_bytes_per_node
+        n = min(int(room // per_node), stack.offloaded_layers(c.num_layers) - 1)
+        if n < 1 or len(result.traced) >= self.max_traces:
+            return
+        kept = dataclasses.replace(choice, keep_attention=True, keep_attention_layers=n)
+        cost = self.time_model.predict(kept.apply(cfg), self.machine.num_gpus)
+        if cost.step_s / cost.tokens >= result.cost.step_s / result.cost.tokens:
+            return
+        estimate = self.estimator(kept.apply(cfg), self.machine, cfg.data.seq_length)
+        result.traced.append(Traced(kept, estimate, cost, self.layouts[layout]))
+        if self.on_estimate:
+            self.on_estimate(kept, estimate, self.layouts[layout])
+        if estimate.fits:
+            result.choice, result.estimate, result.cost = kept, estimate, cost
 
     def verdicts(self, best: Option | None) -> list[LayoutVerdict]:
         """Per layout, why its stacks were not chosen (from the traces and the search's order)."""

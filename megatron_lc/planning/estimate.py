@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_lc.config import TrainConfig
+from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.planning.standins import NcclSettings, nccl_bytes
 from megatron_lc.planning.timing import StepTime, TimeModel
@@ -310,10 +311,33 @@ def combine(traces: list[StepTrace], num_layers: int, m: int) -> StepPeak:
 
 
 def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) -> Estimate:
-    """Memory of `cfg` (at `seq_length`, default its own) on `machine`."""
-    start = time.perf_counter()
+    """Memory of `cfg` (at `seq_length`, default its own) on `machine`.
+
+    With attention outputs kept by only the first N blocks (`--keep-attention-output-layers`), the step with every
+    block keeping them is traced: its GPU peak bounds N's from above (every tensor alive with N keeping is alive
+    with all keeping, in the same order), and the host holds exactly the arenas of the offloaded blocks that keep
+    (one slot each): the others' kept bytes come off."""
     cfg = planning_config(cfg, seq_length)
     cfg.validate(machine.num_gpus)
+    stack, num_layers = cfg.memory_stack(), cfg.model_config().num_layers
+    if stack.keep_attention_layers is None or stack.kept_attention_layers(num_layers) == stack.checkpointed_layers(
+            num_layers):
+        return _estimate(cfg, machine)
+    every = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, keep_attention_output_layers=None))
+    e = _estimate(every, machine)
+    c = cfg.model_config()
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
+    not_keeping = stack.offloaded_layers(num_layers) - min(stack.kept_attention_layers(num_layers),
+                                                          stack.offloaded_layers(num_layers))
+    off_host = not_keeping * kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels,
+                                                  2 if cfg.train.bf16 else 4)
+    time_model = TimeModel.for_machine(machine, cfg)
+    return dataclasses.replace(e, host_bytes_per_gpu=e.host_bytes_per_gpu - off_host,
+                               time=time_model.predict(cfg, machine.num_gpus))
+
+
+def _estimate(cfg: TrainConfig, machine: Machine) -> Estimate:
+    start = time.perf_counter()
     if cfg.parallel.fsdp_cpu_offload:
         raise ValueError("--fsdp-cpu-offload: the planner does not model FSDP's CPU offload yet")
     counts = traced_layer_counts(cfg)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_lc.config import TrainConfig
+from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.devices import PEAK_DENSE_BF16_FLOPS
 
 CAUSES = ("attention forward", "attention recompute", "attention backward", "GEMMs", "recompute of the rest",
@@ -193,7 +194,13 @@ class Work:
     replay_gathers: float = 0.0
     """FSDP all-gathers of replayed blocks beyond those the backward makes anyway (exposed)."""
     kept_attention_bytes_per_layer: float = 0.0
-    """--keep-attention-output: the attention output and lse each offloaded layer copies to the host and back."""
+    """--keep-attention-output: the attention output and lse an offloaded layer that keeps them copies to the host
+    and back."""
+    attention_keeping_offloaded: int | None = None
+    """Offloaded layers that keep their attention output (the first ones); None: every offloaded layer."""
+    attention_keeping_kept_inputs: int | None = None
+    """Of those, the ones that also keep their block input (segment heads under sparse offload); None: all kept
+    inputs."""
     prefetch_early: bool = False
     """--offload-prefetch-early: offloaded tensors come back during the backward of the layer after theirs."""
     pipelined_a2a: tuple = ()
@@ -240,14 +247,16 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     untied = cp_spec.untied
     mlp_tiles = stack.mlp_tiles
     R = stack.checkpointed_layers(L)  # blocks checkpointed under full recompute (--recompute-method block: the first N)
-    keep = full and stack.keep_attention_output  # the recompute takes the forward's attention output and lse
+    K = stack.kept_attention_layers(L)  # the first K checkpointed blocks keep their attention output and lse
+    keep = K > 0
     recompute = R * layer_gemm if full else L * mlp if selective else 0
-    recompute -= R * qkv if keep and untied else 0  # Untied Ulysses runs no stage in such a recompute
+    recompute -= K * qkv if untied else 0  # Untied Ulysses runs no stage in a kept block's recompute
     recompute += L * qkv if untied else 0  # its backward projects q, k, v again
     recompute += L * 4 * T * h * f if mlp_tiles else 0  # gate and up again, tile by tile
-    a2a = (_a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full and not (keep and untied)) * R
+    a2a = (_a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full and not untied) * K
+           + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full) * (R - K)
            + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, False) * (L - R))
-    attention_recomputed = R if full and not keep else 0
+    attention_recomputed = R - K if full else 0
     ring_fwd = ring_bwd = 0.0
     if layout.ring_size > 1:
         kv = T * 2 * max(Hkv, 1) * d * item
@@ -263,7 +272,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     loss_tiles = stack.loss_tiles or 0
     stages = (H // cp_spec.stage_heads) if untied else (1 if cp_spec.all_to_all else 0)
     passes = 3 if full else 2
-    launches = L * ((mlp_tiles or 0) * passes + stages * (passes - (keep and untied))) + loss_tiles
+    launches = L * ((mlp_tiles or 0) * passes + stages * passes) - (K * stages if untied else 0) + loss_tiles
     # Sparse offload's replayed forwards: each a block forward (the recompute of a kept-input layer, again).
     recompute += replayed * layer_gemm
     a2a += replayed * _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
@@ -292,7 +301,9 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
         fsdp_bytes_per_layer=fsdp, offload_bytes_per_layer=T * h * item, offloaded_layers=offloaded, layers=L,
         launches=launches, elementwise_bytes=elementwise, optimizer_bytes=28 * total_params / max(shards, 1),
         model_flops=3 * (L * layer_gemm + head_gemm + L * attention), kept_inputs=kept, replayed_blocks=replayed,
-        replay_gathers=replay_gathers, kept_attention_bytes_per_layer=T * H * (d * item + 4) if keep else 0.0,
+        replay_gathers=replay_gathers, kept_attention_bytes_per_layer=kept_bytes_per_layer(T, H, d, item) if keep else 0.0,
+        attention_keeping_offloaded=min(K, offloaded),
+        attention_keeping_kept_inputs=min(kept, -(-min(K, offloaded) // stack.offload_every_k_layers)),
         prefetch_early=stack.offload_mode == "early" and offloaded > 0, pipelined_a2a=pipelined)
 
 
@@ -386,12 +397,18 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
     exposed += w.replay_gathers * gather / fsdp_link
     block_fwd = (w.gemm_fwd / rates.gemm_flops + a_fwd) / max(w.layers, 1)
     copy = w.offload_bytes_per_layer / rates.host_copy_bytes
-    att = w.kept_attention_bytes_per_layer / rates.host_copy_bytes  # every offloaded layer's, kept input or not
+    att = w.kept_attention_bytes_per_layer / rates.host_copy_bytes  # an offloaded layer's kept attention
     kept = w.offloaded_layers if w.kept_inputs is None else w.kept_inputs
+    keeping = w.offloaded_layers if w.attention_keeping_offloaded is None else w.attention_keeping_offloaded
+    both = kept if w.attention_keeping_kept_inputs is None else w.attention_keeping_kept_inputs
     block_bwd = ((2 * w.gemm_fwd + w.gemm_recompute) / rates.gemm_flops + a_re + a_bwd) / max(w.layers, 1)
-    back = max(0.0, copy + att - block_bwd) if w.prefetch_early else copy + att  # each offloaded layer's copy back
-    stalls = (kept * max(0.0, copy + att - block_fwd) + (w.offloaded_layers - kept) * max(0.0, att - block_fwd)
-              + w.offloaded_layers * back)
+
+    def back(seconds: float) -> float:  # one offloaded layer's copy back
+        return max(0.0, seconds - block_bwd) if w.prefetch_early else seconds
+
+    to_host = (both * max(0.0, copy + att - block_fwd) + (kept - both) * max(0.0, copy - block_fwd)
+               + (keeping - both) * max(0.0, att - block_fwd))
+    stalls = to_host + keeping * back(copy + att) + (w.offloaded_layers - keeping) * back(copy)
     seconds = dict.fromkeys(CAUSES, 0.0)
     seconds.update({"attention forward": a_fwd, "attention recompute": a_re, "attention backward": a_bwd,
                     "GEMMs": gemm, "recompute of the rest": w.gemm_recompute / rates.gemm_flops,

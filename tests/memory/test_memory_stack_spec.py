@@ -162,3 +162,17 @@ def test_old_offload_spellings_are_aliases_of_offload_mode(old, mode):
 
     cfg = parse_config(["--mock-data", "--recompute-granularity", "full", *old])
     assert cfg.memory.offload_mode == mode and cfg.memory_stack().offload_mode == mode
+
+
+def test_kept_attention_layers_are_the_first_checkpointed_blocks_and_the_flag_is_refused_alone():
+    from megatron_lc.config import parse_config
+
+    base = ["--mock-data", "--num-layers", "4", "--recompute-granularity", "full", "--offload-mode", "prefetch"]
+    cfg = parse_config([*base, "--keep-attention-output", "--keep-attention-output-layers", "2"])
+    stack = cfg.memory_stack()
+    assert stack.kept_attention_layers(4) == 2 and stack.offload_scheduler(4, CPU).attention_layers == 2
+    assert parse_config([*base, "--keep-attention-output"]).memory_stack().kept_attention_layers(4) == 4
+    for flags, message in ((["--keep-attention-output-layers", "2"], "add it"),
+                           (["--keep-attention-output", "--keep-attention-output-layers", "5"], "must be in 1..4")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config([*base, *flags]).validate(1)

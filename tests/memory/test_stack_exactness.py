@@ -142,6 +142,8 @@ KEEP_STACKS = {  # name: (options, host slots of attention outputs: the offloade
     "offloaded": (_keep(), 3),
     "offloaded-everything-on-demand": (_keep(offload_mode="on_demand", mlp_tiles=3, loss_tiles=5), 3),
     "sparse-k2-everything": (_keep(offload_every_k_layers=2, mlp_tiles=3, loss_tiles=5), 3),
+    # The first 2 blocks keep theirs (--keep-attention-output-layers 2): 2 host slots, the others recompute.
+    "offloaded-first-2-of-4": (_keep(keep_attention_layers=2, mlp_tiles=3, loss_tiles=5), 2),
 }
 
 
@@ -169,13 +171,15 @@ def test_kept_attention_is_bit_identical_to_recomputing_it_and_runs_each_attenti
     opts, attention_slots = KEEP_STACKS[stack]
     calls = _counting_forwards(monkeypatch)
     ref_loss, ref_grads, _ = _sparse_loss_and_grads(ParallelizeOptions())
-    same = dataclasses.replace(opts, memory=dataclasses.replace(opts.memory, keep_attention_output=False))
+    same = dataclasses.replace(opts, memory=dataclasses.replace(opts.memory, keep_attention_output=False,
+                                                                keep_attention_layers=None))
     recomputed_loss, recomputed_grads, recomputing = _sparse_loss_and_grads(same)
     replays = 1 if opts.memory.offload_every_k_layers == 2 else 0  # segments {0, 1}, {2}: layer 1 replays block 0
     assert len(calls) == 4 + 4 + 4 + replays  # the reference; the forward and the recompute of every block
     del calls[:]
     loss, grads, offload = _sparse_loss_and_grads(opts)
-    assert len(calls) == 4 + replays  # the forward (and the sparse replay) only
+    keeping = opts.memory.kept_attention_layers(4)
+    assert len(calls) == 4 + (4 - keeping) + replays  # the forward, the recompute of blocks that do not keep
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     assert torch.equal(loss, recomputed_loss)  # the kept tensors are those the recompute would make: equal
     for n, g in grads.items():
@@ -197,6 +201,7 @@ KEEP_CASES = {  # name: (cp, cp_ring, options)
     "ulysses-cp2-sparse-k2-everything": (2, 1, _keep(offload_every_k_layers=2, mlp_tiles=3, loss_tiles=5)),
     "untied-cp2": (2, 1, _keep(cp_impl="untied_ulysses", heads_per_stage=4, mlp_tiles=3, loss_tiles=5)),
     "ring-cp2-on-the-gpu": (2, 2, _keep(offload=False, mlp_tiles=3, loss_tiles=5)),
+    "untied-cp2-first-3-of-4": (2, 1, _keep(cp_impl="untied_ulysses", heads_per_stage=4, keep_attention_layers=3)),
 }
 
 
@@ -210,7 +215,8 @@ def _keep_cases(rank, world):
             try:
                 taken.clear()
                 check_against_reference(rank, world, SPARSE_CONFIG, cp, opts, BATCH, 2, ring)
-                assert sorted(taken) == sorted([0, 1, 2, 3] * 2), taken  # each block's recompute, both steps
+                keeping = list(range(opts.memory.kept_attention_layers(4)))
+                assert sorted(taken) == sorted(keeping * 2), taken  # each keeping block's recompute, both steps
             except Exception as e:
                 raise AssertionError(f"case {name}: {e}") from e
     finally:

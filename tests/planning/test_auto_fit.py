@@ -290,7 +290,7 @@ def test_an_untied_answer_is_pipelined_where_the_pipelined_stages_fit():
     chosen_pipelined = 0
     for budget in peaks:
         machine = _machine(budget)
-        answer = auto_fit(cfg, machine, evaluate=evaluate, space=synchronous).choice
+        answer = auto_fit(cfg, machine, evaluate=evaluate, space=synchronous, partial_keep=False).choice
         want = answer
         if answer is not None:
             for _, u, _ in (a for a in space.attention if a[0] == "untied_ulysses" and a[2]):
@@ -299,7 +299,7 @@ def test_an_untied_answer_is_pipelined_where_the_pipelined_stages_fit():
                         and evaluate(piped.apply(cfg), machine, 0).fits:
                     want = piped
                     break
-        got = auto_fit(cfg, machine, evaluate=evaluate, space=space).choice
+        got = auto_fit(cfg, machine, evaluate=evaluate, space=space, partial_keep=False).choice
         assert got == want, budget
         chosen_pipelined += bool(got and got.untied_overlap)
         assert got is None or ("--untied-overlap-stages" in got.flags()) == got.untied_overlap
@@ -394,3 +394,35 @@ def test_auto_fit_without_layout_flags_searches_the_layout_and_prints_it():
     cp = int(command[command.index("--context-parallel-size") + 1])
     assert cp == fit["layout"]["context_parallel_size"]
     parse_config(_with_mock_data(command[5:])).validate(4)
+
+
+def test_an_offloading_answer_keeps_the_attention_of_as_many_first_blocks_as_the_host_holds():
+    """Keeping every block's attention output does not fit the host, keeping none does: the answer keeps those of
+    the first N blocks, N the most the host's room holds, traced and predicted faster."""
+    from megatron_lc.memory.kept_attention import kept_bytes_per_layer
+
+    cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "1048576", "--context-parallel-size", "8",
+                        "--mock-data"])
+    whole = search_space(cfg)
+    space = dataclasses.replace(whole, modes=(("full", "prefetch"),), mlp_tiles=whole.mlp_tiles[-1:],
+                                loss_tiles=whole.loss_tiles[-1:], attention=whole.attention[:1], offload_every=(1,))
+    tokens = 1048576 // 8
+    per_layer = kept_bytes_per_layer(tokens, 32, 128, 2)
+
+    def evaluate(c, machine, seq_length=None):
+        stack = c.memory_stack()
+        keeping = min(stack.kept_attention_layers(32), stack.offloaded_layers(32))
+        host = stack.offloaded_layers(32) * tokens * 4096 * 2 + keeping * per_layer
+        by_category = dict.fromkeys(("parameters", "gradients", "optimizer state", "activations",
+                                     "communication buffers", "temporaries"), 0)
+        by_category["activations"] = 10 * GIB
+        return Estimate(1048576, by_category, 0, host, "test", [], 0, (1,), machine)
+
+    inputs_per_node = 31 * tokens * 4096 * 2 * 8
+    room = 12.5 * per_layer * 8  # twelve blocks' kept attention fit on the node, not thirteen
+    machine = Machine(num_gpus=8, reserve_gib=0, host_reserve_gib=0, host_memory_gib=(inputs_per_node + room) / GIB)
+    result = auto_fit(cfg, machine, evaluate=evaluate, space=space)
+    assert result.choice.keep_attention and result.choice.keep_attention_layers == 12
+    assert result.estimate.fits and "--keep-attention-output-layers" in result.choice.flags()
+    plain = auto_fit(cfg, machine, evaluate=evaluate, space=space, partial_keep=False)
+    assert not plain.choice.keep_attention and result.cost.step_s < plain.cost.step_s

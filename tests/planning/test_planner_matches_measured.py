@@ -54,7 +54,11 @@ DISTRIBUTED["untied-2x2-ring-full-stack"] = dict(context_parallel_size=4, cp_imp
 SINGLE = {"one-rank": {}, "one-rank-full-stack": dict(FULL_STACK),
           # Kept attention outputs and lse: offloaded with the block inputs (host bytes about double), or on the GPU.
           "one-rank-full-stack-kept-attention": dict(FULL_STACK, keep_attention_output=True),
-          "one-rank-kept-attention-on-the-gpu": dict(recompute_granularity="full", keep_attention_output=True)}
+          "one-rank-kept-attention-on-the-gpu": dict(recompute_granularity="full", keep_attention_output=True),
+          # The first 2 of 6 blocks keep theirs: the planner traces all keeping (its GPU peak bounds this one's)
+          # and takes the other offloaded blocks' arenas off the host.
+          "one-rank-full-stack-kept-attention-first-2-of-6": dict(FULL_STACK, num_layers=6, keep_attention_output=True,
+                                                                  keep_attention_output_layers=2)}
 
 
 def _config(name):

@@ -257,3 +257,19 @@ def test_fa3_prices_only_the_calls_its_backward_workspace_holds():
     assert family(16 * 2**20 + 16 * 1024) == "fa2"
     assert family(16 * 2**20 + 16 * 1024, "--cp-comm-type", "a2a+p2p",
                   "--hierarchical-context-parallel-sizes", "8", "2") == "fa3"
+
+
+def test_kept_attention_of_the_first_n_blocks_saves_n_attention_forwards():
+    stack = ("--recompute-granularity", "full", "--offload-mode", "prefetch", "--tiled-mlp", "--tiled-loss",
+             "--cp-impl", "untied_ulysses")
+    none = predict(_cfg(*stack), 8, H100)
+    every = predict(_cfg(*stack, "--keep-attention-output"), 8, H100)
+    some = predict(_cfg(*stack, "--keep-attention-output", "--keep-attention-output-layers", "12"), 8, H100)
+    assert some.seconds["attention recompute"] == pytest.approx(none.seconds["attention recompute"] * 20 / 32)
+    assert every.seconds["attention recompute"] == 0
+    assert every.step_s < some.step_s < none.step_s
+    # 12 of the 31 offloaded blocks copy their output and lse to the host and back (what the copies expose).
+    w_some, w_every = step_work(_cfg(*stack, "--keep-attention-output", "--keep-attention-output-layers", "12"), 8), \
+        step_work(_cfg(*stack, "--keep-attention-output"), 8)
+    assert w_some.attention_keeping_offloaded == 12 and w_every.attention_keeping_offloaded == 31
+    assert w_some.kept_attention_bytes_per_layer == w_every.kept_attention_bytes_per_layer > 0
