@@ -748,7 +748,8 @@ class _Search:
                              if what == "GPU" else
                              f"{closest.host_bytes_per_node / GIB:.0f} GiB of {closest.host_budget_bytes / GIB:.0f}"))
             else:
-                reason = "ruled out by the traces of a larger cp (each GPU holds more with fewer in the group)"
+                reason = ("its stacks faster than the answer were ruled out by the traces of a larger cp (each GPU "
+                          "holds more with fewer in the group)")
             out.append(LayoutVerdict(layout, reason))
         return out
 
