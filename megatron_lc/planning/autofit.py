@@ -697,30 +697,48 @@ class _Search:
 
     def kept_attention(self, result: AutoFitResult, layout: int) -> None:
         """The answer with the attention outputs of as many of its first blocks kept as the host has room for
-        (`--keep-attention-output-layers`), when it offloads without keeping them all: each kept block saves its
-        attention forward in the recompute. Traced, and taken where it fits and is predicted faster."""
+        (`--keep-attention-output-layers`, fewer than all), at its k or every input kept (k = 1), when it
+        offloads: each kept block saves its attention forward in the recompute, k = 1 the sparse
+        replays. The host bytes of each variant follow from the answer's (one slot per kept input, one per
+        block keeping its attention); the fastest predicted variant is traced and taken where it fits."""
         choice, e = result.choice, result.estimate
-        if choice.recompute != "full" or choice.offload == "none" or choice.keep_attention:
+        if choice.recompute != "full" or choice.offload == "none":
             return
         cfg = self.configs[layout]
-        c, stack = cfg.model_config(), choice.apply(cfg).memory_stack()
+        c = cfg.model_config()
+        item = 2 if cfg.train.bf16 else 4
         tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
-        per_node = kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels, 2 if cfg.train.bf16 else 4) \
-            * self.machine.gpus_on_node
-        room = e.host_budget_bytes - e.host_bytes_per_node
-        n = min(int(room // per_node), stack.offloaded_layers(c.num_layers) - 1)
-        if n < 1 or len(result.traced) >= self.max_traces:
+        on_node = self.machine.gpus_on_node
+        per_block = kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels, item) * on_node
+        per_input = tokens * c.hidden_size * item * on_node
+
+        def host_of(candidate: Candidate) -> float:
+            stack = candidate.apply(cfg).memory_stack()
+            offloaded = stack.offloaded_layers(c.num_layers)
+            return (stack.host_slots(c.num_layers) * per_input
+                    + min(stack.kept_attention_layers(c.num_layers), offloaded) * per_block)
+
+        base = e.host_bytes_per_node - host_of(choice)  # what the answer's host holds besides inputs and outputs
+        room = 0.99 * e.host_budget_bytes - base  # its reserve grows a little with what is page-locked
+        offloaded = choice.apply(cfg).memory_stack().offloaded_layers(c.num_layers)
+        best, best_cost = None, result.cost.step_s / result.cost.tokens
+        for k in sorted({1, choice.offload_every}):
+            inputs = host_of(dataclasses.replace(choice, offload_every=k, keep_attention=False))
+            n = int((room - inputs) // per_block)
+            if not 1 <= n < offloaded:
+                continue  # every block keeping is a candidate of the search itself, already decided
+            candidate = dataclasses.replace(choice, offload_every=k, keep_attention=True, keep_attention_layers=n)
+            cost = self.time_model.predict(candidate.apply(cfg), self.machine.num_gpus)
+            if cost.step_s / cost.tokens < best_cost:
+                best, best_cost, best_time = candidate, cost.step_s / cost.tokens, cost
+        if best is None or len(result.traced) >= self.max_traces:
             return
-        kept = dataclasses.replace(choice, keep_attention=True, keep_attention_layers=n)
-        cost = self.time_model.predict(kept.apply(cfg), self.machine.num_gpus)
-        if cost.step_s / cost.tokens >= result.cost.step_s / result.cost.tokens:
-            return
-        estimate = self.estimator(kept.apply(cfg), self.machine, cfg.data.seq_length)
-        result.traced.append(Traced(kept, estimate, cost, self.layouts[layout]))
+        estimate = self.estimator(best.apply(cfg), self.machine, cfg.data.seq_length)
+        result.traced.append(Traced(best, estimate, best_time, self.layouts[layout]))
         if self.on_estimate:
-            self.on_estimate(kept, estimate, self.layouts[layout])
+            self.on_estimate(best, estimate, self.layouts[layout])
         if estimate.fits:
-            result.choice, result.estimate, result.cost = kept, estimate, cost
+            result.choice, result.estimate, result.cost = best, estimate, best_time
 
     def verdicts(self, best: Option | None) -> list[LayoutVerdict]:
         """Per layout, why its stacks were not chosen (from the traces and the search's order)."""

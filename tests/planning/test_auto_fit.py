@@ -426,3 +426,34 @@ def test_an_offloading_answer_keeps_the_attention_of_as_many_first_blocks_as_the
     assert result.estimate.fits and "--keep-attention-output-layers" in result.choice.flags()
     plain = auto_fit(cfg, machine, evaluate=evaluate, space=space, partial_keep=False)
     assert not plain.choice.keep_attention and result.cost.step_s < plain.cost.step_s
+
+
+def test_a_sparse_answer_that_keeps_every_attention_output_trades_k_for_the_attention_of_the_first_blocks():
+    """k = 2 with every block keeping fits the host, k = 1 with every block keeping does not: keeping every input
+    (no replays) and the attention of as many first blocks as fit is predicted faster, and is the answer."""
+    from megatron_lc.memory.kept_attention import kept_bytes_per_layer
+
+    cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "4194304", "--context-parallel-size", "8",
+                        "--mock-data"])
+    whole = search_space(cfg)
+    space = dataclasses.replace(whole, modes=(("full", "early"),), mlp_tiles=whole.mlp_tiles[-1:],
+                                loss_tiles=whole.loss_tiles[-1:], attention=whole.attention[:1], offload_every=(1, 2))
+    tokens = 4194304 // 8
+    per_layer, per_input = kept_bytes_per_layer(tokens, 32, 128, 2), tokens * 4096 * 2
+
+    def evaluate(c, machine, seq_length=None):
+        stack = c.memory_stack()
+        keeping = min(stack.kept_attention_layers(32), stack.offloaded_layers(32))
+        host = stack.host_slots(32) * per_input + keeping * per_layer
+        by_category = dict.fromkeys(("parameters", "gradients", "optimizer state", "activations",
+                                     "communication buffers", "temporaries"), 0)
+        by_category["activations"] = 10 * GIB
+        return Estimate(4194304, by_category, 0, host, "test", [], 0, (1,), machine)
+
+    budget = 8 * (31 * per_input + 21.5 * per_layer)  # k = 1 and 21 blocks' outputs; k = 2 and all 31 (16 + 31)
+    machine = Machine(num_gpus=8, reserve_gib=0, host_reserve_gib=0, host_memory_gib=budget / 0.99 / GIB)
+    plain = auto_fit(cfg, machine, evaluate=evaluate, space=space, partial_keep=False).choice
+    assert (plain.offload_every, plain.keep_attention, plain.keep_attention_layers) == (2, True, None)
+    result = auto_fit(cfg, machine, evaluate=evaluate, space=space)
+    c = result.choice
+    assert (c.offload_every, c.keep_attention, c.keep_attention_layers) == (1, True, 21) and result.estimate.fits
