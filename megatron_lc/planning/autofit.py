@@ -64,6 +64,10 @@ MODES = (("none", "none"), ("selective", "none"), ("full", "none"), ("full", "ea
          ("full", "on_demand"))
 """(recompute granularity, offload) from the least memory saving to the most."""
 DEFAULT_MAX_TRACES = 40
+KEPT_ATTENTION_TRIES = 3
+"""Variants of the answer with the attention of its first blocks kept that are traced at most (fastest first)."""
+OFFLOAD_ORDER = ("early", "prefetch", "on_demand")
+"""Offload modes from the one that holds most on the GPU at a block's backward peak to the one that holds least."""
 OFFLOAD_EVERY = (1, 2, 4)
 """Sparse-offload levels auto-fit tries: every block input kept, every second, every fourth."""
 
@@ -697,10 +701,11 @@ class _Search:
 
     def kept_attention(self, result: AutoFitResult, layout: int) -> None:
         """The answer with the attention outputs of as many of its first blocks kept as the host has room for
-        (`--keep-attention-output-layers`, fewer than all), at its k or every input kept (k = 1), when it
-        offloads: each kept block saves its attention forward in the recompute, k = 1 the sparse
+        (`--keep-attention-output-layers`, fewer than all), at its k or every input kept (k = 1), with its offload
+        mode or one that brings the kept tensors back later (less at the GPU's peak), when it offloads: each kept block saves its attention forward in the recompute, k = 1 the sparse
         replays. The host bytes of each variant follow from the answer's (one slot per kept input, one per
-        block keeping its attention); the fastest predicted variant is traced and taken where it fits."""
+        block keeping its attention); the variants predicted faster are traced fastest first, the first that fits
+        taken (at most KEPT_ATTENTION_TRIES)."""
         choice, e = result.choice, result.estimate
         if choice.recompute != "full" or choice.offload == "none":
             return
@@ -721,24 +726,29 @@ class _Search:
         base = e.host_bytes_per_node - host_of(choice)  # what the answer's host holds besides inputs and outputs
         room = 0.99 * e.host_budget_bytes - base  # its reserve grows a little with what is page-locked
         offloaded = choice.apply(cfg).memory_stack().offloaded_layers(c.num_layers)
-        best, best_cost = None, result.cost.step_s / result.cost.tokens
-        for k in sorted({1, choice.offload_every}):
+        faster = []
+        modes = [m for m in OFFLOAD_ORDER if OFFLOAD_ORDER.index(m) >= OFFLOAD_ORDER.index(choice.offload)]
+        for k, mode in itertools.product(sorted({1, choice.offload_every}), modes):
             inputs = host_of(dataclasses.replace(choice, offload_every=k, keep_attention=False))
             n = int((room - inputs) // per_block)
             if not 1 <= n < offloaded:
                 continue  # every block keeping is a candidate of the search itself, already decided
-            candidate = dataclasses.replace(choice, offload_every=k, keep_attention=True, keep_attention_layers=n)
+            candidate = dataclasses.replace(choice, offload=mode, offload_every=k, keep_attention=True,
+                                            keep_attention_layers=n)
             cost = self.time_model.predict(candidate.apply(cfg), self.machine.num_gpus)
-            if cost.step_s / cost.tokens < best_cost:
-                best, best_cost, best_time = candidate, cost.step_s / cost.tokens, cost
-        if best is None or len(result.traced) >= self.max_traces:
-            return
-        estimate = self.estimator(best.apply(cfg), self.machine, cfg.data.seq_length)
-        result.traced.append(Traced(best, estimate, best_time, self.layouts[layout]))
-        if self.on_estimate:
-            self.on_estimate(best, estimate, self.layouts[layout])
-        if estimate.fits:
-            result.choice, result.estimate, result.cost = best, estimate, best_time
+            if cost.step_s / cost.tokens < result.cost.step_s / result.cost.tokens:
+                faster.append((cost.step_s / cost.tokens, candidate, cost))
+        # Fastest first; a mode that brings kept tensors back later holds less at the GPU's peak.
+        for _, candidate, cost in sorted(faster, key=lambda f: f[0])[:KEPT_ATTENTION_TRIES]:
+            if len(result.traced) >= self.max_traces:
+                return
+            estimate = self.estimator(candidate.apply(cfg), self.machine, cfg.data.seq_length)
+            result.traced.append(Traced(candidate, estimate, cost, self.layouts[layout]))
+            if self.on_estimate:
+                self.on_estimate(candidate, estimate, self.layouts[layout])
+            if estimate.fits:
+                result.choice, result.estimate, result.cost = candidate, estimate, cost
+                return
 
     def verdicts(self, best: Option | None) -> list[LayoutVerdict]:
         """Per layout, why its stacks were not chosen (from the traces and the search's order)."""
@@ -755,9 +765,6 @@ class _Search:
                 t, p = min(fitting)
                 reason = f"fits with {' '.join(self.spaces[i].candidate(p).flags()) or 'no memory flags'}, " \
                          f"predicted {100 * (t / limit - 1):+.1f}% per token" if limit else "fits"
-            elif limit is not None and floor * (1 + self.tolerance) >= limit:
-                reason = (f"not traced: even its fastest stack ({100 * (floor / limit - 1):+.1f}% per token) is within "
-                          f"the {100 * self.tolerance:g}% tolerance of the answer or slower")
             elif traces:
                 closest = min(traces, key=lambda e: e.usage)
                 what = "GPU" if not closest.fits_gpu else "host"
@@ -765,6 +772,9 @@ class _Search:
                           + (f"{closest.gpu_peak_bytes / GIB:.1f} GiB of {closest.gpu_budget_bytes / GIB:.1f}"
                              if what == "GPU" else
                              f"{closest.host_bytes_per_node / GIB:.0f} GiB of {closest.host_budget_bytes / GIB:.0f}"))
+            elif limit is not None and floor * (1 + self.tolerance) >= limit:
+                reason = (f"not traced: even its fastest stack ({100 * (floor / limit - 1):+.1f}% per token) is within "
+                          f"the {100 * self.tolerance:g}% tolerance of the answer or slower")
             else:
                 reason = ("its stacks faster than the answer were ruled out by the traces of a larger cp (each GPU "
                           "holds more with fewer in the group)")
