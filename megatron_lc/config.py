@@ -393,10 +393,18 @@ class TrainConfig:
         return context_layout_from_flags(p.context_parallel_size, p.cp_comm_type,
                                          p.hierarchical_context_parallel_sizes)
 
-    def attention_call_tokens(self) -> int:
-        """Query tokens of the longest attention kernel call: a micro-batch's sequences, whole after the
-        all-to-all, a ring's share with one (what a kernel's workspace limits bound)."""
-        return self.data.micro_batch_size * self.data.seq_length // self.context_layout().ring_size
+    def attention_call(self):
+        """The largest attention kernel call of this run (`attention.kernels.AttentionCall`): a micro-batch's
+        sequences, whole after the all-to-all, a ring's share with one; one document per sample (with
+        --reset-attention-mask, the documents of a sample are not known before the data: one is assumed)."""
+        import torch
+
+        from megatron_lc.attention.kernels import AttentionCall
+
+        c = self.model_config()
+        return AttentionCall(self.data.micro_batch_size * self.data.seq_length // self.context_layout().ring_size,
+                             self.data.micro_batch_size, c.kv_channels, c.num_attention_heads // c.num_query_groups,
+                             torch.bfloat16 if self.train.bf16 else torch.float32)
 
     def validate(self, world_size: int) -> None:
         """Every impossible combination, with the reason and the fix, before any GPU time is spent. Rules

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from megatron_lc.attention.registry import CP_IMPLS
 from megatron_lc.attention.untied_ulysses import valid_heads_per_stage
 from megatron_lc.config import TrainConfig
+from megatron_lc.errors import ConfigError
 from megatron_lc.memory.chunks import plan_chunks
 from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.memory.stack import OffloadMode
@@ -272,9 +273,11 @@ class Layout:
         return out
 
     def apply(self, cfg: TrainConfig) -> TrainConfig:
+        """`cfg` laid out this way, its all-to-all implementation reset to Ulysses (a candidate sets its own)."""
         parallel = dataclasses.replace(cfg.parallel, context_parallel_size=self.cp,
                                        cp_comm_type=self.comm_type if self.cp > 1 else "a2a",
-                                       hierarchical_context_parallel_sizes=list(self.hierarchical))
+                                       hierarchical_context_parallel_sizes=list(self.hierarchical),
+                                       cp_impl="ulysses", untied_heads_per_stage=None, untied_overlap_stages=False)
         return dataclasses.replace(cfg, parallel=parallel)
 
     def describe(self, num_gpus: int) -> str:
@@ -292,27 +295,33 @@ def layout_of(cfg: TrainConfig) -> Layout:
 
 
 def search_layouts(cfg: TrainConfig, num_gpus: int, gpus_per_node: int) -> list[Layout]:
-    """Every layout of `num_gpus` GPUs that `cfg` validates with: cp over the divisors of the GPU count (the rest
-    data-parallel, within --global-batch-size when given), all-to-all where the heads allow it (across nodes:
-    all-to-all in a node, a ring across), and the ring."""
+    """Every layout of `num_gpus` GPUs that `cfg` validates with, whatever its memory flags (auto-fit replaces
+    them): cp over the divisors of the GPU count (the rest data-parallel, within --global-batch-size when given),
+    all-to-all where the heads allow it (across nodes: all-to-all over a share of a node, a ring across), and the
+    ring. Refused in one line when none does."""
+    from megatron_lc.memory.stack import MemoryArgs
     from megatron_lc.planning.estimate import planning_config
 
+    neutral = dataclasses.replace(cfg, memory=MemoryArgs())
     found = []
     for cp in sorted((d for d in range(1, num_gpus + 1) if num_gpus % d == 0), reverse=True):
         options = [Layout(cp, "a2a")] if cp == 1 else [Layout(cp, "p2p")]
         if 1 < cp <= gpus_per_node:
             options.insert(0, Layout(cp, "a2a"))
-        elif cp > gpus_per_node:
-            for inner in range(gpus_per_node, 1, -1):
-                if cp % inner == 0:
-                    options.insert(0, Layout(cp, "a2a+p2p", (inner, cp // inner)))
-                    break
+        elif cp > gpus_per_node:  # the widest all-to-all inside one node the heads allow, a ring across
+            inners = [i for i in range(gpus_per_node, 1, -1) if gpus_per_node % i == 0 and cp % i == 0]
+            options[:0] = [Layout(cp, "a2a+p2p", (i, cp // i)) for i in inners]
         for layout in options:
+            if layout.comm_type == "a2a+p2p" and any(x.cp == cp and x.comm_type == "a2a+p2p" for x in found):
+                continue  # a wider inner all-to-all validated already
             try:
-                planning_config(layout.apply(cfg)).validate(num_gpus)
+                planning_config(layout.apply(neutral)).validate(num_gpus)
             except ValueError:
                 continue  # heads that do not divide, a global batch the replicas do not divide
             found.append(layout)
+    if not found:
+        raise ConfigError(f"--auto-fit: no parallel layout of {num_gpus} GPUs validates with this configuration "
+                          "(check --global-batch-size and the head counts)")
     return found
 
 
@@ -508,8 +517,9 @@ class _Search:
         """What a probe's failure carries to smaller cp: the mode, k, kept attention and attention kind."""
         space, point = self.spaces[option[0]], option[1]
         impl = space.attention[point[3]][0]
+        full = space.modes[point[0]][0] == "full"
         return (space.modes[point[0]], space.offload_every[point[4]] if space.offloads(point) else 1,
-                space.keep_attention[point[5]] and space.modes[point[0]][0] == "full", impl)
+                space.keep_attention[point[5]] or not full, impl)  # without full recompute attention is kept
 
     def status(self, option: Option) -> bool | None:
         layout, point = option[0], self.spaces[option[0]].canonical(option[1])
@@ -633,15 +643,16 @@ class _Search:
                 if first[1] not in self.known[first[0]].estimates:
                     break  # capped
                 continue  # the same option, with what the round taught
-            if probe_status and self.per_token(probe) <= self.per_token(option) * (1 + self.tolerance):
-                self.trace([probe])
-                break
-            if probe_status:
-                best = probe if best is None or self.per_token(probe) < self.per_token(best) else best
-                self.trace([option])
-                if self.status(option) is None:
+            if probe_status:  # known to fit (maybe only inferred): it and the option are traced before either counts
+                self.trace([probe, option])
+                e = self.known[probe[0]].estimates.get(probe[1])
+                if e is None or self.status(option) is None:
                     break  # capped
-                continue
+                if e.fits:
+                    best = probe if best is None or self.per_token(probe) < self.per_token(best) else best
+                    if self.per_token(probe) <= self.per_token(option) * (1 + self.tolerance):
+                        break
+                continue  # the same option, decided by its own trace now
             i += 1
         return self._fastest_traced_fit()
 
@@ -741,6 +752,7 @@ class _Search:
         # Fastest first; a mode that brings kept tensors back later holds less at the GPU's peak.
         for _, candidate, cost in sorted(faster, key=lambda f: f[0])[:KEPT_ATTENTION_TRIES]:
             if len(result.traced) >= self.max_traces:
+                result.capped = True
                 return
             estimate = self.estimator(candidate.apply(cfg), self.machine, cfg.data.seq_length)
             result.traced.append(Traced(candidate, estimate, cost, self.layouts[layout]))
@@ -783,15 +795,14 @@ class _Search:
 
 
 def _weaker(column: tuple, failed: tuple, by_gpu: bool, any_kind: bool) -> bool:
-    """A column (mode, k, kept attention, attention kind) that holds at least what a failed one did: by the GPU,
-    a mode no stronger (and with the same mode, attention kept if it was); by the host, offloading with k no
-    sparser and attention kept if it was (host bytes do not depend on the rest)."""
+    """A column (mode, k, attention held, attention kind) that holds at least what a failed one did: by the GPU,
+    a mode no stronger and attention held if it was (modes short of full recompute hold it anyway); by the host,
+    offloading with k no sparser and attention kept if it was (host bytes do not depend on the rest)."""
     mode, k, keep, kind = column
     their_mode, their_k, their_keep, their_kind = failed
     if by_gpu:
         same_kind = any_kind or kind == their_kind
-        order = MODES.index(mode) - MODES.index(their_mode)
-        return same_kind and (order < 0 or (order == 0 and keep >= their_keep))
+        return same_kind and MODES.index(mode) <= MODES.index(their_mode) and keep >= their_keep
     return mode[1] != "none" and k <= their_k and keep >= their_keep
 
 

@@ -83,8 +83,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--with-fa3", action="store_true",
                        help="FA3's flash_attn_interface is installed on the GPU machines: --flash-attention-impl "
                             "auto puts it behind torch's flash kernel on H100/H200 (its allocations as FA3's varlen "
-                            "kernels make them, its speed at FA3's rates; not for calls past its 16,777,215-token "
-                            "backward workspace)")
+                            "kernels make them, its speed at FA3's rates; not for calls past its backward's "
+                            "workspace, about 16.7M tokens at head dim 128)")
     group.add_argument("--find-max-seq-length", action="store_true", help="search the longest length that fits")
     group.add_argument("--ablate", action="store_true",
                        help="the longest length with each memory layer added in turn (FSDP, Ulysses, "

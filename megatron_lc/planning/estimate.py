@@ -77,15 +77,15 @@ class Machine:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
 
-    def flash_impl(self, asked: str, max_call_rows: int = 0) -> str:
-        """What `--flash-attention-impl ASKED` runs on these GPUs for kernel calls of at most `max_call_rows`
-        tokens: an implementation named is taken as installed; `auto` finds FA3 where `fa3` says it is
-        installed; FA3 never takes a call past its backward's workspace limit."""
+    def flash_impl(self, asked: str, call=None) -> str:
+        """What `--flash-attention-impl ASKED` runs on these GPUs for a run whose largest kernel call is `call`
+        (an `AttentionCall`): an implementation named is taken as installed; `auto` finds FA3 where `fa3` says it
+        is installed; FA3 never takes a call past its backward's workspace limit."""
         from megatron_lc.attention.kernels import resolve_flash_impl
 
         installed = {asked} if asked != "auto" else ({"fa3"} if self.fa3 else set())
         return resolve_flash_impl(asked, NODES[self.node].compute_capability,
-                                  lambda impl: "" if impl in installed else "not installed", max_call_rows)[0]
+                                  lambda impl: "" if impl in installed else "not installed", call)[0]
 
     @property
     def gpus_on_node(self) -> int:
@@ -316,7 +316,8 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     With attention outputs kept by only the first N blocks (`--keep-attention-output-layers`), the step with every
     block keeping them is traced: its GPU peak bounds N's from above (every tensor alive with N keeping is alive
     with all keeping, in the same order), and the host holds exactly the arenas of the offloaded blocks that keep
-    (one slot each): the others' kept bytes come off."""
+    (one slot each): the others' kept bytes come off. Kept on the GPU (no offload), the step with none keeping
+    plus N blocks' outputs bounds it too, and the smaller bound is taken."""
     cfg = planning_config(cfg, seq_length)
     cfg.validate(machine.num_gpus)
     stack, num_layers = cfg.memory_stack(), cfg.model_config().num_layers
@@ -327,12 +328,19 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     e = _estimate(every, machine)
     c = cfg.model_config()
     tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
-    not_keeping = stack.offloaded_layers(num_layers) - min(stack.kept_attention_layers(num_layers),
-                                                          stack.offloaded_layers(num_layers))
-    off_host = not_keeping * kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels,
-                                                  2 if cfg.train.bf16 else 4)
+    per_block = kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels, 2 if cfg.train.bf16 else 4)
+    kept = stack.kept_attention_layers(num_layers)
+    not_keeping = stack.offloaded_layers(num_layers) - min(kept, stack.offloaded_layers(num_layers))
+    by_category = e.gpu_bytes_by_category
+    if not stack.offloads:  # kept on the GPU: no more than none keeping plus N blocks' outputs, at any moment
+        none = _estimate(dataclasses.replace(every, memory=dataclasses.replace(every.memory,
+                                                                               keep_attention_output=False)), machine)
+        if none.gpu_peak_bytes + kept * per_block < e.gpu_peak_bytes:
+            by_category = dict(none.gpu_bytes_by_category)
+            by_category["activations"] += kept * per_block
     time_model = TimeModel.for_machine(machine, cfg)
-    return dataclasses.replace(e, host_bytes_per_gpu=e.host_bytes_per_gpu - off_host,
+    return dataclasses.replace(e, gpu_bytes_by_category=by_category,
+                               host_bytes_per_gpu=e.host_bytes_per_gpu - not_keeping * per_block,
                                time=time_model.predict(cfg, machine.num_gpus))
 
 
@@ -341,7 +349,7 @@ def _estimate(cfg: TrainConfig, machine: Machine) -> Estimate:
     if cfg.parallel.fsdp_cpu_offload:
         raise ValueError("--fsdp-cpu-offload: the planner does not model FSDP's CPU offload yet")
     counts = traced_layer_counts(cfg)
-    flash_impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call_tokens()) \
+    flash_impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call()) \
         if machine.device == "cuda" else "default"
     traces = [trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn, flash_impl) for n in counts]
     num_layers = cfg.model_config().num_layers

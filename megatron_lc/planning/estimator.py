@@ -12,6 +12,7 @@ that configuration: the cache only skips tracing the same thing twice.
 from __future__ import annotations
 
 import concurrent.futures
+from concurrent.futures.process import BrokenProcessPool
 import functools
 import hashlib
 import multiprocessing
@@ -76,21 +77,21 @@ class EstimateCache:
         try:
             with open(self.directory / f"{key}.pkl", "rb") as f:
                 found = pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError):
+        except Exception:  # absent, partial, from another version: traced again
             return None
         return found if isinstance(found, Estimate) else None
 
     def put(self, key: str, e: Estimate) -> None:
         if self.directory is None:
             return
+        partial = self.directory / f"{key}.{os.getpid()}.tmp"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            partial = self.directory / f"{key}.{os.getpid()}.tmp"
             with open(partial, "wb") as f:
                 pickle.dump(e, f)
             os.replace(partial, self.directory / f"{key}.pkl")  # whole or absent, with several planners at once
-        except OSError:
-            pass  # a read-only or full disk costs the cache, not the answer
+        except OSError:  # a read-only or full disk costs the cache, not the answer
+            partial.unlink(missing_ok=True)
 
 
 def _init_worker() -> None:
@@ -149,7 +150,11 @@ class Estimator:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
-        return list(self._pool.map(estimate, *zip(*jobs)))
+        try:
+            return list(self._pool.map(estimate, *zip(*jobs)))
+        except BrokenProcessPool:
+            self._pool = None  # a worker died (out of memory?): this round again, here
+            return [estimate(*job) for job in jobs]
 
     @property
     def seconds_per_round(self) -> float | None:

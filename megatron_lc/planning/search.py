@@ -80,7 +80,7 @@ def find_max_seq_length(cfg: TrainConfig, machine: Machine, start: int = START_L
     known: dict[int, Estimate] = {}
 
     def run(lengths: list[int]) -> None:
-        new = sorted({min(max(step, n), MAX_LENGTH) for n in lengths} - known.keys())
+        new = sorted({min(max(step, n), MAX_LENGTH // step * step) for n in lengths} - known.keys())
         for e in estimator.many([(cfg, machine, n) for n in new]):
             known[e.seq_length] = e
             if on_estimate:
@@ -92,7 +92,7 @@ def find_max_seq_length(cfg: TrainConfig, machine: Machine, start: int = START_L
     same_side, last_side = 0, None
     while True:
         lo, hi = _bracket(known)
-        if hi is None and (lo.seq_length >= MAX_LENGTH):
+        if hi is None and (lo.seq_length >= MAX_LENGTH // step * step):
             break
         if hi is not None and (hi.seq_length - (lo.seq_length if lo else 0) <= step):
             break
@@ -101,8 +101,13 @@ def find_max_seq_length(cfg: TrainConfig, machine: Machine, start: int = START_L
         rounds = 1 if tight else (2 if hi is not None else ROUNDS_LEFT_GUESS)
         estimator.expected_left = len(proposals) + 2 * (rounds - 1)
         run(proposals)
-        side = lo is not None and _bracket(known)[0] is not lo  # the lower end moved
-        same_side = same_side + 1 if side == last_side else 0
+        new_lo, new_hi = _bracket(known)
+        if hi is None or lo is None:  # still bracketing: interpolation has not started
+            same_side, last_side = 0, None
+            continue
+        moved = (new_lo is not lo, new_hi is not hi)
+        side = None if all(moved) else moved[0]  # which end moved; both: neither side
+        same_side = same_side + 1 if side is not None and side == last_side else 0
         last_side = side
     estimator.expected_left = 0
     lo, _ = _bracket(known)

@@ -440,7 +440,7 @@ class TimeModel:
         if machine.node == "local":
             shapes = CalibrationShapes.of(cfg)
             return TimeModel(calibrate_local(processes=machine.num_gpus, shapes=shapes), machine.gpus_per_node, "cpu")
-        impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call_tokens())
+        impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call())
         family = attention_family(cfg, machine.flash_attn, impl)  # the node's GPUs, whatever was traced
         return TimeModel(RATES[machine.node], machine.gpus_per_node, family)
 

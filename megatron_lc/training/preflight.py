@@ -72,6 +72,6 @@ def activate_flash(cfg: TrainConfig, device: torch.device) -> str:
     """--flash-attention-impl put behind torch's flash kernels and proven on a tiny step, or refused in one line
     (what it returns runs: 'default', 'fa3' or 'fa4')."""
     try:
-        return activate_flash_impl(cfg.parallel.flash_attention_impl, device, max_call_rows=cfg.attention_call_tokens())
+        return activate_flash_impl(cfg.parallel.flash_attention_impl, device, call=cfg.attention_call())
     except FlashImplRefused as e:
         raise ConfigError(str(e)) from e

@@ -152,8 +152,20 @@ def _failing_registry(monkeypatch, error):
     monkeypatch.setattr(torch.nn.attention, "current_flash_attention_impl", lambda: reg.active)
     monkeypatch.setattr(torch._C, "_set_sdp_use_fa3", reg.sdp_flags.append, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # a healthy context
     monkeypatch.setattr(kernels, "_why_unavailable_here", lambda impl: "" if impl == "fa3" else "not installed")
     return reg
+
+
+def test_a_start_up_check_that_leaves_the_gpu_unusable_is_refused_even_under_auto(monkeypatch):
+    reg = _failing_registry(monkeypatch, None)
+
+    def sticky(device=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(torch.cuda, "synchronize", sticky)
+    with pytest.raises(kernels.FlashImplRefused, match="left the GPU unusable .*--flash-attention-impl default"):
+        activate_flash_impl("auto", torch.device("cuda", 0), probe=lambda d: "RuntimeError: CUDA error")
+    assert reg.restores == 1 and reg.active is None
 
 
 @pytest.mark.parametrize("error", [
@@ -186,15 +198,23 @@ def test_a_start_up_check_that_fails_falls_back_under_auto_and_refuses_when_aske
 
 
 def test_a_kernel_call_past_fa3s_workspace_limit_is_not_given_to_fa3(monkeypatch):
-    """FA3's backward sizes its dq workspace in a 32-bit int: one call of more rows goes to torch's kernels under
-    auto, and is refused in one line when FA3 was asked for by name."""
+    """FA3's backward sizes its dq workspace, padded rows x rounded head dim, in a 32-bit int: a call past it goes to
+    torch's kernels under auto, and is refused in one line when FA3 was asked for by name."""
     reg = _failing_registry(monkeypatch, None)
-    rows = kernels.FA3_MAX_CALL_ROWS + 1
-    assert activate_flash_impl("auto", torch.device("cuda", 0), max_call_rows=rows, probe=lambda d: "") == "default"
-    with pytest.raises(kernels.FlashImplRefused, match="past the 16,777,215"):
-        activate_flash_impl("fa3", torch.device("cuda", 0), max_call_rows=rows, probe=lambda d: "")
+    call = kernels.AttentionCall
+    limit = (1 << 31) // 128 - 128  # the longest one-segment call: with a tile of padding, rounded to a tile
+    assert call(limit, 1, 128).fa3_workspace_fits() and not call(limit + 1, 1, 128).fa3_workspace_fits()
+    assert not call(limit // 2 + 64, 1, 256).fa3_workspace_fits()  # a wider head halves it
+    assert not call(limit - 1, 4096, 128).fa3_workspace_fits()  # every segment pads a tile
+    past = call(limit + 1, 1, 128)
+    assert activate_flash_impl("auto", torch.device("cuda", 0), call=past, probe=lambda d: "") == "default"
+    with pytest.raises(kernels.FlashImplRefused, match="past what its backward's 32-bit workspace size holds"):
+        activate_flash_impl("fa3", torch.device("cuda", 0), call=past, probe=lambda d: "")
     assert reg.activations == []
-    assert activate_flash_impl("fa3", torch.device("cuda", 0), max_call_rows=rows - 1, probe=lambda d: "") == "fa3"
+    assert activate_flash_impl("fa3", torch.device("cuda", 0), call=call(limit, 1, 128), probe=lambda d: "") == "fa3"
+    # A later run in the same process whose calls FA3 cannot take gets torch's kernels back.
+    assert activate_flash_impl("auto", torch.device("cuda", 0), call=past, probe=lambda d: "") == "default"
+    assert reg.active is None and reg.restores == 1
 
 
 def test_an_fa4_package_that_raises_on_import_counts_as_not_installed(monkeypatch):
@@ -217,6 +237,7 @@ def test_the_start_up_probe_passes_a_right_kernel_and_names_what_is_wrong_with_a
     cpu, ref = torch.device("cpu"), KERNELS["reference"]
     assert kernels.probe_flash_kernel(ref, cpu, torch.float32) == ""
     assert kernels.probe_flash_kernel(KERNELS["cpu_flash"], cpu, torch.bfloat16) == ""
+    assert kernels.probe_flash_kernel(ref, cpu, torch.float32, head_dim=128, group=4) == ""  # the run's shape
     assert kernels.probe_flash_kernel(_scaled(ref, 1.5), cpu, torch.float32).startswith("its output is off")
 
     def wrong_schema(*args, **kwargs):

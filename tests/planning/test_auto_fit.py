@@ -457,3 +457,46 @@ def test_a_sparse_answer_that_keeps_every_attention_output_trades_k_for_the_atte
     result = auto_fit(cfg, machine, evaluate=evaluate, space=space)
     c = result.choice
     assert (c.offload_every, c.keep_attention, c.keep_attention_layers) == (1, True, 21) and result.estimate.fits
+
+
+@pytest.mark.parametrize("workers, tolerance", [(1, 0.0), (4, TOLERANCE)])
+def test_search_answers_the_fastest_fitting_stack_of_random_monotone_planners(workers, tolerance):
+    """Planners whose GPU fit rises with every choice and whose host fit rises with k and falls with kept
+    attention (the search's assumptions, nothing more), drawn at random: the answer is the fastest that fits
+    (within the tolerance), also when rounds trace several probes at once."""
+    import random
+    import types
+
+    from megatron_lc.planning.autofit import Estimator
+
+    cfg = parse_config(["--model", "debug", "--num-layers", "16", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
+                        "--num-attention-heads", "16", "--num-query-groups", "4", "--vocab-size", "32000",
+                        "--mock-data", "--seq-length", "262144", "--bf16", "--context-parallel-size", "8"])
+    space = search_space(cfg)
+    points = [p for p in space.points() if not space.attention[p[3]][2]]
+    by_config = {repr(space.candidate(p).apply(cfg)): p for p in space.points()}
+    machine = Machine(num_gpus=8)
+    step = {p: _step_s(space.candidate(p), cfg, machine) for p in points}
+    for seed in range(80):
+        rnd = random.Random(seed)
+        w = [rnd.random() for _ in range(5)]
+        gpu_bar, host_bar, kept_weight = rnd.uniform(0.5, 2.5), rnd.uniform(0, 2.5), rnd.random()
+
+        def fits(p):
+            gpu = w[0] * p[0] / 2.5 + w[1] * p[1] / 5 + w[2] * p[2] / 2 + w[3] * (p[3] % 3) / 2 + w[4] * p[5] >= gpu_bar
+            host = space.modes[p[0]][1] == "none" or p[4] + 2 * kept_weight * p[5] >= host_bar
+            return gpu, host
+
+        def evaluate(c, machine, seq_length=None):
+            gpu, host = fits(by_config[repr(c)])
+            return types.SimpleNamespace(seq_length=seq_length, fits=gpu and host, fits_gpu=gpu, fits_host=host,
+                                         gpu_peak_bytes=1 if gpu else 2, gpu_budget_bytes=1, nccl_bytes=0,
+                                         host_bytes_per_node=1, host_budget_bytes=1, usage=1)
+
+        fitting = [p for p in points if all(fits(p))]
+        result = auto_fit(cfg, machine, evaluate=Estimator(evaluate, workers=workers), space=space,
+                          partial_keep=False, tolerance=tolerance, max_traces=400)
+        assert (result.choice is None) == (not fitting), seed
+        if fitting:
+            best = min(step[p] for p in fitting)
+            assert _step_s(result.choice, cfg, machine) <= best * (1 + tolerance) * (1 + 1e-9), seed

@@ -58,6 +58,9 @@ SINGLE = {"one-rank": {}, "one-rank-full-stack": dict(FULL_STACK),
           # The first 2 of 6 blocks keep theirs: the planner traces all keeping (its GPU peak bounds this one's)
           # and takes the other offloaded blocks' arenas off the host.
           "one-rank-full-stack-kept-attention-first-2-of-6": dict(FULL_STACK, num_layers=6, keep_attention_output=True,
+                                                                  keep_attention_output_layers=2),
+          "one-rank-kept-attention-on-the-gpu-first-2-of-6": dict(recompute_granularity="full", num_layers=6,
+                                                                  keep_attention_output=True,
                                                                   keep_attention_output_layers=2)}
 
 
