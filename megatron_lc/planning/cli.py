@@ -275,6 +275,10 @@ def validate_plan(planner: argparse.Namespace, cfg, argv: list[str]) -> None:
     if planner.auto_fit:
         training = autofit.strip_memory_flags(split_argv(argv)[1])
         checked = parse_config(training + (["--mock-data"] if not cfg.data.data_path else []))
+        if not {arg.split("=", 1)[0] for arg in training} & set(autofit.LAYOUT_FLAGS):
+            gpus_per_node = planner.gpus_per_node or NODES[planner.machine].gpus_per_node
+            autofit.search_layouts(checked, planner.num_gpus, gpus_per_node)  # one that validates, or one line
+            return
     planning_config(checked).validate(planner.num_gpus)
 
 

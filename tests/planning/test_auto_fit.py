@@ -500,3 +500,20 @@ def test_search_answers_the_fastest_fitting_stack_of_random_monotone_planners(wo
         if fitting:
             best = min(step[p] for p in fitting)
             assert _step_s(result.choice, cfg, machine) <= best * (1 + tolerance) * (1 + 1e-9), seed
+
+
+def test_auto_fit_searches_layouts_when_the_default_one_does_not_validate():
+    """3 GPUs and --global-batch-size 2: no data-parallel split of 3 divides it, cp 3 does; without any layout that
+    validates, one line."""
+    argv = ["--model", "debug", "--num-gpus", "3", "--seq-length", "6144", "--num-attention-heads", "3",
+            "--num-query-groups", "3", "--hidden-size", "192", "--global-batch-size", "2", "--device", "cpu",
+            "--auto-fit", "--json", "--planner-cache", "off", "--planner-workers", "1"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert estimate_memory.main(argv) == 0
+    fit = json.loads(out.getvalue())["auto_fit"]
+    assert fit["layout"]["context_parallel_size"] == 3 and {v["flags"][1] for v in fit["layouts"]} == {"3"}
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert estimate_memory.main([*argv[:5], "4096", *argv[6:]]) == 2  # 4096 tokens do not split 3 ways
+    assert "no parallel layout of 3 GPUs validates" in err.getvalue() and len(err.getvalue().splitlines()) == 1
