@@ -1,45 +1,28 @@
-"""Auto-fit: the fastest memory stack that fits a machine at a given sequence length.
+"""Auto-fit: the fastest parallel layout and memory stack that fit a machine at a given sequence length.
 
-The model, the length, the cp degree, the precision and the machine are given; auto-fit
-chooses the memory stack (recompute granularity, CPU offload, its prefetch and how sparse it
-is, tiled MLP and loss with their tile counts, Untied Ulysses and its heads per stage) and answers with
-the flags for `python -m megatron_lc.train`.
+The model, the length, the precision and the machine are given; auto-fit chooses the layout (cp degree, the
+rest data-parallel; all-to-all, ring, or all-to-all in a node and a ring across; kept as given when any layout
+flag is) and the memory stack (recompute granularity, CPU offload, its prefetch and how sparse it is, kept
+attention outputs, tiled MLP and loss with their tile counts, Untied Ulysses and its heads per stage), and
+answers with the command for `python -m megatron_lc.train`.
 
-**Cost**: each candidate's predicted step time on the machine (`planning/timing.py`: the
-step's work over the machine's rates, overlapped by stream, the one time model of the
-planner). Auto-fit answers with the fastest predicted stack that fits.
+**Cost**: each candidate's predicted time per token on the machine (`planning/timing.py`, the one time model
+of the planner): per token, because layouts with data-parallel replicas train several sequences per step.
+Candidates closer than the tolerance (default 1%) are not told apart.
 
-**Candidates**: recompute none < selective < full < full + offload (prefetch) < full +
-offload (on demand); MLP tiles off < 2 < ... < the default count (about hidden-size
-tokens per tile), halving from the default; loss tiles the same way (default: 1 GiB of
-fp32 logits per tile); attention: Ulysses, or Untied Ulysses with U from the largest valid
-heads per stage below the head count down to cp (with cp > 1); with offload, every k-th block
-input kept, k = 1 < 2 < 4 (`--offload-every-k-layers`: host bytes about 1/k, (k-1)/2 block
-forwards more per layer); with full recompute, each block's attention output and lse kept
-(`--keep-attention-output`: on the host with the block input when offloading, else on the GPU;
-one attention forward less per layer) or not. Each list runs from the least memory saving to the
-most; the modes without full recompute keep their attention anyway, so they sit at "kept".
+**Candidates**: per layout (`search_layouts`), recompute none < selective < full < full + offload (early <
+prefetch < on demand); MLP and loss tiles off < 2 < ... < the default count, halving from it; Ulysses, or
+Untied Ulysses at each valid heads per stage; with offload every k-th block input kept, k = 1 < 2 < 4; with
+full recompute, attention outputs kept or not. Each list runs from the least memory saving to the most.
 
-**Search**: an estimate is a fake-tensor trace (seconds at real sizes), so few are made.
-It assumes that, within one attention family (Ulysses; Untied Ulysses at any stage width),
-GPU memory does not grow when any one choice moves up its list; Untied Ulysses' own
-buffers can make it hold more than Ulysses on small models, so the two families are
-searched apart. Host memory depends only on whether block inputs are offloaded and on k
-and on keeping attention outputs (it falls as k grows and without them), and GPU memory does not grow with k (the replays of sparse offload run
-between block backwards, below their peak). Per family, fastest family first: (1) the
-strongest stack is traced (without offload if the host cannot hold it): if it does not
-fit, nothing in the family does; (2) for each choice, a binary search with every other
-choice at its strongest finds the weakest level that can fit (weaker levels are out);
-(3) the remaining candidates are visited in order of modelled cost, and the first that
-fits is the family's answer. A candidate weaker in every choice than one that did not fit
-is skipped untraced, one stronger than one that fit is known to fit (and is traced once
-to report it); before an unknown candidate, the same candidate with its tile counts at
-their strongest is traced, so one failure rules out a whole column of tile counts. A
-family whose fastest candidate costs no less than the answer so far is skipped, and the
-fastest candidate of all (no technique) is traced first. Every
-candidate faster than the answer was traced or ruled out this way, so the answer is the
-fastest that fits. At most `max_traces` estimates are made; when the cap stops the
-search, the answer is the fastest candidate known to fit and is marked `capped`.
+**Search** (`_Search`): estimates are fake-tensor traces (seconds each), so few are made, under two stated
+assumptions: within a layout and attention kind, memory does not grow when a choice moves towards saving
+more (host bytes depend only on offloading, k and kept attention); with the stack fixed, a smaller cp holds
+more per GPU (applied only past the NCCL bytes a smaller group saves). Candidates are visited fastest first,
+each decided by its probe (see `_Search`); the search stops at the first candidate no faster than the answer
+by more than the tolerance, so every faster one was traced or ruled out, and the answer was traced. Then
+pipelined Untied stages and the kept attention of the answer's first blocks are tried on the answer. At most
+`max_traces` estimates; when the cap stops the search, the answer is the fastest known to fit, marked `capped`.
 """
 
 from __future__ import annotations
@@ -55,11 +38,15 @@ from megatron_lc.attention.untied_ulysses import valid_heads_per_stage
 from megatron_lc.config import TrainConfig
 from megatron_lc.errors import ConfigError
 from megatron_lc.memory.chunks import plan_chunks
-from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.memory.stack import OffloadMode
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.estimator import Estimator
-from megatron_lc.planning.timing import StepTime, TimeModel
+from megatron_lc.planning.timing import (
+    StepTime,
+    TimeModel,
+    block_input_bytes_per_gpu,
+    kept_attention_bytes_per_gpu,
+)
 
 MODES = (("none", "none"), ("selective", "none"), ("full", "none"), ("full", "early"), ("full", "prefetch"),
          ("full", "on_demand"))
@@ -722,11 +709,9 @@ class _Search:
             return
         cfg = self.configs[layout]
         c = cfg.model_config()
-        item = 2 if cfg.train.bf16 else 4
-        tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
         on_node = self.machine.gpus_on_node
-        per_block = kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels, item) * on_node
-        per_input = tokens * c.hidden_size * item * on_node
+        per_block = kept_attention_bytes_per_gpu(cfg) * on_node
+        per_input = block_input_bytes_per_gpu(cfg) * on_node
 
         def host_of(candidate: Candidate) -> float:
             stack = candidate.apply(cfg).memory_stack()
@@ -771,7 +756,7 @@ class _Search:
                 out.append(LayoutVerdict(layout, "chosen"))
                 continue
             floor = min(self.per_token((i, p)) for p in self.spaces[i].points())
-            traces = [e for e in self.known[i].estimates.values()]
+            traces = list(self.known[i].estimates.values())
             fitting = [(self.per_token((i, p)), p) for p, e in self.known[i].estimates.items() if e.fits]
             if fitting:
                 t, p = min(fitting)

@@ -202,9 +202,7 @@ def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[
     from megatron_lc.planning import autofit
 
     training = split_argv(argv)[1]
-    given = {arg.split("=", 1)[0] for arg in training}
-    layouts = None if given & set(autofit.LAYOUT_FLAGS) else autofit.search_layouts(cfg, machine.num_gpus,
-                                                                                     machine.gpus_per_node)
+    layouts = None if layout_given(training) else autofit.search_layouts(cfg, machine.num_gpus, machine.gpus_per_node)
     result = autofit.auto_fit(cfg, machine, None, planner.auto_fit_max_traces, evaluate=estimator,
                               on_estimate=auto_fit_printer(estimator, machine.num_gpus), layouts=layouts,
                               tolerance=planner.auto_fit_tolerance)
@@ -227,6 +225,13 @@ def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[
             print(f"  ({DATA_PLACEHOLDER}: the --output-prefix of tools/preprocess_data.py with _text_document, "
                   "or --mock-data; the planner was given no data flags)")
     return result.choice is not None
+
+
+def layout_given(training: list[str]) -> bool:
+    """Whether the training flags name the parallel layout (auto-fit keeps it), or leave it to auto-fit."""
+    from megatron_lc.planning.autofit import LAYOUT_FLAGS
+
+    return bool({arg.split("=", 1)[0] for arg in training} & set(LAYOUT_FLAGS))
 
 
 DATA_PLACEHOLDER = "YOUR_DATA_PREFIX"
@@ -275,7 +280,7 @@ def validate_plan(planner: argparse.Namespace, cfg, argv: list[str]) -> None:
     if planner.auto_fit:
         training = autofit.strip_memory_flags(split_argv(argv)[1])
         checked = parse_config(training + (["--mock-data"] if not cfg.data.data_path else []))
-        if not {arg.split("=", 1)[0] for arg in training} & set(autofit.LAYOUT_FLAGS):
+        if not layout_given(training):
             gpus_per_node = planner.gpus_per_node or NODES[planner.machine].gpus_per_node
             autofit.search_layouts(checked, planner.num_gpus, gpus_per_node)  # one that validates, or one line
             return

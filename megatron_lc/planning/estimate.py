@@ -22,10 +22,9 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_lc.config import TrainConfig
-from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.planning.standins import NcclSettings, nccl_bytes
-from megatron_lc.planning.timing import StepTime, TimeModel
+from megatron_lc.planning.timing import StepTime, TimeModel, kept_attention_bytes_per_gpu
 from megatron_lc.planning.trace import StepTrace, trace_step
 import megatron_lc.planning.machine as machine_terms
 from megatron_lc.planning.machine import DEFAULT_NODE, GIB, NODES, Term
@@ -326,9 +325,7 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
         return _estimate(cfg, machine)
     every = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, keep_attention_output_layers=None))
     e = _estimate(every, machine)
-    c = cfg.model_config()
-    tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
-    per_block = kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels, 2 if cfg.train.bf16 else 4)
+    per_block = kept_attention_bytes_per_gpu(cfg)
     kept = stack.kept_attention_layers(num_layers)
     not_keeping = stack.offloaded_layers(num_layers) - min(kept, stack.offloaded_layers(num_layers))
     by_category = e.gpu_bytes_by_category

@@ -68,6 +68,21 @@ def _flash_head_dim(d: int) -> int:
     return _round_up(d, 32 if d <= 128 else 64)
 
 
+def _varlen_forward(name: str, name_buffer: NameBuffer, lse_name: str) -> Callable:
+    """A flash kernel's varlen forward as it allocates: `out` (q's shape and dtype), the fp32 log-sum-exp
+    `[H, T]` and the rng state."""
+
+    def forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
+        kernels._check_flash_dtype(q, name)
+        kernels.segment_pairs(cu_seqlens, cu_seqlens_k, causal)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        name_buffer(lse, lse_name)
+        return out, lse, (torch.empty(2, dtype=torch.int64, device=q.device),)
+
+    return forward
+
+
 def _flash_varlen_kernel(name: str, name_buffer: NameBuffer, copies_strided: bool) -> kernels.Kernel:
     """flash-attention 2's variable-length forward/backward, allocating what the CUDA kernels allocate.
 
@@ -78,13 +93,7 @@ def _flash_varlen_kernel(name: str, name_buffer: NameBuffer, copies_strided: boo
     (`copies_strided`): Untied Ulysses hands both in as views of its receive buffer.
     """
 
-    def forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
-        kernels._check_flash_dtype(q, name)
-        kernels.segment_pairs(cu_seqlens, cu_seqlens_k, causal)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-        name_buffer(lse, "flash log-sum-exp")
-        return out, lse, (torch.empty(2, dtype=torch.int64, device=q.device),)
+    forward = _varlen_forward(name, name_buffer, "flash log-sum-exp")
 
     def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None, causal=True):
         copies = [t.contiguous() for t in (dout, out) if copies_strided and not t.is_contiguous()]
@@ -138,13 +147,7 @@ def _fa3_varlen_kernel(name_buffer: NameBuffer) -> kernels.Kernel:
     Tq = round_up(T + segments * 64, 64), Tk = round_up(T + segments * 128, 128); torch's wrapper copies only a
     last dimension that is not contiguous."""
 
-    def forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
-        kernels._check_flash_dtype(q, "sdpa_flash")
-        kernels.segment_pairs(cu_seqlens, cu_seqlens_k, causal)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-        name_buffer(lse, "FA3 log-sum-exp")
-        return out, lse, (torch.empty(2, dtype=torch.int64, device=q.device),)
+    forward = _varlen_forward("sdpa_flash", name_buffer, "FA3 log-sum-exp")
 
     def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None, causal=True):
         rows, heads, d = q.shape

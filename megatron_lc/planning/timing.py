@@ -228,6 +228,20 @@ class PipelinedExchange:
         return t / n + self.exposed_bytes / link + (n - 1) / n * max(0.0, t - a)
 
 
+def block_input_bytes_per_gpu(cfg: TrainConfig) -> int:
+    """One block input of one rank, `[B*S/cp, hidden]` in the compute dtype (what offload copies per block)."""
+    c = cfg.model_config()
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
+    return tokens * c.hidden_size * (2 if cfg.train.bf16 else 4)
+
+
+def kept_attention_bytes_per_gpu(cfg: TrainConfig) -> int:
+    """One block's kept attention output and lse on one rank (`--keep-attention-output`)."""
+    c = cfg.model_config()
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
+    return kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels, 2 if cfg.train.bf16 else 4)
+
+
 def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     """The work of one micro-batch on one rank of `cfg` on `num_gpus` GPUs."""
     c, par = cfg.model_config(), cfg.parallel
@@ -301,7 +315,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
         fsdp_bytes_per_layer=fsdp, offload_bytes_per_layer=T * h * item, offloaded_layers=offloaded, layers=L,
         launches=launches, elementwise_bytes=elementwise, optimizer_bytes=28 * total_params / max(shards, 1),
         model_flops=3 * (L * layer_gemm + head_gemm + L * attention), kept_inputs=kept, replayed_blocks=replayed,
-        replay_gathers=replay_gathers, kept_attention_bytes_per_layer=kept_bytes_per_layer(T, H, d, item) if keep else 0.0,
+        replay_gathers=replay_gathers, kept_attention_bytes_per_layer=kept_attention_bytes_per_gpu(cfg) if keep else 0.0,
         attention_keeping_offloaded=min(K, offloaded),
         attention_keeping_kept_inputs=min(kept, -(-min(K, offloaded) // stack.offload_every_k_layers)),
         prefetch_early=stack.offload_mode == "early" and offloaded > 0, pipelined_a2a=pipelined)

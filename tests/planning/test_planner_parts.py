@@ -30,11 +30,10 @@ from megatron_lc.planning.tracker import CATEGORIES, PlannerMemTracker
 
 
 
-def test_flash_attn_standin_allocates_the_cuda_backward_workspace():
-    """dq, dk, dv + fp32 dq accumulator + fp32 row sums + dk/dv expanded to all q heads (GQA)."""
-    T, H, Hkv, d = 4096, 4, 1, 128
+def _backward_peak(build, T, H, Hkv, d, cu):
+    """(tracked peak of a stand-in kernel's backward, q, its gradients, (k, v)) on fake bf16 inputs."""
     namer = BufferNamer()
-    kernel = _flash_attn_kernel(namer)
+    kernel = build(namer)
     with FakeTensorMode():
         q, dout, out = (torch.empty(T, H, d, dtype=torch.bfloat16) for _ in range(3))
         k, v = (torch.empty(T, Hkv, d, dtype=torch.bfloat16) for _ in range(2))
@@ -42,8 +41,14 @@ def test_flash_attn_standin_allocates_the_cuda_backward_workspace():
         tracker = PlannerMemTracker()
         namer.tracker = tracker
         with tracker:
-            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, (0, T))
-        peak = tracker.analyse().peak.total
+            grads = kernel.backward(dout, q, k, v, out, lse, cu)
+        return tracker.analyse().peak.total, q, grads, (k, v)
+
+
+def test_flash_attn_standin_allocates_the_cuda_backward_workspace():
+    """dq, dk, dv + fp32 dq accumulator + fp32 row sums + dk/dv expanded to all q heads (GQA)."""
+    T, H, Hkv, d = 4096, 4, 1, 128
+    peak, q, (dq, dk, dv), (k, v) = _backward_peak(_flash_attn_kernel, T, H, Hkv, d, (0, T))
     rows = T + 128  # one segment: 128 spare rows
     expected = (T * H * d + 2 * T * Hkv * d) * 2 + rows * H * d * 4 + H * rows * 4 + 2 * T * H * d * 2
     assert peak == expected
@@ -58,17 +63,7 @@ def test_fa3_standin_allocates_fa3s_backward_workspace_and_is_what_the_planner_t
     from megatron_lc.planning.standins import _fa3_varlen_kernel, planned_kernel_name
 
     T, H, Hkv, d = 4096, 4, 1, 128
-    namer = BufferNamer()
-    kernel = _fa3_varlen_kernel(namer)
-    with FakeTensorMode():
-        q, dout, out = (torch.empty(T, H, d, dtype=torch.bfloat16) for _ in range(3))
-        k, v = (torch.empty(T, Hkv, d, dtype=torch.bfloat16) for _ in range(2))
-        lse = torch.empty(H, T)
-        tracker = PlannerMemTracker()
-        namer.tracker = tracker
-        with tracker:
-            dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, (0, 1000, T))
-        peak = tracker.analyse().peak.total
+    peak, _, _, _ = _backward_peak(_fa3_varlen_kernel, T, H, Hkv, d, (0, 1000, T))
     q_rows = -(-(T + 2 * 64) // 64) * 64
     k_rows = -(-(T + 2 * 128) // 128) * 128
     expected = (T * H * d + 2 * T * Hkv * d) * 2 + 2 * H * q_rows * 4 + H * q_rows * d * 4 + 2 * Hkv * k_rows * d * 4
