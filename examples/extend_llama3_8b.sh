@@ -9,7 +9,7 @@
 # offloaded, tiled MLP and loss, bf16). Predicted per GPU of a DGX H100 (planner, not yet measured on a GPU):
 #   python tools/estimate_memory.py --model llama3-8b --bf16 --context-parallel-size 8 --cp-impl untied_ulysses \
 #       --recompute-granularity full --offload-mode prefetch --tiled-mlp --tiled-loss --num-gpus 8 --seq-length S
-#   S = 1,048,576: 28.30 GiB GPU, 248 GiB host per node, 523 s per step with FA2's rates (317 s with FA3's);
+#   S = 1,048,576: 28.30 GiB GPU, 248 GiB host per node, 489 s per step at FA2's kernel rates (286 s at FA3's);
 #   shorter stages need less of both.
 # Everything is an environment variable for a smaller run (the CPU test runs this script on a tiny model):
 # STAGES (lengths), STEPS (optimizer steps per stage), GPUS_PER_NODE, CP, LAUNCH ("torchrun" or "python"),
