@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from megatron_lc.attention.ulysses import check_ulysses_shapes
-from megatron_lc.attention.untied_ulysses import check_untied_shapes
+from megatron_lc.attention.ring import RING_KV_GRADS, RingKvGrads
+from megatron_lc.attention.untied_ulysses import KV_GRADS, KvGrads, check_untied_shapes
 from megatron_lc.context_layout import ContextLayout
 from megatron_lc.errors import ConfigError
 
@@ -32,6 +33,12 @@ class ContextParallel:
     """Untied Ulysses' stage width as given (None: the all-to-all degree); `stage_heads` is the resolved one."""
     overlap: bool = False
     """Untied Ulysses: the next stage's projections and exchanges in flight while a stage attends."""
+    kv_grads: KvGrads = "round"
+    """Untied Ulysses: a kv round's dK/dV summed over its stages and sent back once, or each stage's sent back
+    (`UntiedUlyssesAttention.kv_grads`)."""
+    ring_kv_grads: RingKvGrads = "overlapped"
+    """Ring attention's backward: its dK/dV accumulators travel while the next block attends, or are rotated in
+    place (`RingAttention.kv_grads`)."""
     kernel: str = "auto"
     """The local attention kernel (`--attention-kernel`)."""
     flash_impl: str = "auto"
@@ -79,6 +86,16 @@ class ContextParallel:
         if self.overlap and not (self.impl == "untied_ulysses" and self.size > 1):
             raise ConfigError("--untied-overlap-stages pipelines the stages of Untied Ulysses: it needs "
                               "--cp-impl untied_ulysses and --context-parallel-size > 1")
+        if self.kv_grads not in KV_GRADS:
+            raise ConfigError(f"--untied-kv-grads {self.kv_grads!r}: expected one of {', '.join(KV_GRADS)}")
+        if self.ring_kv_grads not in RING_KV_GRADS:
+            raise ConfigError(f"--ring-kv-grads {self.ring_kv_grads!r}: expected one of {', '.join(RING_KV_GRADS)}")
+        if self.kv_grads != "round" and not self.untied:
+            raise ConfigError(f"--untied-kv-grads {self.kv_grads} sets how Untied Ulysses sends dK/dV back: it needs "
+                              "--cp-impl untied_ulysses on an all-to-all level (--context-parallel-size > 1)")
+        if self.ring_kv_grads != "overlapped" and self._layout.ring_size < 2:
+            raise ConfigError(f"--ring-kv-grads {self.ring_kv_grads} sets ring attention's backward: it needs a ring "
+                              "(--cp-comm-type p2p or a2a+p2p)")
         if self.size > 1 and not self.all_to_all and self.impl != "ulysses":
             raise ConfigError(f"--cp-impl {self.impl} and --untied-heads-per-stage choose the all-to-all level, which "
                               f"--cp-comm-type {self._layout.comm_type} with a ring of all {self.size} ranks does "

@@ -23,14 +23,16 @@ from megatron_lc.parallel_state import ParallelState
 
 def build_attention_backend(name: str, head_dim: int, device: torch.device, pstate: ParallelState, *,
                             kernel: str = "auto", heads_per_stage: int | None = None,
-                            overlap: bool = False, num_heads: int, num_kv_heads: int, seq_length: int | None = None,
+                            overlap: bool = False, kv_grads: str = "round", ring_kv_grads: str = "overlapped",
+                            num_heads: int, num_kv_heads: int, seq_length: int | None = None,
                             kernels: Mapping[str, Kernel] | None = None, tile_bounds: TileBounds = tile_bounds):
     """The backend `name` on `device`, checked against the head counts and the cp layout.
 
     `name` is the all-to-all level (`--cp-impl`); with a ring (`--cp-comm-type p2p` or
     `a2a+p2p`) its local kernel is ring attention over `pstate.ring_group`, which needs
     the `seq_length` it cuts into chunks. `heads_per_stage` (Untied Ulysses only)
-    defaults to the all-to-all degree: one head per rank per stage; `overlap` pipelines its stages.
+    defaults to the all-to-all degree: one head per rank per stage; `overlap` pipelines its stages and
+    `kv_grads` says how its dK/dV go back; `ring_kv_grads` how the ring's dK/dV accumulators travel.
     `kernels` is the table `kernel` is looked up in (default: the real kernels; the planner passes its
     stand-ins) and `tile_bounds` the tile policy of Untied Ulysses' row-chunk loops.
     """
@@ -43,19 +45,21 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
     if layout.ring_size > 1:
         if seq_length is None:
             raise ValueError("ring attention needs the sequence length it cuts into chunks")
-        local_kernel = RingAttention(local_kernel, pstate.ring_group, layout, seq_length).as_kernel()
+        local_kernel = RingAttention(local_kernel, pstate.ring_group, layout, seq_length,
+                                     kv_grads=ring_kv_grads).as_kernel()
     if layout.a2a_size == 1:
         return LocalAttention(head_dim, local_kernel)  # the ring alone: every head on every rank
-    return _all_to_all_backend(name, head_dim, local_kernel, pstate, heads_per_stage, overlap, num_heads,
+    return _all_to_all_backend(name, head_dim, local_kernel, pstate, heads_per_stage, overlap, kv_grads, num_heads,
                                num_kv_heads, tile_bounds)
 
 
 def _all_to_all_backend(name: str, head_dim: int, kernel: Kernel, pstate: ParallelState,
-                        heads_per_stage: int | None, overlap: bool, num_heads: int, num_kv_heads: int,
+                        heads_per_stage: int | None, overlap: bool, kv_grads: str, num_heads: int, num_kv_heads: int,
                         bounds: TileBounds):
     a2a = pstate.context_layout.a2a_size
     check_ulysses_shapes(num_heads, num_kv_heads, a2a)
     if name == "ulysses":
         return UlyssesAttention(head_dim, kernel, pstate.a2a_group, a2a)
     plan = check_untied_shapes(num_heads, num_kv_heads, a2a, a2a if heads_per_stage is None else heads_per_stage)
-    return UntiedUlyssesAttention(head_dim, kernel, pstate.a2a_group, plan, overlap=overlap, tile_bounds=bounds)
+    return UntiedUlyssesAttention(head_dim, kernel, pstate.a2a_group, plan, overlap=overlap, kv_grads=kv_grads,
+                                  tile_bounds=bounds)

@@ -10,7 +10,12 @@ key lies before every query). Partial outputs are merged by log-sum-exp in fp32.
 
 The backward passes the keys and values around again with fp32 dK/dV accumulators,
 each rank adding its share for the block in hand; after R hops each accumulator is
-back at its owner. The kernels are this package's local kernels, called with the merged
+back at its owner. `kv_grads="overlapped"` sends an accumulator on while the next
+block attends (a second pair in flight, and the kernels' shares kept until the pair
+arrives); `"in_place"` rotates the pair in place after each step, a chunk at a time
+through a small staging buffer, and adds each share as the kernel makes it: one fp32
+pair held, for a rotation nothing hides. The arithmetic and its order are the same,
+so the results are bit for bit the same. The kernels are this package's local kernels, called with the merged
 out and lse (`kernels` module contract), so every kernel works in a ring.
 
 `RingAttention` is itself a `Kernel` (same forward/backward contract, `cu_seqlens` the
@@ -24,12 +29,18 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 
 from megatron_lc.attention.kernels import CuSeqlens, Kernel
 from megatron_lc.context_layout import ContextLayout
+
+RingKvGrads = Literal["overlapped", "in_place"]
+RING_KV_GRADS: tuple[str, ...] = get_args(RingKvGrads)
+ROTATION_CHUNK_BYTES = 256 << 20
+"""Bytes of each tensor one in-place rotation step moves (the staging buffer's size per tensor)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,22 @@ class _Ring:
             transfer.wait()
         return transfer
 
+    def rotate_in_place(self, tensors: tuple[torch.Tensor, ...], chunk_rows: int) -> None:
+        """Send each (contiguous) tensor on and receive the previous rank's into its place, `chunk_rows` rows at
+        a time through a staging buffer of that many rows."""
+        rows = tensors[0].shape[0]
+        staging = [t.new_empty((min(chunk_rows, rows), *t.shape[1:])) for t in tensors]
+        for start in range(0, rows, chunk_rows):
+            end = min(rows, start + chunk_rows)
+            sent = [t[start:end] for t in tensors]
+            received = [buf[:end - start] for buf in staging]
+            ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
+            ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            for t, r in zip(sent, received):
+                t.copy_(r)
+
 
 @dataclass
 class _Transfer:
@@ -161,6 +188,9 @@ class RingAttention:
     layout: ContextLayout
     seq_length: int
     overlap: bool = True
+    kv_grads: RingKvGrads = "overlapped"
+    """How the backward's fp32 dK/dV accumulators travel (`--ring-kv-grads`; see the module docstring)."""
+    rotation_chunk_bytes: int = ROTATION_CHUNK_BYTES
     ring: _Ring = field(init=False)
 
     def __post_init__(self) -> None:
@@ -215,6 +245,9 @@ class RingAttention:
         own = schedule.own_block()
         gq, gk, gv = self.kernel.backward(dout, q, k, v, out, lse, own.cu_q, scale, tuple(next(states)))
         dq = gq.to(lse.dtype)
+        if self.kv_grads == "in_place":
+            del gq
+            return self._backward_in_place(dout, q, k, v, out, lse, scale, steps, states, dq, gk, gv)
         # This step's dK/dV shares of the block in hand, kept as the kernel returned them until the
         # block's fp32 accumulator arrives: only the accumulator in flight and the next one exist in fp32.
         shares = [(own.k_rows, gk, gv)]
@@ -242,4 +275,31 @@ class RingAttention:
             if kv_transfer is not None:
                 kv = kv_transfer.wait()
         dk, dv = accumulator.wait()  # this rank's own block, back from its last hop
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def _backward_in_place(self, dout, q, k, v, out, lse, scale, steps, states, dq, gk, gv):
+        """The backward with one pair of fp32 dK/dV accumulators: each share added as the kernel makes it (in the
+        order the overlapped backward adds them), the pair rotated in place after each step."""
+        dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (k, v))
+        dk += gk
+        dv += gv
+        del gk, gv
+        row_bytes = dk[0].numel() * dk.element_size()
+        chunk_rows = max(1, self.rotation_chunk_bytes // max(row_bytes, 1))
+        kv = (k, v)
+        for step in range(self.ring.size):
+            last = step == self.ring.size - 1
+            kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
+            for pair in steps[step]:
+                (a, b), (c, d) = pair.q_rows, pair.k_rows
+                gq, gk, gv = self.kernel.backward(dout[a:b], q[a:b], kv[0][c:d], kv[1][c:d], out[a:b],
+                                                  lse[:, a:b].contiguous(), pair.cu_q, scale, tuple(next(states)),
+                                                  cu_seqlens_k=pair.cu_k, causal=False)
+                dq[a:b] += gq
+                dk[c:d] += gk
+                dv[c:d] += gv
+                del gq, gk, gv
+            self.ring.rotate_in_place((dk, dv), chunk_rows)  # now the next block's accumulators, from behind
+            if kv_transfer is not None:
+                kv = kv_transfer.wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -22,14 +22,16 @@ block that keeps its attention (`memory/kept_attention.py`), the op takes the ou
 lses its forward kept and runs no stage: no projection, exchange or kernel of the forward again. Per stage
 it recomputes the projections, rotary and the exchange of q (k and v once per round),
 exchanges the stage's output and output-gradient slices, calls the kernel's backward
-(no attention-forward recompute), sums dK/dV over the round, exchanges the gradients
-back and accumulates dx and the rows of dWq/dWk/dWv in place.
+(no attention-forward recompute), sums dK/dV over the round (or, with `kv_grads="stage"`,
+sends each stage's back with its dQ), exchanges the gradients back and accumulates dx and
+the rows of dWq/dWk/dWv in place.
 
 Precision (16-bit inputs): the dK/dV sums of a kv round are kept in fp32 and cast once,
-when they are sent back; the weight-gradient rows are summed over ranks and samples by
-GEMMs writing fp32 and each row is written once; dx is summed over ranks and samples in
-fp32, a row chunk at a time, and rounded once per exchange (see `_add_to_dx` for why
-not once in all).
+when they are sent back (with `kv_grads="stage"` each stage's 16-bit dK/dV, as the kernel
+made them, are summed in fp32 by the projections instead); the weight-gradient rows are
+summed over ranks and samples by GEMMs writing fp32 and each row is written once; dx is
+summed over ranks, samples and a stage's exchanges in fp32, a row chunk at a time, and
+rounded once per backward stage (see `_add_to_dx` for why not once in all).
 
 Buffers: what a stage receives lands in buffers of a `StageWorkspace` owned by the
 backend object and reused across stages, layers and steps; it is the only state. Send
@@ -52,6 +54,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -62,6 +65,8 @@ from megatron_lc.memory import kept_attention, tiling
 from megatron_lc.memory.tiling import TileBounds, addmm_fp32_
 
 HEADS_PER_STAGE_FLAG = "--untied-heads-per-stage"
+KvGrads = Literal["round", "stage"]
+KV_GRADS: tuple[str, ...] = get_args(KvGrads)
 DX_CHUNK_ROWS = 8192
 """Rows of dx summed at a time in fp32 (8192 x 4096 x 4 bytes = 128 MiB for Llama3-8B)."""
 
@@ -445,6 +450,11 @@ class UntiedUlyssesAttention:
     overlap: bool = False
     """Pipeline the stages (`--untied-overlap-stages`): the next stage's projections and exchanges are in
     flight while this stage attends, forward and backward, in a second set of stage buffers."""
+    kv_grads: KvGrads = "round"
+    """How a kv round's dK/dV go back (`--untied-kv-grads`) when the round has several stages: `round`, summed
+    over its stages in fp32 here and sent back once; `stage`, each stage's sent back with its dQ, in the
+    buffers of its consumed output and output gradient, and summed by the projections on the tokens' ranks
+    (no fp32 sums held through the backward; 2 x (stages - 1) more kv-head blocks exchanged per round)."""
     workspace: StageWorkspace = field(default_factory=StageWorkspace)
     tile_bounds: TileBounds = tiling.tile_bounds
     """The tile policy of the row-chunk loops (the planner's runs representative chunks)."""
@@ -457,6 +467,12 @@ class UntiedUlyssesAttention:
     def _kv_with_stage(self) -> bool:
         """k and v travel with the stage's q: every round has one stage."""
         return self.plan.stages_per_round == 1
+
+    @property
+    def _out_period(self) -> int:
+        """Buffers of the backward's output and output gradient taking turns with overlap: three when they take
+        a stage's dk and dv back (they are then in use until the next stage's kernel has run)."""
+        return 3 if self.kv_grads == "stage" and not self._kv_with_stage else 2
 
     projects_output = True
     """Takes `o_proj`'s weight (`wo=`): its backward then never holds the whole attention-output gradient."""
@@ -574,16 +590,23 @@ class UntiedUlyssesAttention:
             dq, dk, dv = self.kernel.backward(do, q, k, v, o, lse, call.cu_seqlens, state=tuple(state))
             del q, o, do
             self._finish_grads(call, returning)  # the previous stage's, in the order they were sent
+            stage_kv = []
             if self._kv_with_stage:
                 grads = [dk, dv, dq]
+            elif self.kv_grads == "stage":
+                grads, stage_kv = [dq], [dk, dv]
             else:
                 sums, grads = self._sum_kv_grads(sums, dk, dv), [dq]
-            del dq, dk, dv  # `grads` holds the kernel's gradients until they are sent
+            del dq, dk, dv  # `grads` and `stage_kv` hold the kernel's gradients until they are sent
             # The received blocks are consumed: their buffer takes the gradients (with overlap, one of three:
             # this stage's gradients arrive while the next stage attends and the one after arrives).
             returning.append(self._send_grads(call, blocks, grads, self._role("recv_stage", stage, period=3)))
+            for head, grad, role in zip(round_kv or (), stage_kv, ("recv_out", "recv_dout")):
+                # dk into the consumed output's buffer, dv into the output gradient's
+                returning.append(self._send_grads(call, [head], [grad], self._role(role, stage, self._out_period)))
+            stage_kv = None
             kv_round = stage // self.plan.stages_per_round
-            if not self._kv_with_stage and stage == self.plan.stages(kv_round)[-1]:
+            if self.kv_grads == "round" and not self._kv_with_stage and stage == self.plan.stages(kv_round)[-1]:
                 k = v = None  # consumed: their buffer takes dk, dv, summed over the round and sent back once
                 returning.append(self._send_grads(call, round_kv, list(sums), self._role("recv_kv", kv_round)))
                 sums = None
@@ -604,9 +627,9 @@ class UntiedUlyssesAttention:
         q_sent = self._send(call, heads, self._role("recv_stage", stage, period=3), kv_sent=kv_sent)
         # Pieces, not projections: the _Sent keeps none of them, so each is freed once packed.
         o_sent = self._send(call, [_Heads(u, piece=self._output_piece(call.out, stage))],
-                            self._role("recv_out", stage), heads=[])
+                            self._role("recv_out", stage, self._out_period), heads=[])
         do_sent = self._send(call, [_Heads(u, piece=self._output_grad_piece(call.dout, stage))],
-                             self._role("recv_dout", stage), heads=[])
+                             self._role("recv_dout", stage, self._out_period), heads=[])
         return _BackwardSent(q_sent, o_sent, do_sent)
 
     def _receive_backward_inputs(self, sent: _BackwardSent):
@@ -637,14 +660,17 @@ class UntiedUlyssesAttention:
 
     def _finish_grads(self, call: _Call, returning: list[_Sent]) -> None:
         """Wait for each returned gradient (this rank's tokens, every source rank's heads), in order, and
-        accumulate dx and the blocks' weight-gradient rows; empties `returning`."""
+        accumulate dx (rounded once for all of them) and the blocks' weight-gradient rows; empties `returning`."""
+        received_grads = []
         for sent in returning:
             received = sent.exchange.wait()
             for block, cols in zip(sent.heads, sent.columns):
                 if block.rotary:
                     _rotate_(received[..., cols].unflatten(-1, (-1, self.head_dim)), call.cos, call.sin,
                              inverse=True)
-            self._project_back(call, sent.heads, received)
+            received_grads.append((sent.heads, received))
+        if received_grads:
+            self._project_back(call, received_grads)
         returning.clear()
 
     # --- blocks of heads ---
@@ -755,13 +781,14 @@ class UntiedUlyssesAttention:
 
     # --- projections ---
 
-    def _add_to_dx(self, call: _Call, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        """dx[b] += sum over ranks r of grad[b, r] @ rows[r], summed in fp32 and rounded once per call.
+    def _add_to_dx(self, call: _Call, terms: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """dx[b] += sum over (rows, grad) in `terms` and ranks r of grad[b, r] @ rows[r], summed in fp32 and
+        rounded once per call.
 
         Row chunk by row chunk, in an fp32 buffer of DX_CHUNK_ROWS rows: a full fp32 dx would hold
         S/cp x hidden x 4 bytes (10 GiB for Llama3-8B at 5M tokens on 8 GPUs) through the
-        backward's peak. dx is rounded once per exchange (stages plus kv rounds, 5 for that
-        recipe), where summing in place would round once per rank and exchange (40).
+        backward's peak. dx is rounded once per backward stage (4 for that recipe), where summing in
+        place would round once per rank and exchange (40 or more).
         """
         acc_dtype = torch.promote_types(call.dx.dtype, torch.float32)
         chunks = -(-call.local_len // DX_CHUNK_ROWS)
@@ -769,8 +796,9 @@ class UntiedUlyssesAttention:
             for start, end in self.tile_bounds(call.local_len, chunks):
                 rows_b = slice(start, end)
                 acc = call.dx[b, rows_b].to(acc_dtype)
-                for r in range(self.cp):
-                    addmm_fp32_(acc, grad[b, r, rows_b], rows[r])
+                for rows, grad in terms:
+                    for r in range(self.cp):
+                        addmm_fp32_(acc, grad[b, r, rows_b], rows[r])
                 call.dx[b, rows_b].copy_(acc)
                 del acc
 
@@ -792,12 +820,17 @@ class UntiedUlyssesAttention:
                 if call.norm is not None:
                     send[b, r].mul_(call.norm.rstd[b].unsqueeze(-1))
 
-    def _project_back(self, call: _Call, blocks: list[_Heads], grad: torch.Tensor) -> None:
-        """The transpose of `_project_into` for grad [B, cp, s, columns] (the blocks side by side):
-        dx += grad @ rows, and the blocks' weight-gradient rows += grad^T x, both summed over ranks
-        and samples in fp32 (see `_add_to_dx`)."""
+    def _project_back(self, call: _Call, received: list[tuple[list[_Heads], torch.Tensor]]) -> None:
+        """The transpose of `_project_into` for each (blocks, grad [B, cp, s, columns]) received (the blocks
+        side by side): dx += grad @ rows, and the blocks' weight-gradient rows += grad^T x, both summed over
+        ranks and samples in fp32 (see `_add_to_dx`)."""
         if call.dx is not None:
-            self._add_to_dx(call, self._stacked_rows(blocks), grad)
+            self._add_to_dx(call, [(self._stacked_rows(blocks), grad) for blocks, grad in received])
+        for blocks, grad in received:
+            self._project_weight_grads(call, blocks, grad)
+
+    def _project_weight_grads(self, call: _Call, blocks: list[_Heads], grad: torch.Tensor) -> None:
+        """The blocks' weight-gradient rows += grad^T x (x normed), in fp32; consumes `grad`."""
         stacked = None  # the weight gradient of every rank's rows, [cp, columns, hidden], fp32
         if any(block.grad_rows is not None for block in blocks):
             if call.norm is not None:  # grad^T @ xn = ((rstd * grad)^T @ x) * weight; grad is consumed here

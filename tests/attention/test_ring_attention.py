@@ -91,12 +91,14 @@ def _full_and_local(S, B, H, Hkv, d, layout, cp_rank, seed=0):
     return (q, k, v), tuple(cu), idx
 
 
-def _check_ring_kernel(rank, world, overlap):
+def _check_ring_kernel(rank, world, overlap, kv_grads="overlapped"):
     torch.manual_seed(0)
     S, B, H, Hkv, d = 32, 2, 4, 2, 8
     layout = ContextLayout(1, world)
     pstate = ParallelState(ParallelDims(world, cp=world, cp_ring=world))
-    ring = RingAttention(KERNELS["reference"], pstate.ring_group, layout, S, overlap=overlap).as_kernel()
+    # In place: 5 rows of [Hkv, d] fp64 per rotation chunk, so a rotation takes several chunks, the last short.
+    ring = RingAttention(KERNELS["reference"], pstate.ring_group, layout, S, overlap=overlap, kv_grads=kv_grads,
+                         rotation_chunk_bytes=5 * Hkv * d * 8).as_kernel()
     (q, k, v), cu, idx = _full_and_local(S, B, H, Hkv, d, layout, pstate.cp_rank)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     out = attention(*(t.flatten(0, 1) for t in full), cu, KERNELS["reference"]).unflatten(0, (B, S))
@@ -110,9 +112,19 @@ def _check_ring_kernel(rank, world, overlap):
         torch.testing.assert_close(mine.grad, ref.grad[:, idx], rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("world,overlap", [(2, True), (4, True), (4, False)])
-def test_ring_kernel_matches_full_sequence_attention(world, overlap):
-    run_distributed(_check_ring_kernel, world, overlap)
+    if kv_grads == "in_place":  # bit for bit what the overlapped accumulators give
+        overlapped = RingAttention(KERNELS["reference"], pstate.ring_group, layout, S).as_kernel()
+        again = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
+        attention(*(t.flatten(0, 1) for t in again), cu, overlapped).backward(dout[:, idx].flatten(0, 1))
+        for mine, theirs in zip(local, again):
+            assert torch.equal(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("world,overlap,kv_grads", [(2, True, "overlapped"), (4, True, "overlapped"),
+                                                    (4, False, "overlapped"), (2, True, "in_place"),
+                                                    (4, True, "in_place")])
+def test_ring_kernel_matches_full_sequence_attention(world, overlap, kv_grads):
+    run_distributed(_check_ring_kernel, world, overlap, kv_grads)
 
 
 def _check_cpu_flash_in_ring(rank, world):

@@ -156,6 +156,7 @@ MODEL_CASES = [
     ("cp4-U4-kv1-everything", 4, 1, 4, EVERYTHING, BATCH),
     ("cp2-U2-kv2-overlap", 2, 2, 2, {"untied_overlap": True}, BATCH),  # 2 kv rounds of 2 stages
     ("cp4-U4-kv1-everything-overlap", 4, 1, 4, {**EVERYTHING, "untied_overlap": True}, BATCH),
+    ("cp4-U4-kv1-everything-stage-kv-grads", 4, 1, 4, {**EVERYTHING, "untied_kv_grads": "stage"}, BATCH),
 ]
 
 def _direct_inputs(B, S, H, Hkv):
@@ -192,6 +193,17 @@ def _check_direct(pstate: ParallelState, case) -> None:
     assert torch.equal(overlapped_out, out), "pipelined stages compute exactly what synchronous ones do"
     for grad, expected in zip(overlapped_grads, grads):
         assert torch.equal(grad, expected)
+    for overlap in (False, True):  # each stage's dK/dV sent back: the same function, summed in another order
+        per_stage = UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, untied.plan, overlap=overlap,
+                                           kv_grads="stage")
+        stage_out, stage_grads = _output_and_grads(per_stage, *local)
+        assert per_stage.workspace.nbytes() == 0
+        assert torch.equal(stage_out, out), "the forward does not depend on how dK/dV go back"
+        for grad, expected in zip(stage_grads, grads):
+            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
+        if overlap:
+            assert all(torch.equal(a, b) for a, b in zip(stage_grads, synchronous_stage_grads))
+        synchronous_stage_grads = stage_grads
     ulysses_out, ulysses_grads = _output_and_grads(UlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, cp), *local)
     torch.testing.assert_close(out, ulysses_out)
     for grad, expected in zip(grads, ulysses_grads):
@@ -245,8 +257,9 @@ def _bf16_errors(pstate: ParallelState, case) -> dict[str, list[float]]:
     errors = {"plain": [_relative_error(plain_out, ref_out)] + [_relative_error(g, w) for g, w in
                                                                 zip(plain_grads, ref_grads)]}
     local = (low[0][:, mine], low[1:4], low[4][:, mine], cos[:, mine], sin[:, mine], cu)
-    backends = {"untied": UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group,
-                                                 check_untied_shapes(H, Hkv, cp, stage_heads)),
+    plan = check_untied_shapes(H, Hkv, cp, stage_heads)
+    backends = {"untied": UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, plan),
+                "untied-stage-kv": UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, plan, kv_grads="stage"),
                 "ulysses": UlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, cp)}
     for name, backend in backends.items():
         out, grads = _output_and_grads(backend, *local)
@@ -277,7 +290,7 @@ def test_bf16_untied_and_ulysses_are_as_close_to_fp32_as_plain_bf16(tmp_path):
     out = tmp_path / "errors.json"
     run_distributed(_run_bf16, 4, str(out))
     for case, errors in json.loads(out.read_text()).items():
-        for name in ("untied", "ulysses"):
+        for name in ("untied", "untied-stage-kv", "ulysses"):
             assert errors[name] <= BF16_SLACK * errors["plain"], (case, errors)
 
 # --- with o_proj and the input norm folded in (the model's call) --------------------------------
