@@ -123,11 +123,25 @@ class _Ring:
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
     def start(self, tensors: tuple[torch.Tensor, ...], wait: bool) -> "_Transfer":
-        """Send `tensors` on and receive the same shapes from behind; `wait` blocks until both are done."""
-        sent = tuple(t.contiguous() for t in tensors)
-        received = tuple(torch.empty_like(t) for t in sent)
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
-        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+        """Send `tensors` on and receive the same shapes from behind; `wait` blocks until both are done.
+
+        Tensors that are column blocks of one contiguous buffer, side by side (Untied Ulysses' k and v in the
+        buffer their all-to-all filled), travel as that buffer and arrive as the same views of a new one: no
+        contiguous copy of each is made."""
+        base = _side_by_side(tensors)
+        if base is not None:
+            received_base = torch.empty_like(base)
+            columns = [t[0].numel() for t in tensors]
+            starts = [sum(columns[:i]) for i in range(len(columns))]
+            sent = (base,)
+            received = tuple(received_base[:, a:a + n].view(t.shape) for t, a, n in zip(tensors, starts, columns))
+            ops = [dist.P2POp(dist.isend, base, self.next, self.group),
+                   dist.P2POp(dist.irecv, received_base, self.prev, self.group)]
+        else:
+            sent = tuple(t.contiguous() for t in tensors)
+            received = tuple(torch.empty_like(t) for t in sent)
+            ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
+            ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
         transfer = _Transfer(dist.batch_isend_irecv(ops), sent, received)
         if wait:
             transfer.wait()
@@ -148,6 +162,24 @@ class _Ring:
                 work.wait()
             for t, r in zip(sent, received):
                 t.copy_(r)
+
+
+def _side_by_side(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The contiguous [rows, columns] buffer whose column blocks, in order, are `tensors` ([rows, ...] each, every
+    row contiguous), or None when they are not laid out so (or already contiguous each)."""
+    if len(tensors) < 2 or all(t.is_contiguous() for t in tensors) or tensors[0].shape[0] == 0:
+        return None
+    first, rows = tensors[0], tensors[0].shape[0]
+    width = sum(t[0].numel() for t in tensors)
+    offset = first.storage_offset()
+    for t in tensors:
+        row = t[0]
+        if (t.shape[0] != rows or t.dtype != first.dtype or t.device != first.device
+                or t.untyped_storage()._cdata != first.untyped_storage()._cdata  # fake tensors have no data_ptr
+                or t.storage_offset() != offset or t.stride(0) != width or not row.is_contiguous()):
+            return None
+        offset += row.numel()
+    return torch.as_strided(first, (rows, width), (width, 1), first.storage_offset())
 
 
 @dataclass
@@ -243,11 +275,10 @@ class RingAttention:
         per_call = len(state) // (1 + sum(map(len, steps)))
         states = iter(zip(*[iter(state)] * per_call)) if per_call else iter(lambda: (), None)
         own = schedule.own_block()
+        if self.kv_grads == "in_place":
+            return self._backward_in_place(dout, q, k, v, out, lse, scale, own, steps, states)
         gq, gk, gv = self.kernel.backward(dout, q, k, v, out, lse, own.cu_q, scale, tuple(next(states)))
         dq = gq.to(lse.dtype)
-        if self.kv_grads == "in_place":
-            del gq
-            return self._backward_in_place(dout, q, k, v, out, lse, scale, steps, states, dq, gk, gv)
         # This step's dK/dV shares of the block in hand, kept as the kernel returned them until the
         # block's fp32 accumulator arrives: only the accumulator in flight and the next one exist in fp32.
         shares = [(own.k_rows, gk, gv)]
@@ -277,9 +308,12 @@ class RingAttention:
         dk, dv = accumulator.wait()  # this rank's own block, back from its last hop
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    def _backward_in_place(self, dout, q, k, v, out, lse, scale, steps, states, dq, gk, gv):
+    def _backward_in_place(self, dout, q, k, v, out, lse, scale, own, steps, states):
         """The backward with one pair of fp32 dK/dV accumulators: each share added as the kernel makes it (in the
         order the overlapped backward adds them), the pair rotated in place after each step."""
+        gq, gk, gv = self.kernel.backward(dout, q, k, v, out, lse, own.cu_q, scale, tuple(next(states)))
+        dq = gq.to(lse.dtype)
+        del gq
         dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (k, v))
         dk += gk
         dv += gv
@@ -299,7 +333,10 @@ class RingAttention:
                 dk[c:d] += gk
                 dv[c:d] += gv
                 del gq, gk, gv
+            if last:  # complete: rounded before the last rotation, so at most one fp32 tensor more than the pair
+                dq = dq.to(q.dtype)
             self.ring.rotate_in_place((dk, dv), chunk_rows)  # now the next block's accumulators, from behind
             if kv_transfer is not None:
                 kv = kv_transfer.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dk = dk.to(k.dtype)  # the fp32 dk is freed before dv is rounded
+        return dq, dk, dv.to(v.dtype)

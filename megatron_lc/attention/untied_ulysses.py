@@ -243,7 +243,7 @@ class _Call:
     cos: torch.Tensor  # [B, 1, s, 1, d]: broadcasts over [B, cp, s, heads, d]
     sin: torch.Tensor
     cu_seqlens: tuple
-    out: torch.Tensor  # [B, s, H*d], written in forward, read in backward
+    out: object  # [B, s, H*d], or a list of each stage's [B, s, cp, U/cp, d]; written in forward, read in backward
     lses: list  # per stage (lse [U/cp, B*S], *kernel state), appended in forward, read in backward
     dout: OutputGradient | None = None
     dx: torch.Tensor | None = None
@@ -290,33 +290,44 @@ class _UntiedUlyssesFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, wo, norm_weight, cos, sin, cu_seqlens, norm_eps, backend):
         norm = None if norm_weight is None else InputNorm.of(x, norm_weight, norm_eps, backend.tile_bounds)
+        by_stage = wo is not None  # the output is kept as its stages' heads: the backward frees each once sent
         kept = kept_attention.active()
         if kept is not None and kept.replay:  # a recompute: the forward's output and lses, no stage run again
-            flat, sizes = kept.take()
+            flat, (outputs, sizes) = kept.take()
             ends = list(itertools.accumulate(sizes))
-            out, lses = flat[0], [tuple(flat[1 + end - size:1 + end]) for size, end in zip(sizes, ends)]
+            out = list(flat[:outputs]) if by_stage else flat[0]
+            lses = [tuple(flat[outputs + end - size:outputs + end]) for size, end in zip(sizes, ends)]
         else:
-            out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens, norm)
+            out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens, norm, by_stage=by_stage)
             if kept is not None:  # the output and each stage's lse to the host with the block input
-                kept.put((out, *itertools.chain.from_iterable(lses)),
-                         (True, *(i == 0 for stage in lses for i in range(len(stage)))), [len(st) for st in lses])
+                outs = out if by_stage else [out]
+                kept.put((*outs, *itertools.chain.from_iterable(lses)),
+                         ((True,) * len(outs) + tuple(i == 0 for stage in lses for i in range(len(stage)))),
+                         (len(outs), [len(st) for st in lses]))
         rstd = norm.rstd if norm is not None else None
-        # Each stage's (lse, *kernel state), flattened: save_for_backward takes tensors only.
-        ctx.save_for_backward(x, wq, wk, wv, wo, norm_weight, rstd, cos, sin, out,
+        # Each stage's (lse, *kernel state), flattened: save_for_backward takes tensors only. The output by stage is
+        # held by ctx itself, so that the backward can let each stage's go.
+        ctx.save_for_backward(x, wq, wk, wv, wo, norm_weight, rstd, cos, sin, None if by_stage else out,
                               *itertools.chain.from_iterable(lses))
+        ctx.stage_outputs = out if by_stage else None
         ctx.stage_sizes = [len(stage) for stage in lses]
         ctx.cu_seqlens, ctx.backend = cu_seqlens, backend
-        return out if wo is None else torch.nn.functional.linear(out, wo)
+        return backend.project_output(out, wo) if by_stage else out
 
     @staticmethod
     def backward(ctx, grad):
         x, wq, wk, wv, wo, norm_weight, rstd, cos, sin, out, *flat = ctx.saved_tensors
+        if wo is not None:
+            if ctx.stage_outputs is None:
+                raise RuntimeError("Untied Ulysses frees its output stage by stage in backward: a second backward "
+                                   "through it (retain_graph) is unsupported")
+            out, ctx.stage_outputs = ctx.stage_outputs, None
         ends = list(itertools.accumulate(ctx.stage_sizes))
         lses = [tuple(flat[end - size:end]) for size, end in zip(ctx.stage_sizes, ends)]
         needs = ctx.needs_input_grad
         dwo = None
-        if wo is not None and needs[4]:  # as nn.Linear's weight gradient: grad^T @ input, one GEMM
-            dwo = torch.mm(grad.reshape(-1, grad.shape[-1]).t(), out.reshape(-1, out.shape[-1]))
+        if wo is not None and needs[4]:  # as nn.Linear's weight gradient: grad^T @ input, one GEMM per stage
+            dwo = ctx.backend.output_weight_grad(grad, out, wo)
         output_grad = OutputGradient(grad.contiguous(), wo)
         norm = None if norm_weight is None else InputNorm(norm_weight, rstd)
         dx, dwq, dwk, dwv = ctx.backend.backward_stages(output_grad, x, wq, wk, wv, cos, sin, out, lses,
@@ -487,9 +498,12 @@ class UntiedUlyssesAttention:
 
     # --- forward ---
 
-    def forward_stages(self, x, wq, wk, wv, cos, sin, cu_seqlens, norm=None):
-        """The output [B, S/cp, H*d] and each stage's (log-sum-exp [U/cp, B*S], *kernel state)."""
-        out = x.new_empty(*x.shape[:2], self.plan.num_heads * self.head_dim)
+    def forward_stages(self, x, wq, wk, wv, cos, sin, cu_seqlens, norm=None, by_stage=False):
+        """The output [B, S/cp, H*d] (`by_stage`: a list of each stage's heads, [B, S/cp, cp, U/cp, d] each) and
+        each stage's (log-sum-exp [U/cp, B*S], *kernel state)."""
+        B, s, p = x.shape[0], x.shape[1], self.plan
+        out = ([x.new_empty(B, s, self.cp, p.stage_heads_per_rank, self.head_dim) for _ in range(p.num_stages)]
+               if by_stage else x.new_empty(B, s, p.num_heads * self.head_dim))
         call = self._begin(x, cos, sin, cu_seqlens, out, [], norm)
         weights = _Weights(wq, None, wk, None, wv, None)
         pending: list = []  # (output, stage) of stages attended whose output is not yet sent back
@@ -547,7 +561,7 @@ class UntiedUlyssesAttention:
         received = self._receive(sent)
         n = len(sent.heads)
         for stage, back in zip(sent.carried, received[n:]):  # this rank's tokens, every source rank's heads
-            self._output_piece(call.out, stage).copy_(back.unflatten(-1, (-1, self.head_dim)).transpose(1, 2))
+            self._stage_output(call.out, stage).copy_(back.unflatten(-1, (-1, self.head_dim)).transpose(1, 2))
         heads = [self._full_sequence(t) for t in received[:n]]
         if self._kv_with_stage and heads:
             k_v = heads[:2]
@@ -626,8 +640,10 @@ class UntiedUlyssesAttention:
         heads, kv_sent = self._stage_heads(call, weights, stage)
         q_sent = self._send(call, heads, self._role("recv_stage", stage, period=3), kv_sent=kv_sent)
         # Pieces, not projections: the _Sent keeps none of them, so each is freed once packed.
-        o_sent = self._send(call, [_Heads(u, piece=self._output_piece(call.out, stage))],
+        o_sent = self._send(call, [_Heads(u, piece=self._stage_output(call.out, stage))],
                             self._role("recv_out", stage, self._out_period), heads=[])
+        if isinstance(call.out, list):
+            call.out[stage] = None  # packed and sent: the stage's output is needed no more
         do_sent = self._send(call, [_Heads(u, piece=self._output_grad_piece(call.dout, stage))],
                              self._role("recv_dout", stage, self._out_period), heads=[])
         return _BackwardSent(q_sent, o_sent, do_sent)
@@ -710,6 +726,47 @@ class UntiedUlyssesAttention:
             return t.view(self.cp, p.kv_heads_per_rank, d, hidden)[:, kv_round * kh:(kv_round + 1) * kh].flatten(1, 2)
 
         return _Heads(width, block(w), block(grad) if grad is not None else None, rotary=rotary)
+
+    def _stage_output(self, out, stage: int) -> torch.Tensor:
+        """Stage `stage`'s heads of the output, [B, S/cp, cp, U/cp, d]: its own tensor when kept by stage, else a
+        view of the whole."""
+        if isinstance(out, list):
+            if out[stage] is None:
+                raise RuntimeError(f"Untied Ulysses: stage {stage}'s output was already sent and freed")
+            return out[stage]
+        return self._output_piece(out, stage)
+
+    def _stage_columns(self, wo: torch.Tensor, stage: int) -> torch.Tensor:
+        """The columns of `wo` [hidden, H*d] that multiply stage `stage`'s heads, [hidden, cp * U/cp * d] (a copy)."""
+        return self._output_piece(wo.unsqueeze(0), stage)[0].reshape(wo.shape[0], -1)
+
+    def project_output(self, outs: list[torch.Tensor], wo: torch.Tensor) -> torch.Tensor:
+        """o_proj of an output kept by stage: y = sum over stages of out_j @ wo_j^T, summed in fp32 a row chunk at
+        a time and rounded once (as one GEMM over all heads rounds once)."""
+        B, s = outs[0].shape[:2]
+        columns = [self._stage_columns(wo, stage).t() for stage in range(len(outs))]
+        y = outs[0].new_empty(B, s, wo.shape[0])
+        acc_dtype = torch.promote_types(y.dtype, torch.float32)
+        for b in range(B):
+            for start, end in self.tile_bounds(s, -(-s // DX_CHUNK_ROWS)):
+                acc = torch.zeros(end - start, wo.shape[0], dtype=acc_dtype, device=y.device)
+                for out, cols in zip(outs, columns):
+                    addmm_fp32_(acc, out[b, start:end].reshape(end - start, -1), cols)
+                y[b, start:end].copy_(acc)
+                del acc
+        return y
+
+    def output_weight_grad(self, grad: torch.Tensor, out, wo: torch.Tensor) -> torch.Tensor:
+        """o_proj's weight gradient grad^T @ out [hidden, H*d], for an output whole or kept by stage (a GEMM per
+        stage, each writing its heads' columns)."""
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        if not isinstance(out, list):
+            return torch.mm(grad2d.t(), out.reshape(-1, out.shape[-1]))
+        dwo = torch.empty_like(wo)
+        for stage, o in enumerate(out):
+            self._output_piece(dwo.unsqueeze(0), stage)[0].copy_(
+                torch.mm(grad2d.t(), o.reshape(grad2d.shape[0], -1)).view(wo.shape[0], self.cp, -1, self.head_dim))
+        return dwo
 
     def _output_piece(self, t: torch.Tensor, stage: int) -> torch.Tensor:
         """Stage `stage`'s heads of t [B, S/cp, H*d] as a view [B, S/cp, cp, U/cp, d]."""

@@ -150,3 +150,20 @@ def _check_cpu_flash_in_ring(rank, world):
 
 def test_cpu_flash_kernel_runs_in_the_ring():
     run_distributed(_check_cpu_flash_in_ring, 2)
+
+
+def test_column_blocks_of_one_buffer_travel_as_that_buffer():
+    """k and v side by side in one buffer (as Untied Ulysses' all-to-all leaves them) are sent as it, uncopied;
+    anything else is not taken for such a buffer."""
+    from megatron_lc.attention.ring import _side_by_side
+
+    packed = torch.arange(2 * 6 * 8, dtype=torch.float32).view(2, 6, 8)  # [B, s, k columns | v columns]
+    k, v = (packed[..., cols].reshape(-1, 1, 4) for cols in (slice(0, 4), slice(4, 8)))
+    base = _side_by_side((k, v))
+    assert base is not None and base.data_ptr() == packed.data_ptr() and base.shape == (12, 8)
+    assert torch.equal(base[:, :4].reshape(k.shape), k) and torch.equal(base[:, 4:].reshape(v.shape), v)
+    assert _side_by_side((v, k)) is None, "blocks out of order"
+    assert _side_by_side((k, v.clone())) is None, "another buffer"
+    assert _side_by_side((k.contiguous(), v.contiguous())) is None, "contiguous tensors travel as they are"
+    wide = torch.zeros(12, 10)
+    assert _side_by_side((wide[:, :4].view(12, 1, 4), wide[:, 4:8].view(12, 1, 4))) is None, "columns left over"
