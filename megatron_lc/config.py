@@ -22,7 +22,7 @@ from megatron_lc.errors import ConfigError
 from megatron_lc.cli import ArgumentParser
 from megatron_lc.attention.context_parallel import CP_IMPLS, ContextParallel
 from megatron_lc.attention.ring import RING_KV_GRADS
-from megatron_lc.attention.untied_ulysses import KV_GRADS
+from megatron_lc.attention.untied_ulysses import BACKWARD_MEMORY
 from megatron_lc.data.sources import validate_data_flags
 from megatron_lc.attention.rotary import ROPE_TYPES
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
@@ -93,10 +93,11 @@ class ParallelArgs:
     untied_overlap_stages: bool = flag(False, "Untied Ulysses: the next stage's projections and all-to-alls in "
                                        "flight while a stage attends, forward and backward (one more set of "
                                        "stage buffers)")
-    untied_kv_grads: str = flag("round", "Untied Ulysses, a kv round of several stages: round (its dK/dV summed over "
-                                "the stages in fp32 and sent back once) or stage (each stage's sent back with its "
-                                "dQ and summed by the projections: no fp32 sums held at the backward's peak, more "
-                                "bytes exchanged)", choices=KV_GRADS)
+    untied_backward: str = flag("fast", "what Untied Ulysses' backward holds: fast (a kv round's dK/dV summed over "
+                                "its stages in fp32 and sent back once; the attention output kept whole) or lean "
+                                "(each stage's dK/dV sent back with its dQ, no fp32 sums; the output kept by stage "
+                                "and each stage's freed once sent: less memory at the backward's peak, more bytes "
+                                "exchanged)", choices=BACKWARD_MEMORY)
     ring_kv_grads: str = flag("overlapped", "ring attention's backward: overlapped (the fp32 dK/dV accumulators travel "
                               "while the next block attends: two pairs held, the kernels' shares kept until one "
                               "arrives) or in_place (rotated in place after each step through a small staging "
@@ -346,7 +347,7 @@ class TrainConfig:
         """The run's context-parallel attention (`attention.context_parallel`)."""
         p = self.parallel
         return ContextParallel(layout=self.context_layout(), impl=p.cp_impl, heads_per_stage=p.untied_heads_per_stage,
-                               overlap=p.untied_overlap_stages, kv_grads=p.untied_kv_grads,
+                               overlap=p.untied_overlap_stages, untied_backward=p.untied_backward,
                                ring_kv_grads=p.ring_kv_grads, kernel=p.attention_kernel,
                                flash_impl=p.flash_attention_impl)
 

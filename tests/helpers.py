@@ -48,7 +48,7 @@ def write_random_dataset(prefix, *, documents: int, lengths: tuple[int, int], vo
 
 
 CP_FIELDS = {"cp_impl": "impl", "heads_per_stage": "heads_per_stage", "untied_overlap": "overlap",
-             "untied_kv_grads": "kv_grads", "ring_kv_grads": "ring_kv_grads", "attention_kernel": "kernel"}
+             "untied_backward": "untied_backward", "ring_kv_grads": "ring_kv_grads", "attention_kernel": "kernel"}
 """The tests' flat names of `ContextParallel`'s fields."""
 
 

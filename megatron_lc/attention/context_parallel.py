@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 from megatron_lc.attention.ulysses import check_ulysses_shapes
 from megatron_lc.attention.ring import RING_KV_GRADS, RingKvGrads
-from megatron_lc.attention.untied_ulysses import KV_GRADS, KvGrads, check_untied_shapes
+from megatron_lc.attention.untied_ulysses import BACKWARD_MEMORY, BackwardMemory, check_untied_shapes
 from megatron_lc.context_layout import ContextLayout
 from megatron_lc.errors import ConfigError
 
@@ -33,9 +33,8 @@ class ContextParallel:
     """Untied Ulysses' stage width as given (None: the all-to-all degree); `stage_heads` is the resolved one."""
     overlap: bool = False
     """Untied Ulysses: the next stage's projections and exchanges in flight while a stage attends."""
-    kv_grads: KvGrads = "round"
-    """Untied Ulysses: a kv round's dK/dV summed over its stages and sent back once, or each stage's sent back
-    (`UntiedUlyssesAttention.kv_grads`)."""
+    untied_backward: BackwardMemory = "fast"
+    """What Untied Ulysses' backward holds (`UntiedUlyssesAttention.backward_memory`)."""
     ring_kv_grads: RingKvGrads = "overlapped"
     """Ring attention's backward: its dK/dV accumulators travel while the next block attends, or are rotated in
     place (`RingAttention.kv_grads`)."""
@@ -86,12 +85,12 @@ class ContextParallel:
         if self.overlap and not (self.impl == "untied_ulysses" and self.size > 1):
             raise ConfigError("--untied-overlap-stages pipelines the stages of Untied Ulysses: it needs "
                               "--cp-impl untied_ulysses and --context-parallel-size > 1")
-        if self.kv_grads not in KV_GRADS:
-            raise ConfigError(f"--untied-kv-grads {self.kv_grads!r}: expected one of {', '.join(KV_GRADS)}")
+        if self.untied_backward not in BACKWARD_MEMORY:
+            raise ConfigError(f"--untied-backward {self.untied_backward!r}: expected one of {', '.join(BACKWARD_MEMORY)}")
         if self.ring_kv_grads not in RING_KV_GRADS:
             raise ConfigError(f"--ring-kv-grads {self.ring_kv_grads!r}: expected one of {', '.join(RING_KV_GRADS)}")
-        if self.kv_grads != "round" and not self.untied:
-            raise ConfigError(f"--untied-kv-grads {self.kv_grads} sets how Untied Ulysses sends dK/dV back: it needs "
+        if self.untied_backward != "fast" and not self.untied:
+            raise ConfigError(f"--untied-backward {self.untied_backward} sets what Untied Ulysses' backward holds: it needs "
                               "--cp-impl untied_ulysses on an all-to-all level (--context-parallel-size > 1)")
         if self.ring_kv_grads != "overlapped" and self._layout.ring_size < 2:
             raise ConfigError(f"--ring-kv-grads {self.ring_kv_grads} sets ring attention's backward: it needs a ring "

@@ -23,7 +23,7 @@ from megatron_lc.parallel_state import ParallelState
 
 def build_attention_backend(name: str, head_dim: int, device: torch.device, pstate: ParallelState, *,
                             kernel: str = "auto", heads_per_stage: int | None = None,
-                            overlap: bool = False, kv_grads: str = "round", ring_kv_grads: str = "overlapped",
+                            overlap: bool = False, untied_backward: str = "fast", ring_kv_grads: str = "overlapped",
                             num_heads: int, num_kv_heads: int, seq_length: int | None = None,
                             kernels: Mapping[str, Kernel] | None = None, tile_bounds: TileBounds = tile_bounds):
     """The backend `name` on `device`, checked against the head counts and the cp layout.
@@ -32,7 +32,7 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
     `a2a+p2p`) its local kernel is ring attention over `pstate.ring_group`, which needs
     the `seq_length` it cuts into chunks. `heads_per_stage` (Untied Ulysses only)
     defaults to the all-to-all degree: one head per rank per stage; `overlap` pipelines its stages and
-    `kv_grads` says how its dK/dV go back; `ring_kv_grads` how the ring's dK/dV accumulators travel.
+    `untied_backward` what its backward holds; `ring_kv_grads` how the ring's dK/dV accumulators travel.
     `kernels` is the table `kernel` is looked up in (default: the real kernels; the planner passes its
     stand-ins) and `tile_bounds` the tile policy of Untied Ulysses' row-chunk loops.
     """
@@ -49,17 +49,17 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
                                      kv_grads=ring_kv_grads).as_kernel()
     if layout.a2a_size == 1:
         return LocalAttention(head_dim, local_kernel)  # the ring alone: every head on every rank
-    return _all_to_all_backend(name, head_dim, local_kernel, pstate, heads_per_stage, overlap, kv_grads, num_heads,
+    return _all_to_all_backend(name, head_dim, local_kernel, pstate, heads_per_stage, overlap, untied_backward, num_heads,
                                num_kv_heads, tile_bounds)
 
 
 def _all_to_all_backend(name: str, head_dim: int, kernel: Kernel, pstate: ParallelState,
-                        heads_per_stage: int | None, overlap: bool, kv_grads: str, num_heads: int, num_kv_heads: int,
+                        heads_per_stage: int | None, overlap: bool, untied_backward: str, num_heads: int, num_kv_heads: int,
                         bounds: TileBounds):
     a2a = pstate.context_layout.a2a_size
     check_ulysses_shapes(num_heads, num_kv_heads, a2a)
     if name == "ulysses":
         return UlyssesAttention(head_dim, kernel, pstate.a2a_group, a2a)
     plan = check_untied_shapes(num_heads, num_kv_heads, a2a, a2a if heads_per_stage is None else heads_per_stage)
-    return UntiedUlyssesAttention(head_dim, kernel, pstate.a2a_group, plan, overlap=overlap, kv_grads=kv_grads,
+    return UntiedUlyssesAttention(head_dim, kernel, pstate.a2a_group, plan, overlap=overlap, backward_memory=untied_backward,
                                   tile_bounds=bounds)

@@ -22,12 +22,12 @@ block that keeps its attention (`memory/kept_attention.py`), the op takes the ou
 lses its forward kept and runs no stage: no projection, exchange or kernel of the forward again. Per stage
 it recomputes the projections, rotary and the exchange of q (k and v once per round),
 exchanges the stage's output and output-gradient slices, calls the kernel's backward
-(no attention-forward recompute), sums dK/dV over the round (or, with `kv_grads="stage"`,
-sends each stage's back with its dQ), exchanges the gradients back and accumulates dx and
+(no attention-forward recompute), sums dK/dV over the round (or, with `backward_memory="lean"`,
+sends each stage's back with its dQ and frees each stage's output once sent), exchanges the gradients back and accumulates dx and
 the rows of dWq/dWk/dWv in place.
 
 Precision (16-bit inputs): the dK/dV sums of a kv round are kept in fp32 and cast once,
-when they are sent back (with `kv_grads="stage"` each stage's 16-bit dK/dV, as the kernel
+when they are sent back (lean: each stage's 16-bit dK/dV, as the kernel
 made them, are summed in fp32 by the projections instead); the weight-gradient rows are
 summed over ranks and samples by GEMMs writing fp32 and each row is written once; dx is
 summed over ranks, samples and a stage's exchanges in fp32, a row chunk at a time, and
@@ -65,8 +65,8 @@ from megatron_lc.memory import kept_attention, tiling
 from megatron_lc.memory.tiling import TileBounds, addmm_fp32_
 
 HEADS_PER_STAGE_FLAG = "--untied-heads-per-stage"
-KvGrads = Literal["round", "stage"]
-KV_GRADS: tuple[str, ...] = get_args(KvGrads)
+BackwardMemory = Literal["fast", "lean"]
+BACKWARD_MEMORY: tuple[str, ...] = get_args(BackwardMemory)
 DX_CHUNK_ROWS = 8192
 """Rows of dx summed at a time in fp32 (8192 x 4096 x 4 bytes = 128 MiB for Llama3-8B)."""
 
@@ -290,7 +290,8 @@ class _UntiedUlyssesFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wq, wk, wv, wo, norm_weight, cos, sin, cu_seqlens, norm_eps, backend):
         norm = None if norm_weight is None else InputNorm.of(x, norm_weight, norm_eps, backend.tile_bounds)
-        by_stage = wo is not None  # the output is kept as its stages' heads: the backward frees each once sent
+        # lean: the output is kept as its stages' heads, and the backward frees each once sent
+        by_stage = wo is not None and backend.backward_memory == "lean"
         kept = kept_attention.active()
         if kept is not None and kept.replay:  # a recompute: the forward's output and lses, no stage run again
             flat, (outputs, sizes) = kept.take()
@@ -309,15 +310,17 @@ class _UntiedUlyssesFunction(torch.autograd.Function):
         # held by ctx itself, so that the backward can let each stage's go.
         ctx.save_for_backward(x, wq, wk, wv, wo, norm_weight, rstd, cos, sin, None if by_stage else out,
                               *itertools.chain.from_iterable(lses))
-        ctx.stage_outputs = out if by_stage else None
+        ctx.stage_outputs, ctx.by_stage = (out if by_stage else None), by_stage
         ctx.stage_sizes = [len(stage) for stage in lses]
         ctx.cu_seqlens, ctx.backend = cu_seqlens, backend
-        return backend.project_output(out, wo) if by_stage else out
+        if by_stage:
+            return backend.project_output(out, wo)
+        return out if wo is None else torch.nn.functional.linear(out, wo)
 
     @staticmethod
     def backward(ctx, grad):
         x, wq, wk, wv, wo, norm_weight, rstd, cos, sin, out, *flat = ctx.saved_tensors
-        if wo is not None:
+        if ctx.by_stage:
             if ctx.stage_outputs is None:
                 raise RuntimeError("Untied Ulysses frees its output stage by stage in backward: a second backward "
                                    "through it (retain_graph) is unsupported")
@@ -461,11 +464,12 @@ class UntiedUlyssesAttention:
     overlap: bool = False
     """Pipeline the stages (`--untied-overlap-stages`): the next stage's projections and exchanges are in
     flight while this stage attends, forward and backward, in a second set of stage buffers."""
-    kv_grads: KvGrads = "round"
-    """How a kv round's dK/dV go back (`--untied-kv-grads`) when the round has several stages: `round`, summed
-    over its stages in fp32 here and sent back once; `stage`, each stage's sent back with its dQ, in the
-    buffers of its consumed output and output gradient, and summed by the projections on the tokens' ranks
-    (no fp32 sums held through the backward; 2 x (stages - 1) more kv-head blocks exchanged per round)."""
+    backward_memory: BackwardMemory = "fast"
+    """What the backward holds (`--untied-backward`). `fast`: a kv round's dK/dV summed over its stages in fp32
+    here and sent back once, and the output kept whole. `lean`: each stage's dK/dV sent back with its dQ, in the
+    buffers of its consumed output and output gradient, and summed by the projections on the tokens' ranks (no
+    fp32 sums held; 2 x (stages - 1) more kv-head blocks exchanged per round), and, with `wo`, the output kept
+    by stage and each stage's freed once sent (o_proj then sums the stages' GEMMs in an fp32 accumulator)."""
     workspace: StageWorkspace = field(default_factory=StageWorkspace)
     tile_bounds: TileBounds = tiling.tile_bounds
     """The tile policy of the row-chunk loops (the planner's runs representative chunks)."""
@@ -483,7 +487,7 @@ class UntiedUlyssesAttention:
     def _out_period(self) -> int:
         """Buffers of the backward's output and output gradient taking turns with overlap: three when they take
         a stage's dk and dv back (they are then in use until the next stage's kernel has run)."""
-        return 3 if self.kv_grads == "stage" and not self._kv_with_stage else 2
+        return 3 if self.backward_memory == "lean" and not self._kv_with_stage else 2
 
     projects_output = True
     """Takes `o_proj`'s weight (`wo=`): its backward then never holds the whole attention-output gradient."""
@@ -607,7 +611,7 @@ class UntiedUlyssesAttention:
             stage_kv = []
             if self._kv_with_stage:
                 grads = [dk, dv, dq]
-            elif self.kv_grads == "stage":
+            elif self.backward_memory == "lean":
                 grads, stage_kv = [dq], [dk, dv]
             else:
                 sums, grads = self._sum_kv_grads(sums, dk, dv), [dq]
@@ -620,7 +624,7 @@ class UntiedUlyssesAttention:
                 returning.append(self._send_grads(call, [head], [grad], self._role(role, stage, self._out_period)))
             stage_kv = None
             kv_round = stage // self.plan.stages_per_round
-            if self.kv_grads == "round" and not self._kv_with_stage and stage == self.plan.stages(kv_round)[-1]:
+            if self.backward_memory == "fast" and not self._kv_with_stage and stage == self.plan.stages(kv_round)[-1]:
                 k = v = None  # consumed: their buffer takes dk, dv, summed over the round and sent back once
                 returning.append(self._send_grads(call, round_kv, list(sums), self._role("recv_kv", kv_round)))
                 sums = None

@@ -12,8 +12,10 @@ Candidates closer than the tolerance (default 1%) are not told apart.
 
 **Candidates**: per layout (`search_layouts`), recompute none < selective < full < full + offload (early <
 prefetch < on demand); MLP and loss tiles off < 2 < ... < the default count, halving from it; Ulysses, or
-Untied Ulysses at each valid heads per stage; with offload every k-th block input kept, k = 1 < 2 < 4; with
-full recompute, attention outputs kept or not. Each list runs from the least memory saving to the most.
+Untied Ulysses at each valid heads per stage, each also with the lean backward exchanges where they change
+anything (`--untied-backward lean`, `--ring-kv-grads in_place`: a kind of its own, slower, holding less);
+with offload every k-th block input kept, k = 1 < 2 < 4; with full recompute, attention outputs kept or not.
+Each list runs from the least memory saving to the most.
 
 **Search** (`_Search`): estimates are fake-tensor traces (seconds each), so few are made, under two stated
 assumptions: within a layout and attention kind, memory does not grow when a choice moves towards saving
@@ -32,6 +34,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from megatron_lc.attention.registry import CP_IMPLS
 from megatron_lc.attention.untied_ulysses import valid_heads_per_stage
@@ -86,6 +89,11 @@ class Candidate:
     """--offload-keep-last as the user gave it (with offload only; None: the default)."""
     keep_attention_layers: int | None = None
     """--keep-attention-output-layers (with keep_attention): only the first this many blocks keep (None: all)."""
+    untied_backward: str = "fast"
+    """--untied-backward (Untied Ulysses only): `lean` holds no fp32 dK/dV sums and frees the output stage by stage,
+    for more bytes exchanged."""
+    ring_kv_grads: str = "overlapped"
+    """--ring-kv-grads (with a ring only): `in_place` holds one pair of fp32 dK/dV accumulators, rotated exposed."""
 
     def flags(self) -> list[str]:
         """The training flags of this stack (defaults left out)."""
@@ -107,6 +115,9 @@ class Candidate:
         if self.cp_impl == "untied_ulysses":
             out += ["--cp-impl", self.cp_impl, "--untied-heads-per-stage", str(self.heads_per_stage)]
             out += ["--untied-overlap-stages"] if self.untied_overlap else []
+            out += ["--untied-backward", self.untied_backward] if self.untied_backward != "fast" else []
+        if self.ring_kv_grads != "overlapped":
+            out += ["--ring-kv-grads", self.ring_kv_grads]
         return out
 
     def apply(self, cfg: TrainConfig) -> TrainConfig:
@@ -119,10 +130,12 @@ class Candidate:
             keep_attention_output_layers=self.keep_attention_layers if self.keep_attention else None,
             tiled_mlp=self.mlp_tiles is not None,
             tiled_mlp_tiles=self.mlp_tiles, tiled_loss=self.loss_tiles is not None, tiled_loss_tiles=self.loss_tiles)
-        parallel = cfg.parallel
+        parallel = dataclasses.replace(cfg.parallel, ring_kv_grads=self.ring_kv_grads)
         if self.cp_impl is not None:
+            untied = self.cp_impl == "untied_ulysses"
             parallel = dataclasses.replace(parallel, cp_impl=self.cp_impl, untied_heads_per_stage=self.heads_per_stage,
-                                           untied_overlap_stages=self.untied_overlap and self.cp_impl == "untied_ulysses")
+                                           untied_overlap_stages=self.untied_overlap and untied,
+                                           untied_backward=self.untied_backward if untied else "fast")
         return dataclasses.replace(cfg, memory=memory, parallel=parallel)
 
 
@@ -131,7 +144,8 @@ MEMORY_FLAGS = {"--recompute-granularity": 1, "--offload-mode": 1, "--offload-ac
                 "--offload-every-k-layers": 1, "--offload-keep-last": 1, "--keep-attention-output": 0,
                 "--keep-attention-output-layers": 1,
                 "--tiled-mlp": 0, "--tiled-mlp-tiles": 1, "--tiled-loss": 0, "--tiled-loss-tiles": 1,
-                "--cp-impl": 1, "--untied-heads-per-stage": 1, "--untied-overlap-stages": 0}
+                "--cp-impl": 1, "--untied-heads-per-stage": 1, "--untied-overlap-stages": 0, "--untied-backward": 1,
+                "--ring-kv-grads": 1}
 """The flags auto-fit chooses, with the number of values each takes."""
 
 
@@ -160,6 +174,31 @@ def tile_ladder(default: int) -> list[int]:
     return sorted(ladder)
 
 
+class AttentionLevel(NamedTuple):
+    """One level of the attention choice: the all-to-all implementation and how its backward exchanges."""
+
+    impl: str | None
+    """--cp-impl (None without an all-to-all level: left as configured)."""
+    heads_per_stage: int | None = None
+    overlap: bool = False
+    """Pipelined Untied stages."""
+    untied_backward: str = "fast"
+    """--untied-backward."""
+    ring_kv_grads: str = "overlapped"
+    """--ring-kv-grads."""
+
+    @property
+    def kind(self) -> tuple:
+        """Levels of one kind differ in stage width only, ordered from the least memory saving to the most."""
+        return self.impl, self.overlap, self.lean
+
+    @property
+    def lean(self) -> bool:
+        """The lean backward: Untied Ulysses' (no fp32 round sums, its output freed by stage), the ring's
+        accumulators rotated in place."""
+        return self.untied_backward != "fast" or self.ring_kv_grads != "overlapped"
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """Each choice's levels, from the least memory saving to the most; a point indexes one level of each."""
@@ -170,9 +209,9 @@ class SearchSpace:
     """MLP tile counts (None: not tiled)."""
     loss_tiles: tuple[int | None, ...]
     """Loss tile counts (None: not tiled)."""
-    attention: tuple[tuple[str | None, int | None, bool], ...]
-    """(cp_impl, heads_per_stage, pipelined stages) levels: Ulysses, then Untied Ulysses by heads per stage,
-    descending, synchronous, then the same pipelined."""
+    attention: tuple[AttentionLevel, ...]
+    """Attention levels: Ulysses, then Untied Ulysses by heads per stage, descending, synchronous, then the same
+    pipelined; then, where they change anything, the same with the lean backward exchanges (a kind of their own)."""
     offload_every: tuple[int, ...] = (1,)
     """Sparse-offload k levels (ascending; they apply to the offloading modes only)."""
     offload_keep_last: int | None = None
@@ -197,11 +236,13 @@ class SearchSpace:
         return (*point[:4], k, keep)
 
     def candidate(self, point: tuple[int, ...]) -> Candidate:
-        (rec, off), mlp, loss, (impl, u, overlap) = (self.modes[point[0]], self.mlp_tiles[point[1]],
-                                                     self.loss_tiles[point[2]], self.attention[point[3]])
-        return Candidate(rec, off, mlp, loss, impl, u, self.offload_every[point[4]] if off != "none" else 1,
-                         self.keep_attention[point[5]] and rec == "full", overlap,
-                         self.offload_keep_last if off != "none" else None)
+        (rec, off), mlp, loss, level = (self.modes[point[0]], self.mlp_tiles[point[1]], self.loss_tiles[point[2]],
+                                        self.attention[point[3]])
+        return Candidate(rec, off, mlp, loss, level.impl, level.heads_per_stage,
+                         self.offload_every[point[4]] if off != "none" else 1,
+                         self.keep_attention[point[5]] and rec == "full", level.overlap,
+                         self.offload_keep_last if off != "none" else None, untied_backward=level.untied_backward,
+                         ring_kv_grads=level.ring_kv_grads)
 
     def points(self) -> list[tuple[int, ...]]:
         """Every distinct candidate's point (k levels only with offload)."""
@@ -213,14 +254,22 @@ def search_space(cfg: TrainConfig) -> SearchSpace:
     c, cp = cfg.model_config(), cfg.parallel.context_parallel_size
     tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cp
     plan = plan_chunks(tokens, c.hidden_size, c.ffn_hidden_size, c.vocab_size, 2 if cfg.train.bf16 else 4)
-    attention: list[tuple[str | None, int | None, bool]] = [(None, None, False)]
-    a2a = cfg.context_layout().a2a_size  # the all-to-all level (the whole cp group without a ring)
+    layout = cfg.context_layout()
+    a2a, ring = layout.a2a_size, layout.ring_size > 1  # the all-to-all level (the whole cp group without a ring)
+    attention = [AttentionLevel(None)]
     if a2a > 1:
-        attention = [("ulysses", None, False)]
+        attention = [AttentionLevel("ulysses")]
         if "untied_ulysses" in CP_IMPLS:
             stages = sorted(valid_heads_per_stage(c.num_attention_heads, c.num_query_groups, a2a), reverse=True)
-            attention += [("untied_ulysses", u, overlap) for overlap in (False, True)
+            attention += [AttentionLevel("untied_ulysses", u, overlap) for overlap in (False, True)
                           for u in stages if u < c.num_attention_heads]
+    ring_kv_grads = "in_place" if ring else "overlapped"
+    lean = []
+    for level in attention:
+        untied = level.impl == "untied_ulysses"
+        if untied or ring:
+            lean.append(level._replace(untied_backward="lean" if untied else "fast", ring_kv_grads=ring_kv_grads))
+    attention += lean
     offloading = dataclasses.replace(cfg.memory_stack(), recompute_granularity="full", offload_mode="prefetch")
     slots = {}  # k levels that change the host slots (a model of few layers has fewer)
     for k in OFFLOAD_EVERY:
@@ -264,7 +313,8 @@ class Layout:
         parallel = dataclasses.replace(cfg.parallel, context_parallel_size=self.cp,
                                        cp_comm_type=self.comm_type if self.cp > 1 else "a2a",
                                        hierarchical_context_parallel_sizes=list(self.hierarchical),
-                                       cp_impl="ulysses", untied_heads_per_stage=None, untied_overlap_stages=False)
+                                       cp_impl="ulysses", untied_heads_per_stage=None, untied_overlap_stages=False,
+                                       untied_backward="fast", ring_kv_grads="overlapped")
         return dataclasses.replace(cfg, parallel=parallel)
 
     def describe(self, num_gpus: int) -> str:
@@ -380,7 +430,7 @@ class _Knowledge:
 
     def __init__(self, space: SearchSpace, offload_modes: set[int]):
         self.space, self.offload_modes = space, offload_modes
-        self.family = [(impl, overlap) for impl, _, overlap in space.attention]  # pipelined: one of their own
+        self.family = [level.kind for level in space.attention]  # pipelined, lean: kinds of their own
         self.gpu_fits: list[tuple[int, ...]] = []
         self.gpu_fails: list[tuple[int, ...]] = []
         self.offload_host_fits: dict[tuple[int, int], bool] = {}
@@ -503,10 +553,10 @@ class _Search:
     def _column(self, option: Option) -> tuple:
         """What a probe's failure carries to smaller cp: the mode, k, kept attention and attention kind."""
         space, point = self.spaces[option[0]], option[1]
-        impl = space.attention[point[3]][0]
+        level = space.attention[point[3]]
         full = space.modes[point[0]][0] == "full"
         return (space.modes[point[0]], space.offload_every[point[4]] if space.offloads(point) else 1,
-                space.keep_attention[point[5]] or not full, impl)  # without full recompute attention is kept
+                space.keep_attention[point[5]] or not full, (level.impl, level.lean))  # attention kept short of full
 
     def status(self, option: Option) -> bool | None:
         layout, point = option[0], self.spaces[option[0]].canonical(option[1])
@@ -524,8 +574,8 @@ class _Search:
     def probe(self, option: Option) -> tuple[int, ...]:
         """The option with its tiles and Untied stages at their most memory-saving levels."""
         space, (mode, _, _, attention, k, keep) = self.spaces[option[0]], option[1]
-        impl, _, overlap = space.attention[attention]
-        same_kind = [i for i, (other, _, o) in enumerate(space.attention) if other == impl and o == overlap]
+        kind = space.attention[attention].kind
+        same_kind = [i for i, level in enumerate(space.attention) if level.kind == kind]
         return space.canonical((mode, len(space.mlp_tiles) - 1, len(space.loss_tiles) - 1, same_kind[-1], k, keep))
 
     def trace(self, options: list[Option]) -> None:
@@ -554,14 +604,14 @@ class _Search:
     def options(self) -> list[Option]:
         """Every option the search visits (pipelined stages are tried on the answer, not searched), fastest
         per token first, a larger cp first among equals."""
-        everything = [(i, p) for i, sp in enumerate(self.spaces) for p in sp.points() if not sp.attention[p[3]][2]]
+        everything = [(i, p) for i, sp in enumerate(self.spaces) for p in sp.points() if not sp.attention[p[3]].overlap]
         return sorted(everything, key=lambda o: (self.per_token(o), -self.layouts[o[0]].cp, o))
 
     def _column_point(self, layout: int, column: tuple) -> tuple[int, ...] | None:
         """The probe of `column` (mode, k, kept attention, attention kind) in `layout`, if it has one."""
         space = self.spaces[layout]
-        mode, k, keep, impl = column
-        kinds = [i for i, (other, _, o) in enumerate(space.attention) if other == impl and not o]
+        mode, k, keep, kind = column
+        kinds = [i for i, level in enumerate(space.attention) if (level.impl, level.lean) == kind and not level.overlap]
         if mode not in space.modes or not kinds or (k not in space.offload_every and mode[1] != "none"):
             return None
         k_level = space.offload_every.index(k) if mode[1] != "none" else 0
@@ -583,14 +633,15 @@ class _Search:
 
     def strongest(self) -> list[Option]:
         """Per chain, in its layout with the largest cp, each attention kind's most memory-saving stack: when one
-        does not fit the GPU, nothing of its kind in the chain does."""
+        does not fit the GPU, nothing of its kind in the chain does. The lean kinds are left to the search: they
+        are traced only where their fast twins do not fit."""
         out, seen = [], set()
         for i, layout in sorted(enumerate(self.layouts), key=lambda x: -x[1].cp):
             if layout.chain in seen:
                 continue
             seen.add(layout.chain)
             space = self.spaces[i]
-            kinds = {impl: level for level, (impl, _, overlap) in enumerate(space.attention) if not overlap}
+            kinds = {a.kind: level for level, a in enumerate(space.attention) if not a.overlap}
             for level in kinds.values():
                 out.append((i, space.canonical((len(space.modes) - 1, len(space.mlp_tiles) - 1,
                                                 len(space.loss_tiles) - 1, level, len(space.offload_every) - 1,
@@ -609,7 +660,7 @@ class _Search:
             if best is not None and self.per_token(option) * (1 + self.tolerance) >= self.per_token(best):
                 break
             status = self.status(option)
-            if status is False:
+            if status is False or self._twin_fits(option):
                 i += 1
                 continue
             if status is True:  # known to fit: confirmed by a trace of its own
@@ -643,10 +694,20 @@ class _Search:
             i += 1
         return self._fastest_traced_fit()
 
+    def _twin_fits(self, option: Option) -> bool:
+        """A lean option whose fast twin (the same stack with the fast backward) is known to fit: slower, never the
+        answer."""
+        space, point = self.spaces[option[0]], option[1]
+        level = space.attention[point[3]]
+        if not level.lean:
+            return False
+        twin = space.attention.index(level._replace(untied_backward="fast", ring_kv_grads="overlapped"))
+        return self.status((option[0], space.canonical((*point[:3], twin, *point[4:])))) is True
+
     def _fastest_traced_fit(self) -> Option | None:
         """The answer: the fastest option traced that fits (what the search stopped at, or, capped, the best known)."""
         fits = [(layout, point) for layout, k in enumerate(self.known) for point, e in k.estimates.items() if e.fits
-                and not self.spaces[layout].attention[point[3]][2]]
+                and not self.spaces[layout].attention[point[3]].overlap]
         return min(fits, key=lambda o: (self.per_token(o), -self.layouts[o[0]].cp, o), default=None)
 
     def _left(self, order: list[Option], start: int, best: Option | None) -> int:
@@ -683,13 +744,14 @@ class _Search:
             return None
         layout, point = best
         space = self.spaces[layout]
-        impl, u, overlap = space.attention[point[3]]
-        if impl not in ("ulysses", "untied_ulysses") or overlap:
+        answer = space.attention[point[3]]
+        if answer.impl not in ("ulysses", "untied_ulysses") or answer.overlap:
             return best
-        u = u or self.cfg.model_config().num_attention_heads
-        for level, (other, v, pipelined) in enumerate(space.attention):
+        u = answer.heads_per_stage or self.cfg.model_config().num_attention_heads
+        for level, other in enumerate(space.attention):
             option = (layout, space.canonical((*point[:3], level, *point[4:])))
-            if other == "untied_ulysses" and pipelined and v <= u and self.per_token(option) < self.per_token(best) \
+            if other.impl == "untied_ulysses" and other.overlap and other.lean == answer.lean \
+                    and other.heads_per_stage <= u and self.per_token(option) < self.per_token(best) \
                     and self.status(option) is not False:
                 self.trace([option])
                 e = self.known[layout].estimates.get(option[1])

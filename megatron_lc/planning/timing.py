@@ -16,7 +16,12 @@ moves to the host and back. Each item's time is work over the machine's rate for
   exposed, and so are the first stage's inputs, a forward's last outputs and the backward's last
   gradients;
 - ring attention's K/V and dK/dV exchange overlaps the attention on the block in hand:
-  what exceeds that attention is exposed;
+  what exceeds that attention is exposed; with `--ring-kv-grads in_place` the fp32 dK/dV
+  accumulators are rotated after each step's kernels, exposed in full (every ring call's: under
+  Untied Ulysses one per stage, with its kv round's heads);
+- with `--untied-backward lean` each backward stage sends its dK/dV back with its dQ (a kv
+  round's dK/dV travel once per stage instead of once), and o_proj sums the stages' GEMMs in an
+  fp32 accumulator (memory-bound: read and written by each, zeroed and read once);
 - FSDP's all-gathers and reduce-scatters run on their own streams, prefetched one layer
   ahead: what exceeds the layer's compute is exposed;
 - an offloaded block input goes to the host on a side stream during the next block's
@@ -51,6 +56,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_lc.attention.untied_ulysses import StagePlan
 from megatron_lc.config import TrainConfig
 from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.devices import PEAK_DENSE_BF16_FLOPS
@@ -205,6 +211,8 @@ class Work:
     """--offload-prefetch-early: offloaded tensors come back during the backward of the layer after theirs."""
     pipelined_a2a: tuple = ()
     """--untied-overlap-stages: the all-to-alls of pipelined stages (PipelinedExchange), not in `a2a_bytes`."""
+    ring_bytes_exposed: float = 0.0
+    """--ring-kv-grads in_place: the fp32 dK/dV accumulators rotated after each ring step, nothing hiding them."""
 
 
 @dataclass(frozen=True)
@@ -267,15 +275,24 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     recompute -= K * qkv if untied else 0  # Untied Ulysses runs no stage in a kept block's recompute
     recompute += L * qkv if untied else 0  # its backward projects q, k, v again
     recompute += L * 4 * T * h * f if mlp_tiles else 0  # gate and up again, tile by tile
-    a2a = (_a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full and not untied) * K
-           + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full) * (R - K)
-           + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, False) * (L - R))
+    plan = StagePlan(H, Hkv, layout.a2a_size, cp_spec.stage_heads) if untied else None
+    lean = untied and cp_spec.untied_backward == "lean"
+    kv_returns = plan.stages_per_round if lean else 1  # dK/dV sent back per round
+    a2a = (_a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full and not untied, kv_returns=kv_returns) * K
+           + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, kv_returns=kv_returns) * (R - K)
+           + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, False, kv_returns=kv_returns) * (L - R))
     attention_recomputed = R - K if full else 0
-    ring_fwd = ring_bwd = 0.0
+    ring_fwd = ring_bwd = ring_exposed = 0.0
     if layout.ring_size > 1:
         kv = T * 2 * max(Hkv, 1) * d * item
         ring_fwd = kv * (layout.ring_size - 1)
-        ring_bwd = ring_fwd + 2 * ring_fwd * 4 / item  # K/V again, and the fp32 dK/dV
+        accumulators = 2 * ring_fwd * 4 / item  # the fp32 dK/dV
+        ring_bwd = ring_fwd + accumulators  # K/V again, and the accumulators
+        if cp_spec.ring_kv_grads == "in_place":  # every ring call rotates its pair R times, waited for
+            calls_kv_heads = plan.num_stages * plan.kv_heads_per_round if untied else \
+                max(Hkv, layout.a2a_size) // layout.a2a_size
+            ring_bwd = ring_fwd
+            ring_exposed = L * layout.ring_size * calls_kv_heads * 2 * (B * S // layout.ring_size) * d * 4
     params_layer = h * d * (H + 2 * Hkv) + H * d * h + 3 * h * f + 2 * h
     shards = num_gpus // par.data_parallel_replicate
     share = (shards - 1) / shards if shards > 1 else 0.0
@@ -287,6 +304,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     stages = (H // cp_spec.stage_heads) if untied else (1 if cp_spec.all_to_all else 0)
     passes = 3 if full else 2
     launches = L * ((mlp_tiles or 0) * passes + stages * passes) - (K * stages if untied else 0) + loss_tiles
+    launches += L * 2 * stages if kv_returns > 1 else 0  # a backward stage's dK/dV in two exchanges of their own
     # Sparse offload's replayed forwards: each a block forward (the recompute of a kept-input layer, again).
     recompute += replayed * layer_gemm
     a2a += replayed * _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
@@ -296,8 +314,8 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
         q, kv, o = _a2a_parts(T, H, Hkv, d, item, layout.a2a_size)
         forwards = L + attention_recomputed + replayed  # passes that run the stages forward
         pipelined = (PipelinedExchange("fwd", forwards * (q + kv + o), forwards * attention, stages, forwards * o / stages),
-                     PipelinedExchange("bwd", L * (2 * q + 2 * kv + 2 * o), L * attention * FA2_BACKWARD_WORK,
-                                       stages, 0.0))
+                     PipelinedExchange("bwd", L * (2 * q + (1 + kv_returns) * kv + 2 * o),
+                                       L * attention * FA2_BACKWARD_WORK, stages, 0.0))
         a2a = 0.0
     total_params = L * params_layer + 2 * V * h
     # Per layer forward: two norms (read, write), two residual adds (2 reads, 1 write), rotary of q and k,
@@ -305,8 +323,11 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     # backward touches about twice that. The loss: fp32 logits written, softmax read and written, its
     # gradient written and read (6 passes over [T, V]).
     layer_bytes = T * item * (10 * h + 2 * (H + Hkv) * d + 3 * f + 2 * (2 * H + 2 * Hkv) * d)
+
     passes_fwd = 2 if full else 1
     elementwise = (L * (passes_fwd + 2) + replayed) * layer_bytes + 6 * T * V * 4
+    if lean:  # o_proj's fp32 accumulator in every forward of the op (a kept block's recompute projects too)
+        elementwise += (L + (R if full else 0) + replayed) * T * h * 4 * (2 * stages + 2)
     return Work(
         gemm_fwd=L * layer_gemm + head_gemm, gemm_recompute=recompute, attention_fwd=L * attention,
         attention_recompute=attention_recomputed * attention + replayed * attention,
@@ -318,7 +339,8 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
         replay_gathers=replay_gathers, kept_attention_bytes_per_layer=kept_attention_bytes_per_gpu(cfg) if keep else 0.0,
         attention_keeping_offloaded=min(K, offloaded),
         attention_keeping_kept_inputs=min(kept, -(-min(K, offloaded) // stack.offload_every_k_layers)),
-        prefetch_early=stack.offload_mode == "early" and offloaded > 0, pipelined_a2a=pipelined)
+        prefetch_early=stack.offload_mode == "early" and offloaded > 0, pipelined_a2a=pipelined,
+        ring_bytes_exposed=ring_exposed)
 
 
 def _a2a_parts(T, H, Hkv, d, item, a2a) -> tuple[float, float, float]:
@@ -328,15 +350,16 @@ def _a2a_parts(T, H, Hkv, d, item, a2a) -> tuple[float, float, float]:
     return T * H * d * off_rank, T * 2 * Hkv * rep * d * off_rank, T * H * d * off_rank
 
 
-def _a2a_bytes(T, H, Hkv, d, item, a2a, untied, full, forward_only: bool = False) -> float:
-    """Bytes one rank sends in a layer's all-to-alls (Ulysses or Untied Ulysses), all passes (or one forward)."""
+def _a2a_bytes(T, H, Hkv, d, item, a2a, untied, full, forward_only: bool = False, kv_returns: int = 1) -> float:
+    """Bytes one rank sends in a layer's all-to-alls (Ulysses or Untied Ulysses), all passes (or one forward);
+    `kv_returns`: how many times a kv round's dK/dV go back (once, or once per stage with --untied-kv-grads stage)."""
     if a2a <= 1:
         return 0.0
     q, kv, o = _a2a_parts(T, H, Hkv, d, item, a2a)
     forward = q + kv + o
     if forward_only:
         return forward
-    backward = (q + kv + o + o + q + kv) if untied else (o + q + kv)  # Untied re-sends q, k, v and o
+    backward = (q + kv + o + o + q + kv * kv_returns) if untied else (o + q + kv)  # Untied re-sends q, k, v and o
     return forward * (2 if full else 1) + backward
 
 
@@ -404,6 +427,7 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
     exposed = w.a2a_bytes / a2a_link
     exposed += sum(p.exposed_s(a2a_link, fwd_rate if p.kind == "fwd" else bwd_rate) for p in w.pipelined_a2a)
     exposed += max(0.0, w.ring_bytes_fwd / ring_link - a_fwd - a_re) + max(0.0, w.ring_bytes_bwd / ring_link - a_bwd)
+    exposed += w.ring_bytes_exposed / ring_link
     fsdp_link = rates.intra_node_bytes if num_gpus <= gpus_per_node else rates.inter_node_bytes
     layer_compute = (gemm + a_fwd + a_re + a_bwd) / max(w.layers, 1)
     gather, scatter = w.fsdp_bytes_per_layer
@@ -487,13 +511,19 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
         without.append(("tiled MLP", dataclasses.replace(cfg, memory=dataclasses.replace(mem, tiled_mlp=False))))
     if mem.tiled_loss:
         without.append(("tiled loss", dataclasses.replace(cfg, memory=dataclasses.replace(mem, tiled_loss=False))))
+    if par.untied_backward != "fast":
+        without.append(("lean Untied backward (against fast)",
+                        dataclasses.replace(cfg, parallel=dataclasses.replace(par, untied_backward="fast"))))
+    if par.ring_kv_grads != "overlapped":
+        without.append(("ring accumulators in place (against overlapped)",
+                        dataclasses.replace(cfg, parallel=dataclasses.replace(par, ring_kv_grads="overlapped"))))
     if par.untied_overlap_stages:
         without.append(("pipelined Untied stages (against synchronous)",
                         dataclasses.replace(cfg, parallel=dataclasses.replace(par, untied_overlap_stages=False))))
     if cfg.context_parallel().untied:
         without.append(("Untied Ulysses (against Ulysses)", dataclasses.replace(
             cfg, parallel=dataclasses.replace(par, cp_impl="ulysses", untied_overlap_stages=False,
-                                              untied_heads_per_stage=None))))
+                                              untied_heads_per_stage=None, untied_backward="fast"))))
     return [(name, base - predict(other, num_gpus, rates, gpus_per_node, family).step_s) for name, other in without]
 
 

@@ -156,7 +156,7 @@ MODEL_CASES = [
     ("cp4-U4-kv1-everything", 4, 1, 4, EVERYTHING, BATCH),
     ("cp2-U2-kv2-overlap", 2, 2, 2, {"untied_overlap": True}, BATCH),  # 2 kv rounds of 2 stages
     ("cp4-U4-kv1-everything-overlap", 4, 1, 4, {**EVERYTHING, "untied_overlap": True}, BATCH),
-    ("cp4-U4-kv1-everything-stage-kv-grads", 4, 1, 4, {**EVERYTHING, "untied_kv_grads": "stage"}, BATCH),
+    ("cp4-U4-kv1-everything-lean", 4, 1, 4, {**EVERYTHING, "untied_backward": "lean"}, BATCH),
 ]
 
 def _direct_inputs(B, S, H, Hkv):
@@ -194,9 +194,9 @@ def _check_direct(pstate: ParallelState, case) -> None:
     for grad, expected in zip(overlapped_grads, grads):
         assert torch.equal(grad, expected)
     stage_grads = {}
-    for overlap in (False, True):  # each stage's dK/dV sent back: the same function, summed in another order
+    for overlap in (False, True):  # lean: each stage's dK/dV sent back, the same function summed in another order
         per_stage = UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, untied.plan, overlap=overlap,
-                                           kv_grads="stage")
+                                           backward_memory="lean")
         stage_out, stage_grads[overlap] = _output_and_grads(per_stage, *local)
         assert per_stage.workspace.nbytes() == 0
         assert torch.equal(stage_out, out), "the forward does not depend on how dK/dV go back"
@@ -258,7 +258,7 @@ def _bf16_errors(pstate: ParallelState, case) -> dict[str, list[float]]:
     local = (low[0][:, mine], low[1:4], low[4][:, mine], cos[:, mine], sin[:, mine], cu)
     plan = check_untied_shapes(H, Hkv, cp, stage_heads)
     backends = {"untied": UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, plan),
-                "untied-stage-kv": UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, plan, kv_grads="stage"),
+                "untied-lean": UntiedUlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, plan, backward_memory="lean"),
                 "ulysses": UlyssesAttention(HEAD_DIM, kernel, pstate.cp_group, cp)}
     for name, backend in backends.items():
         out, grads = _output_and_grads(backend, *local)
@@ -289,7 +289,7 @@ def test_bf16_untied_and_ulysses_are_as_close_to_fp32_as_plain_bf16(tmp_path):
     out = tmp_path / "errors.json"
     run_distributed(_run_bf16, 4, str(out))
     for case, errors in json.loads(out.read_text()).items():
-        for name in ("untied", "untied-stage-kv", "ulysses"):
+        for name in ("untied", "untied-lean", "ulysses"):
             assert errors[name] <= BF16_SLACK * errors["plain"], (case, errors)
 
 # --- with o_proj and the input norm folded in (the model's call) --------------------------------

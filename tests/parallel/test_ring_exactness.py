@@ -51,9 +51,9 @@ def test_untied_stages_in_a_ring_with_the_full_memory_stack_match_single_process
 
 
 def test_lean_backward_exchanges_with_the_full_memory_stack_match_single_process():
-    """a2a+p2p 2 x 2, Untied stages of one head per rank (2 stages per kv round) sending each stage's dK/dV back,
-    the ring's accumulators rotated in place, full recompute + offload + tiled MLP and loss, FSDP."""
-    stack = parallelize_options(**STACK_FIELDS, cp_impl="untied_ulysses", heads_per_stage=2, untied_kv_grads="stage",
+    """a2a+p2p 2 x 2, Untied stages of one head per rank (2 stages per kv round) with the lean backward, the
+    ring's accumulators rotated in place, full recompute + offload + tiled MLP and loss, FSDP."""
+    stack = parallelize_options(**STACK_FIELDS, cp_impl="untied_ulysses", heads_per_stage=2, untied_backward="lean",
                                 ring_kv_grads="in_place")
     run_distributed(check_against_reference, 4, DEBUG, 4, stack, ONE_SEGMENT, 2, 2)
 
@@ -74,9 +74,9 @@ def test_ring_accumulators_rotated_in_place_with_data_parallel_match_single_proc
       "6", "--num-query-groups", "2"], "--num-attention-heads 6 is not divisible"),
     (["--num-attention-heads", "2", "--num-query-groups", "1"], "--cp-comm-type p2p"),
     (["--ring-kv-grads", "in_place"], "^--ring-kv-grads in_place sets ring attention's backward: it needs a ring"),
-    (["--untied-kv-grads", "stage"], "^--untied-kv-grads stage sets how Untied Ulysses sends dK/dV back: it needs"),
-    (["--untied-kv-grads", "stage", "--cp-impl", "untied_ulysses", "--cp-comm-type", "p2p"],
-     "^--untied-kv-grads stage sets how Untied Ulysses"),
+    (["--untied-backward", "lean"], "^--untied-backward lean sets what Untied Ulysses' backward holds: it needs"),
+    (["--untied-backward", "lean", "--cp-impl", "untied_ulysses", "--cp-comm-type", "p2p"],
+     "^--untied-backward lean sets what Untied Ulysses"),
 ])
 def test_impossible_context_parallel_layouts_fail_before_any_work(flags, message):
     cfg = parse_config(BASE + ["--context-parallel-size", "4"] + flags)
