@@ -51,6 +51,13 @@ DISTRIBUTED["untied-cp4-overlap-full-stack"] = dict(context_parallel_size=4, cp_
 DISTRIBUTED["untied-2x2-ring-full-stack"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
                                                  cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2],
                                                  **FULL_STACK)
+# The lean backward: Untied Ulysses' dK/dV per stage and its output freed by stage (2 stages per kv round), and in
+# a ring the fp32 accumulators rotated in place.
+DISTRIBUTED["untied-cp4-lean-full-stack"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
+                                                 untied_backward="lean", num_query_groups=1, **FULL_STACK)
+DISTRIBUTED["untied-2x2-ring-lean-full-stack"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
+                                                      cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2],
+                                                      untied_backward="lean", ring_kv_grads="in_place", **FULL_STACK)
 SINGLE = {"one-rank": {}, "one-rank-full-stack": dict(FULL_STACK),
           # Kept attention outputs and lse: offloaded with the block inputs (host bytes about double), or on the GPU.
           "one-rank-full-stack-kept-attention": dict(FULL_STACK, keep_attention_output=True),
