@@ -219,6 +219,32 @@ def test_pipelined_untied_stages_hide_their_exchanges_behind_attention():
         t / 4 + fwd.exposed_bytes / slow.intra_node_bytes + 3 / 4 * (t - a))
 
 
+def test_the_lean_backward_is_priced_by_the_bytes_it_adds():
+    """--untied-backward lean: each of a kv round's 4 stages sends its dK/dV back (3 more round's worth per layer,
+    two more exchanges per stage) and o_proj sums the stages' GEMMs in an fp32 accumulator; --ring-kv-grads
+    in_place: every ring call's fp32 dK/dV rotation, R hops per layer, exposed. Nothing else moves."""
+    stack = ("--recompute-granularity", "full", "--offload-mode", "prefetch", "--tiled-mlp", "--tiled-loss",
+             "--cp-impl", "untied_ulysses")
+    fast, lean = step_work(_cfg(*stack), 8), step_work(_cfg(*stack, "--untied-backward", "lean"), 8)
+    T, L, d, item = 1048576 // 8, 32, 128, 2
+    kv = T * 2 * 8 * d * item * 7 / 8  # one layer's k and v, the share sent off-rank
+    assert lean.a2a_bytes - fast.a2a_bytes == pytest.approx(L * 3 * kv)
+    assert lean.launches - fast.launches == L * 2 * 4
+    assert lean.elementwise_bytes - fast.elementwise_bytes == pytest.approx((L + L) * T * 4096 * 4 * (2 * 4 + 2))
+    same = ("a2a_bytes", "launches", "elementwise_bytes")
+    assert {k: v for k, v in vars(lean).items() if k not in same} == {k: v for k, v in vars(fast).items() if k not in same}
+    ring = ("--context-parallel-size", "16", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "8",
+            "2")
+    overlapped = step_work(_cfg(*stack, *ring), 16)
+    in_place = step_work(_cfg(*stack, *ring, "--ring-kv-grads", "in_place"), 16)
+    # 4 ring calls per layer (one per stage), each rotating its kv round's 1 head per rank twice (R = 2), fp32.
+    assert in_place.ring_bytes_exposed == pytest.approx(L * 2 * 4 * 2 * (1048576 // 2) * d * 4)
+    assert overlapped.ring_bytes_exposed == 0 and in_place.ring_bytes_bwd < overlapped.ring_bytes_bwd
+    costs = dict(timing.layer_costs(_cfg(*stack, *ring, "--untied-backward", "lean", "--ring-kv-grads", "in_place"),
+                                    16, H100))
+    assert costs["lean Untied backward (against fast)"] > 0 and costs["ring accumulators in place (against overlapped)"] > 0
+
+
 def test_early_prefetch_hides_the_copy_back_behind_the_next_layers_backward():
     stack = ("--recompute-granularity", "full", "--offload-activations", "--tiled-mlp", "--tiled-loss")
     late = predict(_cfg(*stack), 8, H100)
