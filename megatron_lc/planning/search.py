@@ -168,7 +168,8 @@ def default_cp(cfg: TrainConfig, num_gpus: int) -> int:
 
 
 def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
-    """FSDP -> Ulysses -> checkpointing -> offload -> tiling -> Untied Ulysses -> offload fetched on demand."""
+    """FSDP -> Ulysses -> checkpointing -> offload -> tiling -> Untied Ulysses -> offload fetched on demand -> the
+    lean backward (Untied Ulysses', and the ring's in-place accumulators where there is a ring)."""
     def with_(base: TrainConfig, **changes) -> TrainConfig:
         parallel = dataclasses.replace(base.parallel, **{k: v for k, v in changes.items()
                                                          if hasattr(base.parallel, k)})
@@ -176,7 +177,8 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
         return dataclasses.replace(base, parallel=parallel, memory=memory)
 
     p = cfg.parallel
-    fsdp = with_(cfg, context_parallel_size=1, cp_impl="ulysses", cp_comm_type="a2a",
+    fsdp = with_(cfg, context_parallel_size=1, cp_impl="ulysses", cp_comm_type="a2a", untied_backward="fast",
+                 ring_kv_grads="overlapped",
                  hierarchical_context_parallel_sizes=[], recompute_granularity="none", recompute_method=None,
                  recompute_num_layers=None, offload_mode="none", offload_keep_last=None, offload_every_k_layers=1,
                  keep_attention_output=False, tiled_mlp=False, tiled_mlp_tiles=None, tiled_loss=False,
@@ -193,6 +195,11 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
     if "untied_ulysses" in CP_IMPLS and cp > 1:
         layers.append(StackLayer("+ Untied Ulysses", with_(tiling, cp_impl="untied_ulysses")))
     layers.append(StackLayer("+ offload fetched on demand", with_(layers[-1].config, offload_mode="on_demand")))
+    lean = {"untied_backward": "lean"} if layers[-1].config.context_parallel().untied else {}
+    if ulysses.context_layout().ring_size > 1:
+        lean["ring_kv_grads"] = "in_place"
+    if lean:
+        layers.append(StackLayer("+ lean backward", with_(layers[-1].config, **lean)))
     return layers
 
 

@@ -156,7 +156,9 @@ def test_stack_table_switches_on_one_layer_per_row():
         ("+ tiled MLP and loss", 4, "ulysses", "full", "prefetch", True),
         ("+ Untied Ulysses", 4, "untied_ulysses", "full", "prefetch", True),
         ("+ offload fetched on demand", 4, "untied_ulysses", "full", "on_demand", True),
+        ("+ lean backward", 4, "untied_ulysses", "full", "on_demand", True),
     ]
+    assert [layer.config.parallel.untied_backward for layer in stack_layers(cfg, num_gpus=4)] == ["fast"] * 7 + ["lean"]
 
 
 def test_nccl_model_reproduces_the_published_all_to_all_measurement():
