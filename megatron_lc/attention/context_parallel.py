@@ -91,7 +91,8 @@ class ContextParallel:
             raise ConfigError(f"--ring-kv-grads {self.ring_kv_grads!r}: expected one of {', '.join(RING_KV_GRADS)}")
         if self.untied_backward != "fast" and not self.untied:
             raise ConfigError(f"--untied-backward {self.untied_backward} sets what Untied Ulysses' backward holds: it needs "
-                              "--cp-impl untied_ulysses on an all-to-all level (--context-parallel-size > 1)")
+                              "--cp-impl untied_ulysses with an all-to-all level (--context-parallel-size > 1, "
+                              "--cp-comm-type a2a or a2a+p2p)")
         if self.ring_kv_grads != "overlapped" and self._layout.ring_size < 2:
             raise ConfigError(f"--ring-kv-grads {self.ring_kv_grads} sets ring attention's backward: it needs a ring "
                               "(--cp-comm-type p2p or a2a+p2p)")

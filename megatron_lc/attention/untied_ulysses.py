@@ -453,7 +453,8 @@ class UntiedUlyssesAttention:
     gradients on their way back); in backward `recv_out` and `recv_dout` receive the
     stage's output and its gradient, each whole, so the kernel gets them with contiguous
     rows; `recv_kv` a round's k and v when they travel apart;
-    `dk_sum`, `dv_sum` sum a round's kv gradients over its stages. Send buffers are
+    `dk_sum`, `dv_sum` sum a round's kv gradients over its stages (with the lean backward there
+    are none: `recv_out` and `recv_dout` take each stage's dk and dv back). Send buffers are
     transient, so none is held while the attention kernels run.
     """
 
@@ -590,6 +591,10 @@ class UntiedUlyssesAttention:
         call = self._begin(x, cos, sin, cu_seqlens, out, lses, norm)
         call.dout = dout
         call.dx, dwq, dwk, dwv = (torch.zeros_like(t) if need else None for t, need in zip((x, wq, wk, wv), needs))
+        if self.backward_memory == "lean" and not self._kv_with_stage:
+            # Every stage writes its round's kv rows: summed in fp32 (a weight's size) and rounded once, at the end.
+            dwk, dwv = (None if g is None else torch.zeros_like(g, dtype=torch.promote_types(g.dtype, torch.float32))
+                        for g in (dwk, dwv))
         weights = _Weights(wq, dwq, wk, dwk, wv, dwv)
         sent, k, v, round_kv, sums = None, None, None, None, None
         returning: list[_Sent] = []  # gradients on their way back (with overlap: while the next kernel runs)
@@ -632,6 +637,7 @@ class UntiedUlyssesAttention:
                 self._finish_grads(call, returning)
         self._finish_grads(call, returning)
         self.workspace.release()
+        dwk, dwv = (None if g is None else g.to(w.dtype) for g, w in ((dwk, wk), (dwv, wv)))
         return call.dx, dwq, dwk, dwv
 
     def _send_backward_inputs(self, call: _Call, weights: _Weights, stage: int) -> _BackwardSent:

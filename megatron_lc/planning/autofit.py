@@ -633,8 +633,7 @@ class _Search:
 
     def strongest(self) -> list[Option]:
         """Per chain, in its layout with the largest cp, each attention kind's most memory-saving stack: when one
-        does not fit the GPU, nothing of its kind in the chain does. The lean kinds are left to the search: they
-        are traced only where their fast twins do not fit."""
+        does not fit the GPU, nothing of its kind in the chain does."""
         out, seen = [], set()
         for i, layout in sorted(enumerate(self.layouts), key=lambda x: -x[1].cp):
             if layout.chain in seen:
@@ -701,8 +700,9 @@ class _Search:
         level = space.attention[point[3]]
         if not level.lean:
             return False
-        twin = space.attention.index(level._replace(untied_backward="fast", ring_kv_grads="overlapped"))
-        return self.status((option[0], space.canonical((*point[:3], twin, *point[4:])))) is True
+        twin = (option[0], space.canonical((*point[:3], space.attention.index(
+            level._replace(untied_backward="fast", ring_kv_grads="overlapped")), *point[4:])))
+        return self.per_token(twin) <= self.per_token(option) and self.status(twin) is True
 
     def _fastest_traced_fit(self) -> Option | None:
         """The answer: the fastest option traced that fits (what the search stopped at, or, capped, the best known)."""

@@ -284,15 +284,16 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     attention_recomputed = R - K if full else 0
     ring_fwd = ring_bwd = ring_exposed = 0.0
     if layout.ring_size > 1:
-        kv = T * 2 * max(Hkv, 1) * d * item
+        # The kv heads a GPU's ring calls of one layer carry: Ulysses' share of them in one call; under Untied
+        # Ulysses one call per stage, each with its kv round's heads.
+        calls_kv_heads = plan.num_stages * plan.kv_heads_per_round if untied else \
+            max(Hkv, layout.a2a_size) // layout.a2a_size
+        kv = 2 * (B * S // layout.ring_size) * calls_kv_heads * d * item  # K and V of the ring rank's tokens
         ring_fwd = kv * (layout.ring_size - 1)
-        accumulators = 2 * ring_fwd * 4 / item  # the fp32 dK/dV
+        accumulators = kv * layout.ring_size * 4 / item  # the fp32 dK/dV, R hops
         ring_bwd = ring_fwd + accumulators  # K/V again, and the accumulators
-        if cp_spec.ring_kv_grads == "in_place":  # every ring call rotates its pair R times, waited for
-            calls_kv_heads = plan.num_stages * plan.kv_heads_per_round if untied else \
-                max(Hkv, layout.a2a_size) // layout.a2a_size
-            ring_bwd = ring_fwd
-            ring_exposed = L * layout.ring_size * calls_kv_heads * 2 * (B * S // layout.ring_size) * d * 4
+        if cp_spec.ring_kv_grads == "in_place":  # rotated after each step, waited for
+            ring_bwd, ring_exposed = ring_fwd, accumulators * L
     params_layer = h * d * (H + 2 * Hkv) + H * d * h + 3 * h * f + 2 * h
     shards = num_gpus // par.data_parallel_replicate
     share = (shards - 1) / shards if shards > 1 else 0.0
@@ -352,7 +353,7 @@ def _a2a_parts(T, H, Hkv, d, item, a2a) -> tuple[float, float, float]:
 
 def _a2a_bytes(T, H, Hkv, d, item, a2a, untied, full, forward_only: bool = False, kv_returns: int = 1) -> float:
     """Bytes one rank sends in a layer's all-to-alls (Ulysses or Untied Ulysses), all passes (or one forward);
-    `kv_returns`: how many times a kv round's dK/dV go back (once, or once per stage with --untied-kv-grads stage)."""
+    `kv_returns`: how many times a kv round's dK/dV go back (once, or once per stage with --untied-backward lean)."""
     if a2a <= 1:
         return 0.0
     q, kv, o = _a2a_parts(T, H, Hkv, d, item, a2a)
