@@ -716,7 +716,7 @@ class _Search:
         for option in order[start:]:
             if best is not None and self.per_token(option) * (1 + self.tolerance) >= self.per_token(best):
                 break
-            if self.status(option) is None:
+            if self.status(option) is None and not self._twin_fits(option):
                 probes.add((option[0], self.probe(option)))
         return min(2 * len(probes) + 1, self.max_traces - len(self.result.traced))
 
@@ -726,7 +726,7 @@ class _Search:
         for option in order[start:]:
             if len(out) >= count:
                 break
-            if self.status(option) is None:
+            if self.status(option) is None and not self._twin_fits(option):
                 probe = (option[0], self.probe(option))
                 if self.status(probe) is None:
                     target = self.target(probe)
