@@ -287,11 +287,8 @@ class RingAttention:
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
             for pair in steps[step]:
-                (a, b), (c, d) = pair.q_rows, pair.k_rows
-                gq, gk, gv = self.kernel.backward(dout[a:b], q[a:b], kv[0][c:d], kv[1][c:d], out[a:b],
-                                                  lse[:, a:b].contiguous(), pair.cu_q, scale, tuple(next(states)),
-                                                  cu_seqlens_k=pair.cu_k, causal=False)
-                dq[a:b] += gq
+                gq, gk, gv = self._cross_backward(pair, dout, q, kv, out, lse, scale, states)
+                dq[slice(*pair.q_rows)] += gq
                 shares.append((pair.k_rows, gk, gv))
             if accumulator is None:  # step 0: this rank's own block starts its round of the ring
                 dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (k, v))
@@ -307,6 +304,12 @@ class RingAttention:
                 kv = kv_transfer.wait()
         dk, dv = accumulator.wait()  # this rank's own block, back from its last hop
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def _cross_backward(self, pair: ChunkPair, dout, q, kv, out, lse, scale, states):
+        """The kernel's backward of one unmasked call of local query rows over the block in hand `kv`."""
+        (a, b), (c, d) = pair.q_rows, pair.k_rows
+        return self.kernel.backward(dout[a:b], q[a:b], kv[0][c:d], kv[1][c:d], out[a:b], lse[:, a:b].contiguous(),
+                                    pair.cu_q, scale, tuple(next(states)), cu_seqlens_k=pair.cu_k, causal=False)
 
     def _backward_in_place(self, dout, q, k, v, out, lse, scale, own, steps, states):
         """The backward with one pair of fp32 dK/dV accumulators: each share added as the kernel makes it (in the
@@ -325,13 +328,10 @@ class RingAttention:
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
             for pair in steps[step]:
-                (a, b), (c, d) = pair.q_rows, pair.k_rows
-                gq, gk, gv = self.kernel.backward(dout[a:b], q[a:b], kv[0][c:d], kv[1][c:d], out[a:b],
-                                                  lse[:, a:b].contiguous(), pair.cu_q, scale, tuple(next(states)),
-                                                  cu_seqlens_k=pair.cu_k, causal=False)
-                dq[a:b] += gq
-                dk[c:d] += gk
-                dv[c:d] += gv
+                gq, gk, gv = self._cross_backward(pair, dout, q, kv, out, lse, scale, states)
+                dq[slice(*pair.q_rows)] += gq
+                dk[slice(*pair.k_rows)] += gk
+                dv[slice(*pair.k_rows)] += gv
                 del gq, gk, gv
             if last:  # complete: rounded before the last rotation, so at most one fp32 tensor more than the pair
                 dq = dq.to(q.dtype)
