@@ -485,10 +485,15 @@ class UntiedUlyssesAttention:
         return self.plan.stages_per_round == 1
 
     @property
+    def _kv_grads_per_stage(self) -> bool:
+        """The lean backward on rounds of several stages: each stage sends its dk and dv back."""
+        return self.backward_memory == "lean" and not self._kv_with_stage
+
+    @property
     def _out_period(self) -> int:
         """Buffers of the backward's output and output gradient taking turns with overlap: three when they take
         a stage's dk and dv back (they are then in use until the next stage's kernel has run)."""
-        return 3 if self.backward_memory == "lean" and not self._kv_with_stage else 2
+        return 3 if self._kv_grads_per_stage else 2
 
     projects_output = True
     """Takes `o_proj`'s weight (`wo=`): its backward then never holds the whole attention-output gradient."""
@@ -591,7 +596,7 @@ class UntiedUlyssesAttention:
         call = self._begin(x, cos, sin, cu_seqlens, out, lses, norm)
         call.dout = dout
         call.dx, dwq, dwk, dwv = (torch.zeros_like(t) if need else None for t, need in zip((x, wq, wk, wv), needs))
-        if self.backward_memory == "lean" and not self._kv_with_stage:
+        if self._kv_grads_per_stage:
             # Every stage writes its round's kv rows: summed in fp32 (a weight's size) and rounded once, at the end.
             dwk, dwv = (None if g is None else torch.zeros_like(g, dtype=torch.promote_types(g.dtype, torch.float32))
                         for g in (dwk, dwv))
@@ -616,7 +621,7 @@ class UntiedUlyssesAttention:
             stage_kv = []
             if self._kv_with_stage:
                 grads = [dk, dv, dq]
-            elif self.backward_memory == "lean":
+            elif self._kv_grads_per_stage:
                 grads, stage_kv = [dq], [dk, dv]
             else:
                 sums, grads = self._sum_kv_grads(sums, dk, dv), [dq]
@@ -624,12 +629,12 @@ class UntiedUlyssesAttention:
             # The received blocks are consumed: their buffer takes the gradients (with overlap, one of three:
             # this stage's gradients arrive while the next stage attends and the one after arrives).
             returning.append(self._send_grads(call, blocks, grads, self._role("recv_stage", stage, period=3)))
-            for head, grad, role in zip(round_kv or (), stage_kv, ("recv_out", "recv_dout")):
-                # dk into the consumed output's buffer, dv into the output gradient's
-                returning.append(self._send_grads(call, [head], [grad], self._role(role, stage, self._out_period)))
-            stage_kv = None
+            for head, role in zip(round_kv if stage_kv else (), ("recv_out", "recv_dout")):
+                # dk into the consumed output's buffer, dv into the output gradient's; each freed once sent
+                returning.append(self._send_grads(call, [head], [stage_kv.pop(0)],
+                                                  self._role(role, stage, self._out_period)))
             kv_round = stage // self.plan.stages_per_round
-            if self.backward_memory == "fast" and not self._kv_with_stage and stage == self.plan.stages(kv_round)[-1]:
+            if sums is not None and stage == self.plan.stages(kv_round)[-1]:
                 k = v = None  # consumed: their buffer takes dk, dv, summed over the round and sent back once
                 returning.append(self._send_grads(call, round_kv, list(sums), self._role("recv_kv", kv_round)))
                 sums = None
