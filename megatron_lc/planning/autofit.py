@@ -13,8 +13,7 @@ Candidates closer than the tolerance (default 1%) are not told apart.
 **Candidates**: per layout (`search_layouts`), recompute none < selective < full < full + offload (early <
 prefetch < on demand); MLP and loss tiles off < 2 < ... < the default count, halving from it; Ulysses, or
 Untied Ulysses at each valid heads per stage, each also with the lean backward exchanges where they change
-anything (`--untied-backward lean`, `--ring-kv-grads in_place`: a kind of its own, slower, holding less,
-searched after the fast kinds and only where faster than their answer);
+anything (`--untied-backward lean`, `--ring-kv-grads in_place`: a kind of its own, slower, holding less);
 with offload every k-th block input kept, k = 1 < 2 < 4; with full recompute, attention outputs kept or not.
 Each list runs from the least memory saving to the most.
 
@@ -632,16 +631,16 @@ class _Search:
                     return i, point
         return probe
 
-    def strongest(self, lean: bool) -> list[Option]:
-        """Per chain, in its layout with the largest cp, each fast (or lean) attention kind's most memory-saving
-        stack: when one does not fit the GPU, nothing of its kind in the chain does."""
+    def strongest(self) -> list[Option]:
+        """Per chain, in its layout with the largest cp, each attention kind's most memory-saving stack: when one
+        does not fit the GPU, nothing of its kind in the chain does."""
         out, seen = [], set()
         for i, layout in sorted(enumerate(self.layouts), key=lambda x: -x[1].cp):
             if layout.chain in seen:
                 continue
             seen.add(layout.chain)
             space = self.spaces[i]
-            kinds = {a.kind: level for level, a in enumerate(space.attention) if not a.overlap and a.lean == lean}
+            kinds = {a.kind: level for level, a in enumerate(space.attention) if not a.overlap}
             for level in kinds.values():
                 out.append((i, space.canonical((len(space.modes) - 1, len(space.mlp_tiles) - 1,
                                                 len(space.loss_tiles) - 1, level, len(space.offload_every) - 1,
@@ -649,28 +648,11 @@ class _Search:
         return out
 
     def run(self) -> Option | None:
-        """The search over the fast kinds, then over the lean kinds faster than its answer (the lean backward only
-        where the length needs it: its kinds would otherwise double the traces of every column that fails)."""
-        options = self.options()
-        fast = [o for o in options if not self._is_lean(o)]
-        answer = self._search(fast, self.strongest(lean=False))
-        faster = [o for o in options if self._is_lean(o) and (answer is None or self.per_token(o) * (1 + self.tolerance)
-                                                               < self.per_token(answer))]
-        if faster:
-            self._search(faster, self.strongest(lean=True) if answer is None else [])
-        return self._fastest_traced_fit()
-
-    def _is_lean(self, option: Option) -> bool:
-        return self.spaces[option[0]].attention[option[1][3]].lean
-
-    def _search(self, order: list[Option], strongest: list[Option]) -> Option | None:
-        """The fastest of `order` that fits (within the tolerance), visited fastest first; `strongest` traced in the
-        first round unless the fastest is known to fit."""
-        best = None
+        order, best = self.options(), None
         if self.status(order[0]) is None:  # the fastest of all first: it fits when no technique is needed
             self.trace([(order[0][0], self.probe(order[0])), order[0]][-self.estimator.workers:])
-        if self.status(order[0]) is not True and strongest:
-            self.trace(strongest)
+        if self.status(order[0]) is not True:
+            self.trace(self.strongest())
         i = 0
         while i < len(order):
             option = order[i]
