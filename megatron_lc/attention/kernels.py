@@ -629,7 +629,8 @@ def flash_attn_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, ca
 
 def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *,
                         cu_seqlens_k=None, causal=True):
-    """Backward of `flash_attn_forward`: each call writes its rows of dq, dk, dv in place."""
+    """Backward of `flash_attn_forward`: each call writes its rows of dq, dk, dv in place; deterministic (dq
+    accumulated in a fixed order) when torch's deterministic algorithms are on, as torch's flash backward."""
     _check_flash_dtype(q, "flash_attn")
     calls = _calls(cu_seqlens, cu_seqlens_k, causal)
     scale = _softmax_scale(q.shape[-1], scale)
@@ -642,7 +643,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(
             dout[call.q], q[call.q], k[call.k], v[call.k], out[call.q], lse[:, call.q].contiguous(),
             dq[call.q], dk[call.k], dv[call.k], cu_q, cu_k, max_q, max_k,
             dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
-            softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=rng_state,
+            softcap=0.0, alibi_slopes=None, rng_state=rng_state,
+            deterministic=torch.are_deterministic_algorithms_enabled(),  # else dq by fp32 atomics, in any order
         )
     return dq, dk, dv
 

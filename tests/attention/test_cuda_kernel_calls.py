@@ -410,3 +410,25 @@ def test_lse_relayouts_are_one_gather_and_one_scatter_matching_the_segment_loops
     with _CountOps() as counted:
         kernels._lse_to_native(kernels._lse_to_heads_tokens(torch.randn(1000, 4, 32), many), many)
     assert counted.count <= 20
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_flash_attn_backward_is_deterministic_exactly_when_torch_is_asked_to_be(contract_ops, deterministic):
+    """flash-attn's backward accumulates dq with fp32 atomics unless told `deterministic=True`; torch's own flash
+    backward follows torch.are_deterministic_algorithms_enabled(), so a bitwise check that turns it on must get
+    the same from flash-attn."""
+    asked = []
+    record = contract_ops.flash_attn_varlen_backward
+
+    def backward(*args, deterministic, **kwargs):
+        asked.append(deterministic)
+        return record(*args, **kwargs)
+
+    kernels._flash_attn_interface._flash_attn_varlen_backward = backward
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        _against_naive(KERNELS["flash_attn"], torch.bfloat16, 3e-2)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert asked == [deterministic]
