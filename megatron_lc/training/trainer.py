@@ -244,6 +244,8 @@ def _check_finite(step: int, loss: float, grad_norm: float, skip: bool) -> bool:
 
 def train_one_step(run: Run, step: int) -> dict:
     start = time.perf_counter()
+    if run.offload is not None:
+        run.offload.reset_peak()  # the logged host peak is this step's
     micro_batches = [next(run.loader) for _ in range(run.accumulation)]
     lr, weight_decay = run.schedule(step - 1), run.schedule.weight_decay(step - 1)
     for group in run.optimizer.param_groups:

@@ -100,6 +100,19 @@ def test_one_process_bf16_keeps_fp32_master_weights_and_computes_in_bf16(tmp_pat
     assert changed > 0.9 * sum(b.numel() for b in before)
 
 
+def test_logged_host_offload_peak_is_the_steps_own():
+    """metrics' host_offload_gib is the peak of host bytes in use during that step, not since the run began: what
+    an earlier step held (or an evaluation at another length) must not show in the next step's figure."""
+    from megatron_lc.training.trainer import build_run, train_one_step
+
+    run = build_run(parse_config(BASE + ["--recompute-granularity", "full", "--offload-activations",
+                                         "--train-iters", "2"]))
+    first = train_one_step(run, 1)["host_offload_gib"]
+    assert first > 0
+    run.offload.host_bytes_peak += 2**30  # a larger peak before this step
+    assert train_one_step(run, 2)["host_offload_gib"] == first
+
+
 def test_train_accepts_every_tokenizer_type_preprocessing_accepts():
     from megatron_lc.data.preprocess import build_parser as preprocess_parser
     from megatron_lc.data.tokenizers import TOKENIZER_TYPES
