@@ -166,13 +166,32 @@ def _listed(position: tuple[int, ...] | None) -> list[int] | None:
 
 
 class _MicroBatches(torch.utils.data.Dataset):
-    """Micro-batch `k` of a loader's rank (its samples from `k * micro_batch_size * dp_size`), by index."""
+    """Micro-batch `k` of a loader's rank by index `(k, position)`: its samples from `k * micro_batch_size * dp_size`
+    of its source continued at `position` (the source's `stream_position(0)` when the index was drawn: a worker
+    holds the source it was forked with and follows the loader to where a resume moved it)."""
 
     def __init__(self, loader: MicroBatchLoader) -> None:
         self.loader = loader
 
-    def __getitem__(self, k: int) -> Batch:
+    def __getitem__(self, index: tuple[int, tuple[int, ...] | None]) -> Batch:
+        k, position = index
+        if position is not None and self.loader.samples.stream_position(0) != position:
+            self.loader.samples = self.loader.samples.continued(position)
         return self.loader.micro_batch(k)
+
+
+class _FromPosition(torch.utils.data.Sampler):
+    """The micro-batch indices of a loader from where it stands each time it is iterated."""
+
+    def __init__(self, loader: MicroBatchLoader) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        import itertools
+
+        lo = self.loader
+        position = lo.samples.stream_position(0)
+        return ((k, position) for k in itertools.count(lo.consumed_samples // lo.samples_per_step))
 
 
 def _identity(batch):
@@ -182,13 +201,23 @@ def _identity(batch):
 class WorkerLoader:
     """A MicroBatchLoader whose micro-batches are read by `num_workers` worker processes of a torch
     DataLoader ahead of the step (Megatron-LM's --num-workers). The same batches in the same order; the
-    state counts the batches handed out, not those read ahead, so a checkpoint resumes exactly."""
+    state counts the batches handed out, not those read ahead, so a checkpoint resumes exactly.
+
+    The workers are forked once, by `start()` (or the first batch), and kept for the loader's life: a resume or
+    a new position (`load_state_dict`, `continue_by_sample_count`) restarts them where it says, forking nothing.
+    Call `start()` before the process page-locks host memory (offload arenas, FSDP's CPU offload): a fork after
+    it copies or shares page-locked pages (terabytes, with offload) in every worker."""
 
     def __init__(self, loader: MicroBatchLoader, num_workers: int) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.loader, self.num_workers = loader, num_workers
+        self._workers: torch.utils.data.DataLoader | None = None
         self._iterator = None
+
+    @property
+    def samples(self) -> SampleSource:
+        return self.loader.samples
 
     @property
     def samples_per_step(self) -> int:
@@ -198,6 +227,19 @@ class WorkerLoader:
     def consumed_samples(self) -> int:
         return self.loader.consumed_samples
 
+    def start(self) -> WorkerLoader:
+        """Fork the worker processes now; they read ahead from the loader's position."""
+        if self._workers is None:
+            import multiprocessing
+
+            context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+            self._workers = torch.utils.data.DataLoader(
+                _MicroBatches(self.loader), batch_size=None, sampler=_FromPosition(self.loader),
+                num_workers=self.num_workers, collate_fn=_identity, multiprocessing_context=context,
+                persistent_workers=True)
+            self._iterator = iter(self._workers)  # forks them
+        return self
+
     def __iter__(self) -> WorkerLoader:
         return self
 
@@ -205,15 +247,10 @@ class WorkerLoader:
         lo = self.loader
         if lo.num_samples is not None and lo.consumed_samples + lo.samples_per_step > lo.num_samples:
             raise StopIteration
-        if self._iterator is None:
-            import itertools
-            import multiprocessing
-
-            start = lo.consumed_samples // lo.samples_per_step
-            context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
-            self._iterator = iter(torch.utils.data.DataLoader(
-                _MicroBatches(lo), batch_size=None, sampler=itertools.count(start), num_workers=self.num_workers,
-                collate_fn=_identity, multiprocessing_context=context))
+        if self._workers is None:
+            self.start()
+        elif self._iterator is None:
+            self._iterator = iter(self._workers)  # the same workers, from the new position
         batch = next(self._iterator)
         lo.consumed_samples += lo.samples_per_step
         return batch
@@ -231,4 +268,4 @@ class WorkerLoader:
 
     def close(self) -> None:
         """Stop the worker processes."""
-        self._iterator = None
+        self._workers = self._iterator = None

@@ -33,6 +33,12 @@ class Run:
     accumulation: int
     save_lock: SaveLock | None = None
     test_source: SampleSource | None = None
+    eval_loaders: tuple[tuple[SampleSource, MicroBatchLoader | WorkerLoader], ...] = ()
+    """The loader of each evaluated source (validation, test), made with the run: workers fork once, early."""
+
+    def eval_loader(self, source: SampleSource) -> MicroBatchLoader | WorkerLoader:
+        """The loader reading `source`, repositioned by each evaluation."""
+        return next(loader for known, loader in self.eval_loaders if known is source)
 
     @property
     def is_logging_rank(self) -> bool:

@@ -154,16 +154,22 @@ def build_run(cfg: TrainConfig) -> Run:
     eod = tokenizer.eod if tokenizer else None
     model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)  # padded (--make-vocab-...)
     data_vocab = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None, padded=False).vocab_size
+    train_source, valid_source, test_source = build_sample_sources(cfg, data_vocab, pstate.dp_size, launch.rank)
+    loader = _loader(train_source, cfg, pstate, eod)
+    eval_loaders = tuple((source, _loader(source, cfg, pstate, eod)) for source in (valid_source, test_source)
+                         if source is not None)
+    for worker_loader in (loader, *(l for _, l in eval_loaders)):  # forked before anything is page-locked
+        if isinstance(worker_loader, WorkerLoader):
+            worker_loader.start()
     model, offload = build_sharded_model(cfg, model_config, pstate, devices)
     if offload is not None:  # page-lock the host arenas before step 1 (logged; minutes for a terabyte)
         block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
         offload.reserve((cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size,
                          model_config.hidden_size), block_dtype)
     optimizer = build_run_optimizer(model, cfg)
-    train_source, valid_source, test_source = build_sample_sources(cfg, data_vocab, pstate.dp_size, launch.rank)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg, launch.world_size), offload,
-               _loader(train_source, cfg, pstate, eod), valid_source, eod, accumulation, test_source=test_source)
+               loader, valid_source, eod, accumulation, test_source=test_source, eval_loaders=eval_loaders)
 
 
 def _autocast(run: Run):
@@ -209,7 +215,7 @@ def evaluate(run: Run, iters: int, source: SampleSource | None = None, first_sam
              rounds: int | None = None) -> float:
     """Mean loss over `iters` global batches (Megatron's --eval-iters) of `source` (default the
     validation part) from `first_sample`, in stream order; `rounds` micro-batch rounds instead when given."""
-    loader = _loader(source or run.valid_source, run.cfg, run.pstate, run.eod_token)
+    loader = run.eval_loader(source or run.valid_source)
     loader.load_state_dict({"consumed_samples": first_sample})
     loss_sum = torch.zeros((), device=run.devices.accelerator)
     count = torch.zeros((), device=run.devices.accelerator)
@@ -326,6 +332,9 @@ def train(cfg: TrainConfig) -> list[dict]:
     try:
         return _train_run(run)
     finally:
+        for loader in (run.loader, *(l for _, l in run.eval_loaders)):
+            if isinstance(loader, WorkerLoader):
+                loader.close()
         if run.save_lock is not None and run.is_logging_rank:
             run.save_lock.release()
 
@@ -389,13 +398,7 @@ def _train_run(run: Run) -> list[dict]:
     finally:
         stop.close()
         logger.close()
-        _close_loader(run.loader)
     return history
-
-
-def _close_loader(loader) -> None:
-    if isinstance(loader, WorkerLoader):
-        loader.close()
 
 
 def run_validation(run: Run, evaluation: int) -> dict:

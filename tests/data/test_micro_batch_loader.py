@@ -92,3 +92,46 @@ def test_bad_parallel_layout_is_rejected_early(samples):
         MicroBatchLoader(samples, 1, dp_rank=2, dp_size=2)
     with pytest.raises(ValueError, match="is not divisible by 3 \(--context-parallel-size 3\)"):
         MicroBatchLoader(samples, 1, cp_size=3)
+
+
+def _record_forks(monkeypatch) -> list:
+    import multiprocessing.process
+
+    forks, start = [], multiprocessing.process.BaseProcess.start
+
+    def recording_start(process):
+        forks.append(process)
+        return start(process)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+    return forks
+
+
+def _same_batch(a, b) -> bool:
+    return a.cu_seqlens == b.cu_seqlens and all(torch.equal(getattr(a, n), getattr(b, n))
+                                                 for n in ("input_ids", "labels", "position_ids"))
+
+
+def test_worker_loader_forks_once_and_follows_every_new_position_without_forking(samples, monkeypatch):
+    """Workers forked by start() serve the whole run: a resume (same length, another stream start, another
+    length) or a count of samples moves them, never forks again (a fork after page-locking copies the arenas
+    into every worker); the batches are the in-process loader's."""
+    from megatron_lc.data.loader import WorkerLoader
+
+    forks = _record_forks(monkeypatch)
+    workers = WorkerLoader(MicroBatchLoader(samples, 2), num_workers=2).start()
+    assert len(forks) == 2
+    plain = MicroBatchLoader(samples, 2)
+    assert all(_same_batch(next(workers), plain.micro_batch(k)) for k in range(3))
+    workers.load_state_dict({"consumed_samples": 2})
+    assert _same_batch(next(workers), plain.micro_batch(1))
+    workers.load_state_dict({"consumed_samples": 0, "seq_length": SEQ_LENGTH, "samples_per_step": 2,
+                             "stream_start": [5]})
+    assert _same_batch(next(workers), MicroBatchLoader(samples.continued((5,)), 2).micro_batch(0))
+    workers.load_state_dict({"consumed_samples": 6, "seq_length": 8, "samples_per_step": 2,
+                             "stream_position": [40]})  # read at another length: the stream continues at 40
+    assert _same_batch(next(workers), MicroBatchLoader(samples.continued((40,)), 2).micro_batch(0))
+    workers.continue_by_sample_count(4)
+    assert _same_batch(next(workers), MicroBatchLoader(samples.continued((40,)), 2).micro_batch(2))
+    assert len(forks) == 2
+    workers.close()

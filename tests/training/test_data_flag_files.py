@@ -75,3 +75,37 @@ def test_worker_processes_read_the_same_batches_and_resume_exactly(tmp_path):
     assert first + rest == pytest.approx(plain, rel=1e-6)
     with pytest.raises(ConfigError, match="--num-workers -1 must be >= 0"):
         parse_config(MODEL + data + ["--num-workers", "-1"]).validate(1)
+
+
+def test_workers_fork_once_before_anything_is_page_locked(tmp_path, monkeypatch):
+    """--num-workers forks worker processes; a fork after the offload arenas are page-locked (cudaHostRegister,
+    up to a terabyte) copies or shares them in every worker. Every loader's workers (training, validation, test)
+    fork before the first arena exists (where a CUDA run page-locks it), and neither evaluation nor a resume
+    forks again."""
+    import multiprocessing.process
+
+    from megatron_lc.memory.offload import OffloadScheduler
+
+    events, fork, arena = [], multiprocessing.process.BaseProcess.start, OffloadScheduler._new_arena
+
+    def recording_fork(process):
+        events.append("fork")
+        return fork(process)
+
+    def recording_arena(scheduler, *args, **kwargs):
+        events.append("arena")
+        return arena(scheduler, *args, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_fork)
+    monkeypatch.setattr(OffloadScheduler, "_new_arena", recording_arena)
+    a = write_random_dataset(tmp_path / "a", documents=60, lengths=(10, 40), vocab=128)
+    flags = ["--data-path", a, "--split", "80,10,10", "--eval-interval", "1", "--eval-iters", "1",
+             "--recompute-granularity", "full", "--offload-activations", "--num-workers", "2"]
+    plain = _losses(tmp_path, "plain", *flags[:-2], "--train-iters", "4")
+    assert "fork" not in events
+    for name, extra in (("first", ["--save", str(tmp_path / "c"), "--exit-interval", "2"]),
+                        ("rest", ["--load", str(tmp_path / "c")])):
+        events.clear()
+        losses = _losses(tmp_path, name, *flags, "--train-iters", "4", *extra)
+        assert losses == pytest.approx(plain[:2] if name == "first" else plain[2:], rel=1e-6)
+        assert events[:6] == ["fork"] * 6 and "fork" not in events[6:] and "arena" in events[6:]
