@@ -93,21 +93,25 @@ def test_evaluations_read_eval_iters_global_batches_moving_on_then_test_once(tmp
     time; the test part once at the end, as Megatron."""
     from megatron_lc.training import trainer
 
-    loaders = []
+    loaders, reads = [], []
 
     class Recording(trainer.MicroBatchLoader):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             loaders.append(self)
 
+        def micro_batch(self, step):
+            reads.append((loaders.index(self), step))
+            return super().micro_batch(step)
+
     monkeypatch.setattr(trainer, "MicroBatchLoader", Recording)
     a = _dataset(tmp_path / "a", 0, docs=600)
     history = train(parse_config(_flags(tmp_path, a) + ["--split", "80,10,10", "--eval-interval", "1",
                                                          "--eval-iters", "2", "--micro-batch-size", "2",
                                                          "--global-batch-size", "4"]))
-    valid, test = loaders[1:4], loaders[4:]
-    assert [loader.consumed_samples for loader in valid] == [8, 16, 24]
-    assert len(test) == 1 and test[0].consumed_samples == 8 and test[0].samples is not valid[0].samples
+    _, valid, test = loaders  # training, validation, test: one loader each, made with the run
+    assert [step for loader, step in reads if loader == 1] == list(range(12))  # 3 x 4 micro-batches of 2 samples
+    assert [step for loader, step in reads if loader == 2] == list(range(4)) and test.samples is not valid.samples
     assert "test_loss" in history[-1] and all("test_loss" not in m for m in history[:-1])
     assert len({m["val_loss"] for m in history}) == 3
 
