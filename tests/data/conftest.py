@@ -139,3 +139,11 @@ class CountingDataset:
 def counting_reads():
     """`counting_reads(dataset)`: the dataset, counting the tokens read from its .bin."""
     return CountingDataset
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_dir(tmp_path_factory, corpus_texts) -> str:
+    """A Llama-3-like tokenizer directory with Llama 3 Instruct's chat template (megatron_lc.testing)."""
+    from megatron_lc.testing import write_chat_tokenizer
+
+    return write_chat_tokenizer(tmp_path_factory.mktemp("chat_tokenizer"), corpus_texts)
