@@ -655,6 +655,7 @@ def run_partition(
             raise no_documents_error(options, files, problems)  # the writers drop their temporary files
         writers.finalize()
         skipped.finalize()
+    problems.log = None  # closed; the summary travels back from a partition's process
     tokens = dict(zip(prefixes, writers.tokens, strict=True))
     loss_tokens = dict(zip(prefixes, writers.loss_tokens, strict=True)) if options.masked else {}
     return PreprocessSummary(progress.documents, tokens, problems, progress.elapsed, config.dtype, loss_tokens,

@@ -1,0 +1,158 @@
+"""chat.py: conversations read in every shape, ids exactly `apply_chat_template`'s, masks exactly the assistant
+spans, and templates that cannot be masked refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_lc.data.chat import (
+    ChatEncoder,
+    ChatSettings,
+    ConversationError,
+    TemplateNotPrefixError,
+    conversation_from_record,
+)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "the long context of a book"}, {"role": "assistant", "content": "holds many tokens"}],
+    [{"role": "system", "content": "every token counts"},
+     {"role": "user", "content": "naïve café 数据 🙂 12345"},
+     {"role": "assistant", "content": "  the book\n\nholds tokens  "},
+     {"role": "user", "content": "and training?"},
+     {"role": "assistant", "content": ""},
+     {"role": "user", "content": "last question"},
+     {"role": "assistant", "content": "a long answer of many tokens in training"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
+     {"role": "user", "content": "no answer to this one"}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(chat_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(chat_tokenizer_dir, local_files_only=True)
+
+
+def reference_ids(tokenizer, messages, **kwargs) -> list[int]:
+    """`apply_chat_template`'s ids (transformers 5 returns a BatchEncoding, 4 a list)."""
+    out = tokenizer.apply_chat_template(messages, **kwargs)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_ids_are_exactly_apply_chat_template_and_the_mask_its_assistant_spans(chat_tokenizer_dir, hf_tokenizer):
+    encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf"))
+    for messages in CONVERSATIONS:
+        ids, mask = encoder.ids_and_mask(conversation_from_record({"messages": messages}, ("messages",), "assistant"))
+        assert ids == reference_ids(hf_tokenizer, messages)
+        expected = [0] * len(ids)
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                start = len(reference_ids(hf_tokenizer, messages[:i], add_generation_prompt=True))
+                end = len(reference_ids(hf_tokenizer, messages[: i + 1]))
+                expected[start:end] = [1] * (end - start)
+        assert mask.tolist() == expected
+        # what is trained on, read back: each assistant content (the template trims it) and its end of turn
+        trained = hf_tokenizer.decode([t for t, m in zip(ids, mask) if m])
+        assert trained == "".join(m["content"].strip() + "<|eot_id|>" for m in messages if m["role"] == "assistant")
+
+
+def test_sharegpt_turns_give_the_ids_and_mask_of_the_same_openai_messages(chat_tokenizer_dir):
+    encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf"))
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    messages = CONVERSATIONS[1]
+    sharegpt = [{"from": names[m["role"]], "value": m["content"]} for m in messages]
+    openai = encoder.ids_and_mask(conversation_from_record({"messages": messages}, ("messages",), "assistant"))
+    shared = encoder.ids_and_mask(conversation_from_record({"conversations": sharegpt}, ("conversations",),
+                                                           "assistant"))
+    assert shared[0] == openai[0] and shared[1].tolist() == openai[1].tolist()
+
+
+def test_prompt_completion_trains_only_on_the_completion(chat_tokenizer_dir, hf_tokenizer):
+    encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf"))
+    keys = ("prompt", "completion")
+    text = conversation_from_record({"prompt": "the question", "completion": "the answer"}, keys, "assistant")
+    assert [m["role"] for m in text.messages] == ["user", "assistant"]
+    ids, mask = encoder.ids_and_mask(text)
+    assert hf_tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "the answer<|eot_id|>"
+    # TRL's conversational form: an assistant turn inside the prompt is context, not a target
+    prompt = CONVERSATIONS[2][:3] + [{"role": "user", "content": "again"}]
+    lists = conversation_from_record({"prompt": prompt, "completion": [{"role": "assistant", "content": "done"}]},
+                                     keys, "assistant")
+    ids, mask = encoder.ids_and_mask(lists)
+    assert ids == reference_ids(hf_tokenizer, list(lists.messages))
+    assert hf_tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "done<|eot_id|>"
+
+
+def test_loss_on_all_writes_no_mask_and_the_same_ids(chat_tokenizer_dir, hf_tokenizer):
+    encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf", "all"))
+    conversation = conversation_from_record({"messages": CONVERSATIONS[2]}, ("messages",), "all")
+    ids, mask = encoder.ids_and_mask(conversation)
+    assert mask is None and ids == reference_ids(hf_tokenizer, CONVERSATIONS[2])
+
+
+def test_a_template_file_renders_instead_of_the_tokenizers_own(chat_tokenizer_dir, hf_tokenizer, tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>{{ m['content'] }}"
+                        "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+                        "<|end_header_id|>{% endif %}")
+    encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings(str(template)))
+    messages = CONVERSATIONS[0]
+    ids, mask = encoder.ids_and_mask(conversation_from_record({"messages": messages}, ("messages",), "assistant"))
+    assert ids == reference_ids(hf_tokenizer, messages, chat_template=template.read_text())
+    assert ids != reference_ids(hf_tokenizer, messages)
+    assert hf_tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "holds many tokens<|eot_id|>"
+
+
+def test_a_template_that_renders_a_prefix_differently_is_refused_with_the_location(chat_tokenizer_dir, tmp_path):
+    # renders the last message in a way earlier ones are not: messages[:i+1] is not a prefix of the whole
+    template = tmp_path / "last.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if loop.last %} (last)"
+                        "{% endif %}<|eot_id|>{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings(str(template)))
+    conversation = conversation_from_record({"messages": CONVERSATIONS[1]}, ("messages",), "assistant")
+    with pytest.raises(TemplateNotPrefixError, match=r"^chat\.jsonl:7: --chat-template .*last\.jinja: the rendering "
+                       r"of messages\[:\d\](.*) is not a prefix .* --loss-on all"):
+        encoder.ids_and_mask(conversation, "chat.jsonl:7")
+    # with --loss-on all there is no prefix to compare: the whole renders as it is
+    ChatEncoder(chat_tokenizer_dir, ChatSettings(str(template), "all")).ids_and_mask(conversation)
+
+
+def test_a_template_that_refuses_a_conversation_is_a_conversation_error(chat_tokenizer_dir, tmp_path):
+    template = tmp_path / "strict.jinja"
+    template.write_text("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+                        "{% endif %}{{ m['content'] }}{% endfor %}")
+    encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings(str(template)))
+    with pytest.raises(ConversationError, match="no system") as error:
+        encoder.ids_and_mask(conversation_from_record({"messages": CONVERSATIONS[1]}, ("messages",), "assistant"))
+    assert error.value.reason == "refused by the chat template"
+
+
+@pytest.mark.parametrize("record, reason, detail", [
+    ({"messages": "hello"}, "conversation not a list", "'messages' is a str"),
+    ({"messages": {"role": "user"}}, "conversation not a list", "'messages' is a dict"),
+    ({"messages": []}, "empty conversation", ""),
+    ({"messages": ["hi"]}, "message not an object", "messages[0] is a str"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role", "messages[0]: role 'robot'"),
+    ({"messages": [{"content": "x"}]}, "unknown role", "role None"),
+    ({"messages": [{"from": "bot", "value": "x"}]}, "unknown role", "from 'bot'"),
+    ({"messages": [{"role": "user"}]}, "missing content", "messages[0] has no 'content'"),
+    ({"messages": [{"role": "user", "content": None}]}, "missing content", ""),
+    ({"messages": [{"from": "human"}]}, "missing content", "has no 'value'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "non-string content", "is a list"),
+    ({"messages": [{"role": "user", "content": 3}]}, "non-string content", "is a int"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}, "no assistant turn", ""),
+    ({"text": "x"}, "missing key 'messages'", ""),
+])
+def test_each_bad_conversation_is_named_by_its_category_and_place(record, reason, detail):
+    with pytest.raises(ConversationError) as error:
+        conversation_from_record(record, ("messages",), "assistant")
+    assert error.value.reason == reason and detail in error.value.detail
+
+
+def test_a_conversation_without_an_assistant_turn_is_read_with_loss_on_all():
+    record = {"messages": [{"role": "user", "content": "u"}]}
+    assert len(conversation_from_record(record, ("messages",), "all").messages) == 1
+    with pytest.raises(ConversationError, match="no assistant turn"):
+        conversation_from_record({"prompt": "p", "completion": [{"role": "user", "content": "u"}]},
+                                 ("prompt", "completion"), "assistant")
