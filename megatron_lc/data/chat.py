@@ -168,8 +168,41 @@ def read_template_file(path: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class _Encoding:
+    """A text's ids and their character spans, from transformers' call (as the backend's `Encoding` has them)."""
+
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+
+    def token_to_chars(self, index: int) -> tuple[int, int]:
+        return self.offsets[index]
+
+
+@dataclass(frozen=True)
+class EncodedConversation:
+    """One conversation's ids and (with `--loss-on assistant`) its uint8 loss mask; or why it was left out."""
+
+    ids: list[int]
+    mask: np.ndarray | None
+    error: ConversationError | None = None
+
+
+# Distinct prefix tails (a header's text after its last special token) whose ids a ChatEncoder keeps.
+TAIL_CACHE_SIZE = 512
+
+
 class ChatEncoder:
-    """Renders and encodes conversations with one tokenizer and template."""
+    """Renders and encodes conversations with one tokenizer and template.
+
+    The mask needs the ids of each prefix rendering. A prefix's text is usually a prefix of the whole's text
+    (checked), and a fast tokenizer splits its input at its special tokens before anything else (normalizer,
+    pre-tokenizer, model see each piece alone): so a prefix's ids are the whole's ids up to the last special token
+    that ends by the cut, then the ids of the text from that token's start to the cut, encoded alone (usually a
+    few characters: a header's tail). Encoded so, a conversation costs about one encoding of its whole text
+    instead of one per turn; the result is the prefix's own encoding. Where no such token precedes the cut, or the
+    texts are no prefixes, the prefix is encoded whole.
+    """
 
     def __init__(self, model_path: str, settings: ChatSettings) -> None:
         self.settings = settings
@@ -182,6 +215,32 @@ class ChatEncoder:
                                  "(tokenizer_config.json's chat_template, or chat_template.jinja): give --chat-template "
                                  "FILE.jinja")
             self.template = None  # the tokenizer's own, as apply_chat_template picks it
+        self.split_ids = self._split_ids()
+        self._split_array = np.fromiter(sorted(self.split_ids), dtype=np.int64, count=len(self.split_ids))
+        self.backend = self._plain_backend()
+        self._tails: dict[str, list[int]] = {}
+
+    def _split_ids(self) -> frozenset[int]:
+        """The ids of the added tokens a fast tokenizer cuts its input at before normalizing: special, not
+        normalized, and not stripping or matching whole words (each changes what lies beside it)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) \
+            else None
+        if backend is None:
+            return frozenset()
+        return frozenset(token_id for token_id, token in backend.get_added_tokens_decoder().items()
+                         if token.special and not (token.normalized or token.lstrip or token.rstrip
+                                                   or token.single_word))
+
+    def _plain_backend(self) -> Any:
+        """The fast tokenizer's backend where calling it is what the transformers call does (no truncation, padding
+        or split special tokens configured: the call would switch them off), else None (transformers' call)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) \
+            else None
+        if backend is None or backend.truncation is not None or backend.padding is not None:
+            return None
+        if getattr(self.tokenizer, "split_special_tokens", False) or getattr(backend, "encode_special_tokens", False):
+            return None
+        return backend
 
     def render(self, conversations: Sequence[Sequence[dict]], add_generation_prompt: bool) -> list[str]:
         """Each conversation's text; a `ConversationError` when the template refuses one."""
@@ -197,34 +256,109 @@ class ChatEncoder:
             raise ConversationError("refused by the chat template", f"{type(error).__name__}: {error}") from None
         return [texts] if isinstance(texts, str) else list(texts)
 
-    def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """Each text's ids as `apply_chat_template` encodes its rendering: no special tokens added."""
+    def encode(self, texts: Sequence[str]) -> list[Any]:
+        """Each text's encoding (`.ids`, `.offsets`: each token's character span) as `apply_chat_template`
+        encodes its rendering: without special tokens added, truncation or padding, special tokens in the text
+        read as such."""
         if not texts:
             return []
-        return self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        if self.backend is not None:
+            return self.backend.encode_batch(list(texts), add_special_tokens=False)
+        encoded = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=bool(self.split_ids),
+                                 return_attention_mask=False, return_token_type_ids=False)
+        offsets = encoded.get("offset_mapping") or [[]] * len(texts)
+        return [_Encoding(ids, spans) for ids, spans in zip(encoded["input_ids"], offsets)]
 
     def ids_and_mask(self, conversation: Conversation, location: str = "") -> tuple[list[int], np.ndarray | None]:
-        """The conversation's ids and, with `--loss-on assistant`, its uint8 loss mask."""
-        messages = conversation.messages
+        """One conversation's ids and mask; a `ConversationError` when the template refuses it."""
+        (encoded,) = self.encode_conversations([conversation], [location])
+        return encoded.ids, encoded.mask
+
+    def encode_conversations(self, conversations: Sequence[Conversation],
+                             locations: Sequence[str]) -> list[EncodedConversation]:
+        """Each conversation's ids and mask (each template refusal in its entry); a `TemplateNotPrefixError`
+        naming the first conversation whose prefixes the template renders differently."""
+        try:
+            wholes = self.render([c.messages for c in conversations], False)
+        except ConversationError as error:
+            return self._one_by_one(conversations, locations, error)
         if not self.settings.masked:
-            return self.encode(self.render([messages], False))[0], None
-        trained = conversation.trained
-        starts = self.render([messages[:i] for i in trained], True)
-        ends = self.render([messages[: i + 1] for i in trained if i + 1 < len(messages)], False)
-        whole, *prefixes = self.encode(self.render([messages], False) + starts + ends)
-        start_ids, end_ids = prefixes[: len(starts)], iter(prefixes[len(starts):])
-        mask = np.zeros(len(whole), dtype=np.uint8)
-        for index, start in zip(trained, start_ids):
-            end = next(end_ids) if index + 1 < len(messages) else whole  # the last message ends with the whole
-            self._check_prefix(start, whole, index, True, location)
-            self._check_prefix(end, whole, index + 1, False, location)
-            mask[len(start): len(end)] = 1
-        return whole, mask
+            return [EncodedConversation(encoding.ids, None) for encoding in self.encode(wholes)]
+        cuts = [(n, i) for n, c in enumerate(conversations) for i in c.trained]
+        inner = [(n, i) for n, i in cuts if i + 1 < len(conversations[n].messages)]  # the last ends with the whole
+        try:
+            starts = self.render([conversations[n].messages[:i] for n, i in cuts], True)
+            ends = self.render([conversations[n].messages[: i + 1] for n, i in inner], False)
+        except ConversationError as error:
+            return self._one_by_one(conversations, locations, error)
+        encoded = self.encode(wholes)
+        ids = [encoding.ids for encoding in encoded]
+        anchors = [self._anchors(whole, encoding) for whole, encoding in zip(ids, encoded)]
+        start_ids = self._prefixes(wholes, ids, anchors, [n for n, _ in cuts], starts)
+        inner_ids = iter(self._prefixes(wholes, ids, anchors, [n for n, _ in inner], ends))
+        results = [EncodedConversation(whole, np.zeros(len(whole), dtype=np.uint8)) for whole in ids]
+        for (n, i), start in zip(cuts, start_ids):
+            whole = results[n].ids
+            end = next(inner_ids) if i + 1 < len(conversations[n].messages) else whole
+            self._check_prefix(start, whole, i, True, locations[n])
+            self._check_prefix(end, whole, i + 1, False, locations[n])
+            results[n].mask[len(start): len(end)] = 1
+        return results
+
+    def _one_by_one(self, conversations: Sequence[Conversation], locations: Sequence[str],
+                    error: ConversationError) -> list[EncodedConversation]:
+        """After the template refused one of a batch: each encoded alone, to find which (one alone: its error)."""
+        if len(conversations) == 1:
+            raise error
+        results = []
+        for conversation, location in zip(conversations, locations, strict=True):
+            try:
+                results.append(self.encode_conversations([conversation], [location])[0])
+            except ConversationError as refused:
+                results.append(EncodedConversation([], None, refused))
+        return results
+
+    def _anchors(self, whole: list[int], encoding: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The token indices of the whole's split tokens, and where each starts and ends in its text."""
+        if not self.split_ids:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        index = np.flatnonzero(np.isin(np.asarray(whole, dtype=np.int64), self._split_array))
+        spans = np.asarray([encoding.token_to_chars(int(k)) for k in index], dtype=np.int64).reshape(-1, 2)
+        return index, spans[:, 0], spans[:, 1]
+
+    def _prefixes(self, texts: list[str], ids: list[list[int]], anchors: list, owners: list[int],
+                  prefixes: list[str]) -> list[list[int]]:
+        """The ids of each of `prefixes` (a rendering of the start of conversation `owners[k]`): the whole's ids to
+        the last split token ending by the cut, then the rest encoded alone (all in one call); a prefix that is
+        not one as text, or has no split token before its cut, encoded whole."""
+        heads: list[list[int]] = []
+        tails: list[str] = []
+        for n, prefix in zip(owners, prefixes, strict=True):
+            index, starts, ends = anchors[n]
+            last = int(np.searchsorted(ends, len(prefix), side="right")) - 1
+            if not texts[n].startswith(prefix) or last < 0:
+                heads.append([])
+                tails.append(prefix)
+                continue
+            heads.append(ids[n][: int(index[last])])
+            tails.append(texts[n][int(starts[last]): len(prefix)])
+        return [head + tail for head, tail in zip(heads, self._encode_tails(tails))]
+
+    def _encode_tails(self, tails: list[str]) -> list[list[int]]:
+        """The ids of each tail, each distinct text encoded once (a template's headers repeat turn after turn): a
+        few hundred of the last distinct ones are kept."""
+        new = list(dict.fromkeys(tail for tail in tails if tail not in self._tails))
+        for tail, encoding in zip(new, self.encode(new)):
+            self._tails[tail] = encoding.ids
+        found = [self._tails[tail] for tail in tails]
+        while len(self._tails) > TAIL_CACHE_SIZE:
+            del self._tails[next(iter(self._tails))]
+        return found
 
     def _check_prefix(self, prefix: list[int], whole: list[int], count: int, generation: bool, location: str) -> None:
         if whole[: len(prefix)] == prefix:
             return
-        differ = next((k for k, (a, b) in enumerate(zip(prefix, whole)) if a != b), len(whole))
+        differ = next((k for k, (a, b) in enumerate(zip(prefix, whole)) if a != b), min(len(prefix), len(whole)))
         where = f"{location}: " if location else ""
         prompt = " with add_generation_prompt=True" if generation else ""
         raise TemplateNotPrefixError(

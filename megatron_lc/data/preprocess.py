@@ -36,7 +36,6 @@ from megatron_lc.data.chat import (
     ChatEncoder,
     ChatSettings,
     Conversation,
-    ConversationError,
     TemplateNotPrefixError,
 )
 from megatron_lc.data.corpus import (
@@ -294,20 +293,14 @@ def encode_conversations(encoder: ChatEncoder, conversations: Sequence[Conversat
     """Each conversation's ids (exactly `apply_chat_template`'s) and loss mask, back to back; a conversation
     the template refuses is left out and listed in `rejected`; a template that cannot be masked exactly is an
     `InvalidInputError` naming the first conversation that shows it."""
-    documents: list[list[int]] = []
-    masks: list[np.ndarray] = []
-    rejected = []
-    for conversation, location in zip(conversations, locations, strict=True):
-        try:
-            ids, mask = encoder.ids_and_mask(conversation, location)
-        except ConversationError as error:
-            rejected.append((location, error.reason, error.detail))
-            continue
-        except TemplateNotPrefixError as error:
-            raise InvalidInputError(str(error)) from None
-        documents.append(ids)
-        if mask is not None:
-            masks.append(mask)
+    try:
+        encoded = encoder.encode_conversations(conversations, locations)
+    except TemplateNotPrefixError as error:
+        raise InvalidInputError(str(error)) from None
+    kept = [conversation for conversation in encoded if conversation.error is None]
+    rejected = [(location, c.error.reason, c.error.detail) for location, c in zip(locations, encoded) if c.error]
+    documents = [conversation.ids for conversation in kept]
+    masks = [conversation.mask for conversation in kept if conversation.mask is not None]
     packed = pack_documents(documents, [], [], dtype)
     loss_mask = (np.concatenate(masks) if masks else np.zeros(0, LOSS_MASK_DTYPE)) if encoder.settings.masked else None
     return EncodedKey(packed.tokens, packed.lengths, loss_mask=loss_mask, rejected=tuple(rejected))
