@@ -12,6 +12,7 @@ from megatron_lc.data.chat import (
     TemplateNotPrefixError,
     conversation_from_record,
 )
+from tests.data.helpers import reference_chat_ids
 
 CONVERSATIONS = [
     [{"role": "user", "content": "the long context of a book"}, {"role": "assistant", "content": "holds many tokens"}],
@@ -27,33 +28,20 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer(chat_tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(chat_tokenizer_dir, local_files_only=True)
-
-
-def reference_ids(tokenizer, messages, **kwargs) -> list[int]:
-    """`apply_chat_template`'s ids (transformers 5 returns a BatchEncoding, 4 a list)."""
-    out = tokenizer.apply_chat_template(messages, **kwargs)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def test_ids_are_exactly_apply_chat_template_and_the_mask_its_assistant_spans(chat_tokenizer_dir, hf_tokenizer):
+def test_ids_are_exactly_apply_chat_template_and_the_mask_its_assistant_spans(chat_tokenizer_dir, chat_hf_tokenizer):
     encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf"))
     for messages in CONVERSATIONS:
         ids, mask = encoder.ids_and_mask(conversation_from_record({"messages": messages}, ("messages",), "assistant"))
-        assert ids == reference_ids(hf_tokenizer, messages)
+        assert ids == reference_chat_ids(chat_hf_tokenizer, messages)
         expected = [0] * len(ids)
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                start = len(reference_ids(hf_tokenizer, messages[:i], add_generation_prompt=True))
-                end = len(reference_ids(hf_tokenizer, messages[: i + 1]))
+                start = len(reference_chat_ids(chat_hf_tokenizer, messages[:i], add_generation_prompt=True))
+                end = len(reference_chat_ids(chat_hf_tokenizer, messages[: i + 1]))
                 expected[start:end] = [1] * (end - start)
         assert mask.tolist() == expected
         # what is trained on, read back: each assistant content (the template trims it) and its end of turn
-        trained = hf_tokenizer.decode([t for t, m in zip(ids, mask) if m])
+        trained = chat_hf_tokenizer.decode([t for t, m in zip(ids, mask) if m])
         assert trained == "".join(m["content"].strip() + "<|eot_id|>" for m in messages if m["role"] == "assistant")
 
 
@@ -68,30 +56,30 @@ def test_sharegpt_turns_give_the_ids_and_mask_of_the_same_openai_messages(chat_t
     assert shared[0] == openai[0] and shared[1].tolist() == openai[1].tolist()
 
 
-def test_prompt_completion_trains_only_on_the_completion(chat_tokenizer_dir, hf_tokenizer):
+def test_prompt_completion_trains_only_on_the_completion(chat_tokenizer_dir, chat_hf_tokenizer):
     encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf"))
     keys = ("prompt", "completion")
     text = conversation_from_record({"prompt": "the question", "completion": "the answer"}, keys, "assistant")
     assert [m["role"] for m in text.messages] == ["user", "assistant"]
     ids, mask = encoder.ids_and_mask(text)
-    assert hf_tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "the answer<|eot_id|>"
+    assert chat_hf_tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "the answer<|eot_id|>"
     # TRL's conversational form: an assistant turn inside the prompt is context, not a target
     prompt = CONVERSATIONS[2][:3] + [{"role": "user", "content": "again"}]
     lists = conversation_from_record({"prompt": prompt, "completion": [{"role": "assistant", "content": "done"}]},
                                      keys, "assistant")
     ids, mask = encoder.ids_and_mask(lists)
-    assert ids == reference_ids(hf_tokenizer, list(lists.messages))
-    assert hf_tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "done<|eot_id|>"
+    assert ids == reference_chat_ids(chat_hf_tokenizer, list(lists.messages))
+    assert chat_hf_tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "done<|eot_id|>"
 
 
-def test_loss_on_all_writes_no_mask_and_the_same_ids(chat_tokenizer_dir, hf_tokenizer):
+def test_loss_on_all_writes_no_mask_and_the_same_ids(chat_tokenizer_dir, chat_hf_tokenizer):
     encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf", "all"))
     conversation = conversation_from_record({"messages": CONVERSATIONS[2]}, ("messages",), "all")
     ids, mask = encoder.ids_and_mask(conversation)
-    assert mask is None and ids == reference_ids(hf_tokenizer, CONVERSATIONS[2])
+    assert mask is None and ids == reference_chat_ids(chat_hf_tokenizer, CONVERSATIONS[2])
 
 
-def test_a_template_file_renders_instead_of_the_tokenizers_own(chat_tokenizer_dir, hf_tokenizer, tmp_path):
+def test_a_template_file_renders_instead_of_the_tokenizers_own(chat_tokenizer_dir, chat_hf_tokenizer, tmp_path):
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>{{ m['content'] }}"
                         "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
@@ -99,9 +87,9 @@ def test_a_template_file_renders_instead_of_the_tokenizers_own(chat_tokenizer_di
     encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings(str(template)))
     messages = CONVERSATIONS[0]
     ids, mask = encoder.ids_and_mask(conversation_from_record({"messages": messages}, ("messages",), "assistant"))
-    assert ids == reference_ids(hf_tokenizer, messages, chat_template=template.read_text())
-    assert ids != reference_ids(hf_tokenizer, messages)
-    assert hf_tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "holds many tokens<|eot_id|>"
+    assert ids == reference_chat_ids(chat_hf_tokenizer, messages, chat_template=template.read_text())
+    assert ids != reference_chat_ids(chat_hf_tokenizer, messages)
+    assert chat_hf_tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "holds many tokens<|eot_id|>"
 
 
 def test_a_template_that_renders_a_prefix_differently_is_refused_with_the_location(chat_tokenizer_dir, tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from megatron_lc.data.preprocess import (
     plan_partitions,
     preprocess,
 )
+from tests.data.helpers import reference_chat_ids
 
 TURNS = ["the long context of a book", "holds many tokens", "and every token counts", "naïve café 数据 🙂",
          "in training", "12345 tokens"]
@@ -37,18 +37,6 @@ def conversation(index: int) -> list[dict]:
 
 
 CONVERSATIONS = [conversation(i) for i in range(30)]
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(chat_tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(chat_tokenizer_dir, local_files_only=True)
-
-
-def reference_ids(tokenizer, messages, **kwargs) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, **kwargs)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 @pytest.fixture
@@ -83,45 +71,40 @@ def output_files(prefix: str, key: str = "messages") -> dict[str, bytes]:
     return {os.path.basename(p): open(p, "rb").read() for p in paths if os.path.exists(p)}
 
 
-def test_ids_are_apply_chat_template_and_the_mask_marks_assistant_turns(chat_run, write_jsonl, prefix, hf_tokenizer):
+def test_ids_are_apply_chat_template_and_the_mask_marks_assistant_turns(chat_run, write_jsonl, prefix, chat_hf_tokenizer):
     summary = chat_run([write_jsonl("chat.jsonl", [{"messages": m, "id": i} for i, m in enumerate(CONVERSATIONS)])])
     documents, masks = read(prefix)
-    assert documents == [reference_ids(hf_tokenizer, m) for m in CONVERSATIONS]
+    assert documents == [reference_chat_ids(chat_hf_tokenizer, m) for m in CONVERSATIONS]
     for ids, mask, messages in zip(documents, masks, CONVERSATIONS):
-        trained = hf_tokenizer.decode([t for t, k in zip(ids, mask) if k])
+        trained = chat_hf_tokenizer.decode([t for t, k in zip(ids, mask) if k])
         assert trained == "".join(m["content"] + "<|eot_id|>" for m in messages if m["role"] == "assistant")
     assert summary.documents == 30 and summary.loss_tokens == {f"{prefix}_messages_document": sum(map(sum, masks))}
 
 
-def test_megatron_core_reads_the_ids_and_the_mask_unchanged(chat_run, write_jsonl, prefix):
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexedDataset
-    except ImportError as error:
-        pytest.skip(f"megatron-core is not importable ({error})")
+def test_megatron_core_reads_the_ids_and_the_mask_unchanged(chat_run, write_jsonl, prefix,
+                                                            megatron_indexed_dataset):
     chat_run([write_jsonl("chat.jsonl", [{"messages": m} for m in CONVERSATIONS])])
     documents, masks = read(prefix)
     for base, expected in ((f"{prefix}_messages_document", documents),
                            (f"{prefix}_messages_document_loss_mask", masks)):
-        theirs = MegatronIndexedDataset(base)
+        theirs = megatron_indexed_dataset.IndexedDataset(base)
         assert [theirs[i].tolist() for i in range(len(theirs))] == expected
         assert theirs.document_indices.tolist() == list(range(len(CONVERSATIONS) + 1))
 
 
-def test_sharegpt_and_prompt_completion_records_are_read(chat_run, write_jsonl, prefix, hf_tokenizer):
+def test_sharegpt_and_prompt_completion_records_are_read(chat_run, write_jsonl, prefix, chat_hf_tokenizer):
     names = {"system": "system", "user": "human", "assistant": "gpt"}
     sharegpt = [{"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in c]}
                 for c in CONVERSATIONS[:5]]
     chat_run([write_jsonl("sharegpt.jsonl", sharegpt)], keys=("conversations",))
-    assert read(prefix, "conversations")[0] == [reference_ids(hf_tokenizer, m) for m in CONVERSATIONS[:5]]
+    assert read(prefix, "conversations")[0] == [reference_chat_ids(chat_hf_tokenizer, m) for m in CONVERSATIONS[:5]]
     records = [{"prompt": TURNS[i], "completion": TURNS[i + 1]} for i in range(5)]
     chat_run([write_jsonl("pc.jsonl", records)], keys=("prompt", "completion"))
     documents, masks = read(prefix, "prompt_completion")
     for record, ids, mask in zip(records, documents, masks):
         messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
-        assert ids == reference_ids(hf_tokenizer, messages)
-        assert hf_tokenizer.decode([t for t, k in zip(ids, mask) if k]) == record["completion"] + "<|eot_id|>"
+        assert ids == reference_chat_ids(chat_hf_tokenizer, messages)
+        assert chat_hf_tokenizer.decode([t for t, k in zip(ids, mask) if k]) == record["completion"] + "<|eot_id|>"
 
 
 def test_loss_on_all_writes_no_mask_and_removes_an_old_one(chat_run, write_jsonl, prefix):
@@ -165,13 +148,13 @@ def test_each_bad_conversation_stops_the_run_with_file_and_line(chat_run, write_
     assert not os.path.exists(os.path.dirname(prefix)) or not os.listdir(os.path.dirname(prefix))
 
 
-def test_skip_invalid_counts_each_category_and_lists_every_skipped_line(chat_run, write_jsonl, prefix, hf_tokenizer):
+def test_skip_invalid_counts_each_category_and_lists_every_skipped_line(chat_run, write_jsonl, prefix, chat_hf_tokenizer):
     good = [json.dumps({"messages": m}) for m in CONVERSATIONS[:3]]
     lines = [good[0], BAD_LINES[1][0], good[1], BAD_LINES[5][0], BAD_LINES[1][0], BAD_LINES[6][0], good[2],
              BAD_LINES[0][0]]
     path = write_jsonl("chat.jsonl", lines)
     summary = chat_run([path], skip_invalid=True)
-    assert read(prefix)[0] == [reference_ids(hf_tokenizer, m) for m in CONVERSATIONS[:3]]
+    assert read(prefix)[0] == [reference_chat_ids(chat_hf_tokenizer, m) for m in CONVERSATIONS[:3]]
     counts = {reason: entry.count for reason, entry in summary.problems.counts.items()}
     assert counts == {"unknown role": 2, "no assistant turn": 1, "malformed JSON": 1, "conversation not a list": 1}
     listed = [line.split("\t") for line in open(f"{prefix}_skipped.tsv", encoding="utf-8").read().splitlines()]
