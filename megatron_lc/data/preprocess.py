@@ -9,7 +9,9 @@ apart can differ anywhere), and `--max-document-chars` guards against the larges
 process reads documents and groups consecutive ones into tasks; `--workers` processes
 encode tasks; the main process writes the results in input order. At most a few tasks
 are in flight, so memory stays bounded by a few tasks and the largest document.
-`tools/preprocess_data.py` is the command line.
+With `--chat-template`, a document is a conversation: its ids are exactly `apply_chat_template`'s, and a loss
+mask is written beside them (`chat.py`, `loss_mask.py`; docs/sft.md). With `--skip-invalid`, every skipped
+record is listed in `PREFIX_skipped.tsv`. `tools/preprocess_data.py` is the command line.
 """
 
 from __future__ import annotations

@@ -144,3 +144,36 @@ def test_a_conversation_without_an_assistant_turn_is_read_with_loss_on_all():
     with pytest.raises(ConversationError, match="no assistant turn"):
         conversation_from_record({"prompt": "p", "completion": [{"role": "user", "content": "u"}]},
                                  ("prompt", "completion"), "assistant")
+
+
+def test_prefixes_cut_at_special_tokens_equal_prefixes_encoded_whole(chat_tokenizer_dir, chat_hf_tokenizer):
+    """The encoder takes a prefix's ids from the whole's up to its last special token: the same ids as encoding
+    the prefix whole, which it does with transformers' own call (`backend` None) and where the template writes
+    no special token at all."""
+    fast = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf"))
+    assert fast.split_ids and fast.backend is not None
+    whole = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf"))
+    whole.split_ids, whole.backend = frozenset(), None  # every prefix encoded whole, by transformers' call
+    conversations = [conversation_from_record({"messages": m}, ("messages",), "assistant") for m in CONVERSATIONS]
+    locations = [f"c.jsonl:{i}" for i in range(len(conversations))]
+    for a, b in zip(fast.encode_conversations(conversations, locations),
+                    whole.encode_conversations(conversations, locations)):
+        assert a.ids == b.ids and a.mask.tolist() == b.mask.tolist()
+
+
+def test_a_template_without_special_tokens_masks_exactly(chat_tokenizer_dir, chat_hf_tokenizer, tmp_path):
+    template = tmp_path / "words.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant:{% endif %}")
+    encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings(str(template)))
+    messages = CONVERSATIONS[1]
+    ids, mask = encoder.ids_and_mask(conversation_from_record({"messages": messages}, ("messages",), "assistant"))
+    assert ids == reference_chat_ids(chat_hf_tokenizer, messages, chat_template=template.read_text())
+    expected = [0] * len(ids)
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            start = len(reference_chat_ids(chat_hf_tokenizer, messages[:i], add_generation_prompt=True,
+                                           chat_template=template.read_text()))
+            end = len(reference_chat_ids(chat_hf_tokenizer, messages[: i + 1], chat_template=template.read_text()))
+            expected[start:end] = [1] * (end - start)
+    assert mask.tolist() == expected and sum(expected) > 0

@@ -251,3 +251,33 @@ def test_flags_that_cannot_work_are_refused_in_one_line_before_reading(chat_toke
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and message in err, err
     assert not [name for name in os.listdir(tmp_path) if name.startswith("o")]
+
+
+def test_parquet_and_json_array_conversations_give_the_json_lines_bytes(chat_run, write_jsonl, prefix, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"messages": m} for m in CONVERSATIONS[:8]]
+    chat_run([write_jsonl("chat.jsonl", records)])
+    expected = output_files(prefix)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "chat.parquet")
+    chat_run([tmp_path / "chat.parquet"])
+    assert output_files(prefix) == expected
+    (tmp_path / "chat.json").write_text(json.dumps(records, indent=1))
+    chat_run([tmp_path / "chat.json"])
+    assert output_files(prefix) == expected
+
+
+def test_the_command_line_writes_ids_and_mask_and_says_how_many_tokens_are_trained(
+        chat_tokenizer_dir, write_jsonl, tmp_path, capsys):
+    path = write_jsonl("chat.jsonl", [{"messages": m} for m in CONVERSATIONS[:4]])
+    out = tmp_path / "out" / "c"
+    assert main(["--input", str(path), "--output-prefix", str(out), "--tokenizer-type", "HuggingFaceTokenizer",
+                 "--tokenizer-model", chat_tokenizer_dir, "--json-keys", "messages", "--chat-template", "hf",
+                 "--no-progress"]) == 0
+    documents, masks = read(str(out))
+    trained = sum(map(sum, masks))
+    lines = capsys.readouterr().out.splitlines()
+    assert f"wrote {out}_messages_document.bin/.idx ({sum(map(len, documents)):,} uint16 tokens)" in lines
+    assert any(line.startswith(f"wrote {out}_messages_document_loss_mask.bin/.idx ({trained:,} tokens trained on, ")
+               for line in lines)
