@@ -888,6 +888,9 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
     else:
         prefixes = dataset_prefixes(options)
         summary = run_partition(files, prefixes, options, options.workers, skipped_path=options.skipped_path)
+    stale = skipped_log_path(options.output_prefix)
+    if options.skipped_path is None and os.path.exists(stale):  # an earlier run's list would name other skips
+        os.remove(stale)
     summary.seconds = time.perf_counter() - start
     return summary
 

@@ -162,6 +162,8 @@ def test_skip_invalid_counts_each_category_and_lists_every_skipped_line(chat_run
         (f"{path}:2", "unknown role"), (f"{path}:4", "no assistant turn"), (f"{path}:5", "unknown role"),
         (f"{path}:6", "malformed JSON"), (f"{path}:8", "conversation not a list")]
     assert f"every skipped record's location: {prefix}_skipped.tsv" in summary.format()
+    chat_run([write_jsonl("good.jsonl", good)])  # without --skip-invalid: the earlier list is removed
+    assert not os.path.exists(f"{prefix}_skipped.tsv")
 
 
 def test_a_template_that_cannot_be_masked_stops_even_with_skip_invalid(chat_run, write_jsonl, prefix, tmp_path):
