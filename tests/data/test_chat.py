@@ -177,3 +177,14 @@ def test_a_template_without_special_tokens_masks_exactly(chat_tokenizer_dir, cha
             end = len(reference_chat_ids(chat_hf_tokenizer, messages[: i + 1], chat_template=template.read_text()))
             expected[start:end] = [1] * (end - start)
     assert mask.tolist() == expected and sum(expected) > 0
+
+
+def test_llama3s_template_cannot_mask_a_conversation_that_opens_with_the_assistant(chat_tokenizer_dir):
+    # Llama 3's template writes <|begin_of_text|> before a first message only: the generation prompt of no messages
+    # is not a prefix of the conversation's rendering, so the assistant's span cannot be taken from it
+    encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf"))
+    conversation = conversation_from_record({"messages": [{"role": "assistant", "content": "hello"}]}, ("messages",),
+                                            "assistant")
+    with pytest.raises(TemplateNotPrefixError, match=r"^a\.jsonl:2: .*messages\[:0\] with add_generation_prompt=True "
+                       r"is not a prefix .*differ from token 0"):
+        encoder.ids_and_mask(conversation, "a.jsonl:2")
