@@ -55,6 +55,7 @@ from megatron_lc.data.indexed_dataset import (
     bin_path,
     idx_path,
     optimal_dtype,
+    remove_dead_temporaries,
     temporary_path,
 )
 from megatron_lc.data.loss_mask import (
@@ -389,6 +390,7 @@ class SkippedLog:
         self.stream = None
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            remove_dead_temporaries(path)
             self._temporary = temporary_path(path)
             self.stream = open(self._temporary, "w", encoding="utf-8")
 
@@ -400,10 +402,26 @@ class SkippedLog:
             self.stream.close()
             os.remove(self._temporary)
 
-    def finalize(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
-            os.replace(self._temporary, self.path)
+    def finalize(self, files: Sequence[str] = ()) -> None:
+        """Move the list into place; with `files`, its lines first put in input order (a record the chat template
+        refused is found when its task is encoded, after the reading has passed later records)."""
+        if self.stream is None:
+            return
+        self.stream.close()
+        if files:
+            order = {path: index for index, path in enumerate(files)}
+            with open(self._temporary, encoding="utf-8") as stream:
+                lines = sorted(stream, key=lambda line: _input_position(line.split("\t", 1)[0], order))
+            with open(self._temporary, "w", encoding="utf-8") as stream:
+                stream.writelines(lines)
+        os.replace(self._temporary, self.path)
+
+
+def _input_position(location: str, order: dict[str, int]) -> tuple[int, int]:
+    """A location's (file index, line/row/item number), from `Location`'s text (`path:N`, `path:row N`)."""
+    path, _, where = location.rpartition(":")
+    number = where.rsplit(" ", 1)[-1]
+    return order.get(path, len(order)), int(number) if number.isdigit() else 0
 
 
 def concatenate_skipped_logs(parts: Sequence[str], path: str) -> None:
@@ -649,7 +667,7 @@ def run_partition(
         if require_documents and progress.documents == 0:
             raise no_documents_error(options, files, problems)  # the writers drop their temporary files
         writers.finalize()
-        skipped.finalize()
+        skipped.finalize(files)
     problems.log = None  # closed; the summary travels back from a partition's process
     tokens = dict(zip(prefixes, writers.tokens, strict=True))
     loss_tokens = dict(zip(prefixes, writers.loss_tokens, strict=True)) if options.masked else {}

@@ -115,6 +115,16 @@ def test_loss_on_all_writes_no_mask_and_removes_an_old_one(chat_run, write_jsonl
     assert read(prefix) == (documents, None)
 
 
+def strict_template(directory) -> str:
+    """A template file that refuses (raise_exception) a conversation opening with the assistant."""
+    template = directory / "strict.jinja"
+    template.write_text("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('user first') }}{% endif %}"
+                        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>{{ m['content'] }}"
+                        "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+                        "<|end_header_id|>{% endif %}")
+    return str(template)
+
+
 BAD_LINES = [
     ('{"messages": "hello"}', "conversation not a list"),
     ('{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}', "unknown role"),
@@ -130,15 +140,7 @@ BAD_LINES = [
 
 @pytest.mark.parametrize("line, reason", BAD_LINES)
 def test_each_bad_conversation_stops_the_run_with_file_and_line(chat_run, write_jsonl, prefix, line, reason, tmp_path):
-    if reason == "refused by the chat template":  # a template that refuses conversations opening with the assistant
-        template = tmp_path / "strict.jinja"
-        template.write_text("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('user first') }}{% endif %}"
-                            "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>{{ m['content'] }}"
-                            "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
-                            "<|end_header_id|>{% endif %}")
-        kwargs = {"template": str(template)}
-    else:
-        kwargs = {}
+    kwargs = {"template": strict_template(tmp_path)} if reason == "refused by the chat template" else {}
     good = json.dumps({"messages": CONVERSATIONS[0]})
     path = write_jsonl("chat.jsonl", [good, good, line, good])
     with pytest.raises(InvalidInputError) as error:
@@ -283,3 +285,22 @@ def test_the_command_line_writes_ids_and_mask_and_says_how_many_tokens_are_train
     assert f"wrote {out}_messages_document.bin/.idx ({sum(map(len, documents)):,} uint16 tokens)" in lines
     assert any(line.startswith(f"wrote {out}_messages_document_loss_mask.bin/.idx ({trained:,} tokens trained on, ")
                for line in lines)
+
+
+def test_the_skipped_list_is_in_input_order_whatever_the_workers(chat_run, write_jsonl, prefix, tmp_path):
+    """A conversation the template refuses is found when its task is encoded, after the reading has skipped later
+    lines: the list is still in input order, and the same for any --workers."""
+    good = [json.dumps({"messages": m}) for m in CONVERSATIONS]
+    refused = BAD_LINES[-1][0]
+    lines = [good[0], refused, good[1], BAD_LINES[0][0], refused, *good[2:], BAD_LINES[6][0], refused]
+    path = write_jsonl("chat.jsonl", lines)
+    template = strict_template(tmp_path)
+    chat_run([path], template=template, skip_invalid=True)
+    listed = [line.split("\t")[:2] for line in open(f"{prefix}_skipped.tsv", encoding="utf-8").read().splitlines()]
+    n = len(lines)
+    assert listed == [[f"{path}:2", "refused by the chat template"], [f"{path}:4", "conversation not a list"],
+                      [f"{path}:5", "refused by the chat template"], [f"{path}:{n - 1}", "malformed JSON"],
+                      [f"{path}:{n}", "refused by the chat template"]]
+    expected = output_files(prefix)
+    chat_run([path], template=template, skip_invalid=True, workers=2)
+    assert output_files(prefix) == expected
