@@ -188,8 +188,10 @@ class EncodedConversation:
     error: ConversationError | None = None
 
 
-# Distinct prefix tails (a header's text after its last special token) whose ids a ChatEncoder keeps.
+# Distinct prefix tails (a header's text after its last special token) whose ids a ChatEncoder keeps, and the
+# longest kept (a prefix encoded whole is not kept).
 TAIL_CACHE_SIZE = 512
+TAIL_CACHE_CHARS = 256
 
 
 class ChatEncoder:
@@ -198,7 +200,8 @@ class ChatEncoder:
     The mask needs the ids of each prefix rendering. A prefix's text is usually a prefix of the whole's text
     (checked), and a fast tokenizer splits its input at its special tokens before anything else (normalizer,
     pre-tokenizer, model see each piece alone): so a prefix's ids are the whole's ids up to the last special token
-    that ends by the cut, then the ids of the text from that token's start to the cut, encoded alone (usually a
+    written in the text that ends by the cut, then the ids of the text from that token's start to the cut, encoded
+    alone (usually a
     few characters: a header's tail). Encoded so, a conversation costs about one encoding of its whole text
     instead of one per turn; the result is the prefix's own encoding. Where no such token precedes the cut, or the
     texts are no prefixes, the prefix is encoded whole.
@@ -215,21 +218,21 @@ class ChatEncoder:
                                  "(tokenizer_config.json's chat_template, or chat_template.jinja): give --chat-template "
                                  "FILE.jinja")
             self.template = None  # the tokenizer's own, as apply_chat_template picks it
-        self.split_ids = self._split_ids()
+        self.split_tokens = self._split_tokens()
+        self.split_ids = frozenset(self.split_tokens)
         self._split_array = np.fromiter(sorted(self.split_ids), dtype=np.int64, count=len(self.split_ids))
         self.backend = self._plain_backend()
         self._tails: dict[str, list[int]] = {}
 
-    def _split_ids(self) -> frozenset[int]:
-        """The ids of the added tokens a fast tokenizer cuts its input at before normalizing: special, not
+    def _split_tokens(self) -> dict[int, str]:
+        """The added tokens a fast tokenizer cuts its input at before normalizing, id -> text: special, not
         normalized, and not stripping or matching whole words (each changes what lies beside it)."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) \
             else None
         if backend is None:
-            return frozenset()
-        return frozenset(token_id for token_id, token in backend.get_added_tokens_decoder().items()
-                         if token.special and not (token.normalized or token.lstrip or token.rstrip
-                                                   or token.single_word))
+            return {}
+        return {token_id: token.content for token_id, token in backend.get_added_tokens_decoder().items()
+                if token.special and not (token.normalized or token.lstrip or token.rstrip or token.single_word)}
 
     def _plain_backend(self) -> Any:
         """The fast tokenizer's backend where calling it is what the transformers call does (no truncation, padding
@@ -293,7 +296,7 @@ class ChatEncoder:
             return self._one_by_one(conversations, locations, error)
         encoded = self.encode(wholes)
         ids = [encoding.ids for encoding in encoded]
-        anchors = [self._anchors(whole, encoding) for whole, encoding in zip(ids, encoded)]
+        anchors = [self._anchors(text, whole, encoding) for text, whole, encoding in zip(wholes, ids, encoded)]
         start_ids = self._prefixes(wholes, ids, anchors, [n for n, _ in cuts], starts)
         inner_ids = iter(self._prefixes(wholes, ids, anchors, [n for n, _ in inner], ends))
         results = [EncodedConversation(whole, np.zeros(len(whole), dtype=np.uint8)) for whole in ids]
@@ -318,13 +321,21 @@ class ChatEncoder:
                 results.append(EncodedConversation([], None, refused))
         return results
 
-    def _anchors(self, whole: list[int], encoding: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The token indices of the whole's split tokens, and where each starts and ends in its text."""
+    def _anchors(self, text: str, whole: list[int], encoding: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The token indices of the split tokens found in the whole's text (an id the model gives for something
+        else, such as an unknown character's <unk>, is no cut), and where each starts and ends in the text."""
+        empty = np.zeros(0, np.int64)
         if not self.split_ids:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-        index = np.flatnonzero(np.isin(np.asarray(whole, dtype=np.int64), self._split_array))
-        spans = np.asarray([encoding.token_to_chars(int(k)) for k in index], dtype=np.int64).reshape(-1, 2)
-        return index, spans[:, 0], spans[:, 1]
+            return empty, empty, empty
+        index, starts, ends = [], [], []
+        for k in np.flatnonzero(np.isin(np.asarray(whole, dtype=np.int64), self._split_array)).tolist():
+            start, end = encoding.token_to_chars(k)
+            if text[start:end] == self.split_tokens[whole[k]]:
+                index.append(k)
+                starts.append(start)
+                ends.append(end)
+        return (np.asarray(index, np.int64), np.asarray(starts, np.int64), np.asarray(ends, np.int64)) if index \
+            else (empty, empty, empty)
 
     def _prefixes(self, texts: list[str], ids: list[list[int]], anchors: list, owners: list[int],
                   prefixes: list[str]) -> list[list[int]]:
@@ -345,12 +356,12 @@ class ChatEncoder:
         return [head + tail for head, tail in zip(heads, self._encode_tails(tails))]
 
     def _encode_tails(self, tails: list[str]) -> list[list[int]]:
-        """The ids of each tail, each distinct text encoded once (a template's headers repeat turn after turn): a
-        few hundred of the last distinct ones are kept."""
+        """The ids of each tail, each distinct text encoded once (a template's headers repeat turn after turn): the
+        last few hundred distinct short ones are kept."""
         new = list(dict.fromkeys(tail for tail in tails if tail not in self._tails))
-        for tail, encoding in zip(new, self.encode(new)):
-            self._tails[tail] = encoding.ids
-        found = [self._tails[tail] for tail in tails]
+        encoded = {tail: encoding.ids for tail, encoding in zip(new, self.encode(new))}
+        found = [self._tails[tail] if tail in self._tails else encoded[tail] for tail in tails]
+        self._tails.update((tail, ids) for tail, ids in encoded.items() if len(tail) <= TAIL_CACHE_CHARS)
         while len(self._tails) > TAIL_CACHE_SIZE:
             del self._tails[next(iter(self._tails))]
         return found

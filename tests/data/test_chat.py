@@ -188,3 +188,49 @@ def test_llama3s_template_cannot_mask_a_conversation_that_opens_with_the_assista
     with pytest.raises(TemplateNotPrefixError, match=r"^a\.jsonl:2: .*messages\[:0\] with add_generation_prompt=True "
                        r"is not a prefix .*differ from token 0"):
         encoder.ids_and_mask(conversation, "a.jsonl:2")
+
+
+# Mistral's turns, with a few words after [/INST] that open the assistant's turn: a prefix's tail after its last
+# special token is text, encoded alone by the shortcut.
+MISTRAL_LIKE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% elif m['role'] == 'assistant' %} Answer: {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} Answer:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer_dir(tmp_path_factory, corpus_texts) -> str:
+    """A SentencePiece-style tokenizer (Metaspace, a space marker prepended to the first piece only) with
+    Mistral-like [INST] specials: the prefix shortcut must hold for it too."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+                                  show_progress=False)
+    tokenizer.train_from_iterator(corpus_texts, trainer)
+    directory = tmp_path_factory.mktemp("metaspace")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": MISTRAL_LIKE_TEMPLATE}))
+    return str(directory)
+
+
+def test_a_metaspace_tokenizer_masks_exactly_through_the_shortcut(metaspace_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(metaspace_tokenizer_dir, local_files_only=True)
+    fast = ChatEncoder(metaspace_tokenizer_dir, ChatSettings("hf"))
+    assert fast.split_ids
+    whole = ChatEncoder(metaspace_tokenizer_dir, ChatSettings("hf"))
+    whole.split_ids, whole.backend = frozenset(), None
+    conversations = [conversation_from_record({"messages": [m for m in c if m["role"] != "system"]}, ("messages",),
+                                              "assistant") for c in CONVERSATIONS[:2]]
+    for a, b, conversation in zip(fast.encode_conversations(conversations, ["", ""]),
+                                  whole.encode_conversations(conversations, ["", ""]), conversations):
+        assert a.ids == b.ids == reference_chat_ids(reference, list(conversation.messages))
+        assert a.mask.tolist() == b.mask.tolist() and a.mask.sum() > 0
