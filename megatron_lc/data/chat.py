@@ -201,10 +201,9 @@ class ChatEncoder:
     (checked), and a fast tokenizer splits its input at its special tokens before anything else (normalizer,
     pre-tokenizer, model see each piece alone): so a prefix's ids are the whole's ids up to the last special token
     written in the text that ends by the cut, then the ids of the text from that token's start to the cut, encoded
-    alone (usually a
-    few characters: a header's tail). Encoded so, a conversation costs about one encoding of its whole text
-    instead of one per turn; the result is the prefix's own encoding. Where no such token precedes the cut, or the
-    texts are no prefixes, the prefix is encoded whole.
+    alone (usually a few characters: a header's tail). Encoded so, a conversation costs about one encoding of its
+    whole text instead of one per turn; the result is the prefix's own encoding. Where no such token precedes the
+    cut, or the texts are no prefixes, the prefix is encoded whole.
     """
 
     def __init__(self, model_path: str, settings: ChatSettings) -> None:
