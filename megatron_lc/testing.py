@@ -106,3 +106,41 @@ def shard_batch(batch: Batch, per_sample, dp_rank: int, dp: int, cp_rank: int, c
     cols = torch.tensor([p for a, b in layout.token_ranges(S, cp_rank) for p in range(a, b)])
     return Batch(batch.input_ids[rows, cols], batch.labels[rows, cols], batch.position_ids[rows, cols],
                  flatten_cu_seqlens(per_sample[rows], S))
+
+
+# Llama 3 Instruct's chat template, as its tokenizer_config.json ships it.
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+LLAMA3_CHAT_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                        "<|eot_id|>")
+
+
+def write_chat_tokenizer(directory: str | os.PathLike, texts: list[str], vocab_size: int = 600) -> str:
+    """A Llama-3-like tokenizer directory made on the spot (nothing downloaded): a byte-level BPE trained on
+    `texts` with Llama 3's pre-tokenizer and chat specials, and Llama 3 Instruct's chat template in its
+    tokenizer_config.json, as transformers' AutoTokenizer loads it."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from megatron_lc.data.tokenizers import LLAMA3_PATTERN
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(LLAMA3_CHAT_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+              "eos_token": "<|eot_id|>", "chat_template": LLAMA3_CHAT_TEMPLATE}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as stream:
+        json.dump(config, stream, indent=1)
+    return os.fspath(directory)

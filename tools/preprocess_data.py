@@ -6,7 +6,12 @@ Example:
         --tokenizer-type TikTokenizer --tokenizer-model llama3/tokenizer.model \
         --append-eod --workers 8
 
-See docs/data.md for the inputs read, the handling of bad input, and the output.
+Conversations (OpenAI messages, ShareGPT, prompt/completion), with a loss mask beside the ids:
+    python tools/preprocess_data.py --input 'chats/*.jsonl' --output-prefix data/chat \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model Llama-3.1-8B-Instruct/ \
+        --json-keys messages --chat-template hf --workers 8
+
+See docs/data.md for the inputs read, the handling of bad input, and the output; docs/sft.md for chat data.
 """
 
 import os

@@ -26,7 +26,9 @@ import json
 import lzma
 import os
 from dataclasses import dataclass, field
-from typing import IO, Iterator, Mapping, Sequence
+from typing import IO, Iterator, Mapping, Sequence, TextIO
+
+from megatron_lc.data.chat import ChatSettings, Conversation, ConversationError, conversation_from_record
 
 _READ_BLOCK_BYTES = 1 << 20
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -59,20 +61,24 @@ class ProblemCount:
 
 @dataclass
 class InputProblems:
-    """Bad or empty input: raises for invalid input unless `skip_invalid`, counts skips."""
+    """Bad or empty input: raises for invalid input unless `skip_invalid`, counts skips, and writes every skip's
+    `location<TAB>reason<TAB>detail` line to `log` when given."""
 
     skip_invalid: bool = False
     counts: dict[str, ProblemCount] = field(default_factory=dict)
+    log: TextIO | None = field(default=None, repr=False, compare=False)
 
-    def invalid(self, location: Location, reason: str, detail: str = "") -> None:
+    def invalid(self, location: Location | str, reason: str, detail: str = "") -> None:
         """Invalid input: an `InvalidInputError`, or a counted skip with `skip_invalid`."""
         if not self.skip_invalid:
             suffix = f": {detail}" if detail else ""
             raise InvalidInputError(f"{location}: {reason}{suffix} (--skip-invalid skips such input)")
         self.skipped(location, reason, detail)
 
-    def skipped(self, location: Location, reason: str, detail: str = "") -> None:
+    def skipped(self, location: Location | str, reason: str, detail: str = "") -> None:
         """Count one skipped document (or line) under `reason`."""
+        if self.log is not None:
+            self.log.write(f"{location}\t{reason}\t{' '.join(detail.split())}\n")
         entry = self.counts.get(reason)
         if entry is None:
             self.counts[reason] = ProblemCount(1, str(location), detail)
@@ -99,6 +105,7 @@ class Document:
 
     location: Location
     texts: dict[str, str]
+    conversation: Conversation | None = None  # a chat record's, read with `ReadOptions.chat`
 
 
 @dataclass
@@ -141,6 +148,7 @@ class ReadOptions:
     split: str = "train"  # the split read from a saved DatasetDict
     max_document_chars: int | None = None  # a longer text is invalid input, named by its place
     bytes_read: BytesRead | None = None  # advanced as the files are read, for progress lines
+    chat: ChatSettings | None = None  # records are conversations under `keys` (chat.py)
 
 
 COMPRESSED_SUFFIXES = (".gz", ".xz", ".bz2", ".zst")
@@ -193,14 +201,15 @@ def _open_binary(path: str, options: ReadOptions | None = None) -> _Closing:
     return _Closing(stream, raw)
 
 
-def check_length(location: Location, key: str, text: str, options: ReadOptions, problems: InputProblems) -> bool:
-    """Whether `text` is within --max-document-chars; else reported with its place and what to do instead (a
-    tokenizer's memory grows with the document: tens to hundreds of bytes per character, docs/data.md)."""
+def check_length(location: Location, key: str, chars: int, options: ReadOptions, problems: InputProblems) -> bool:
+    """Whether a text of `chars` characters is within --max-document-chars; else reported with its place and
+    what to do instead (a tokenizer's memory grows with the document: tens to hundreds of bytes per character,
+    docs/data.md)."""
     limit = options.max_document_chars
-    if limit is None or len(text) <= limit:
+    if limit is None or chars <= limit:
         return True
     problems.invalid(location, "document over --max-document-chars",
-                     f"{len(text):,} characters under {key!r}, the limit is {limit:,}; split it in the input, or "
+                     f"{chars:,} characters under {key!r}, the limit is {limit:,}; split it in the input, or "
                      "raise --max-document-chars where the memory is there (fewer --workers leave each more)")
     return False
 
@@ -212,6 +221,8 @@ def _fields_to_document(
     if not isinstance(fields, Mapping):
         problems.invalid(location, "not a JSON object", type(fields).__name__)
         return None
+    if options.chat is not None:
+        return _conversation_document(location, fields, options, problems)
     texts: dict[str, str] = {}
     for key in options.keys:
         value = fields.get(key)
@@ -219,7 +230,8 @@ def _fields_to_document(
             problems.invalid(location, f"missing key {key!r}")
             return None
         if not isinstance(value, str):
-            problems.invalid(location, f"non-string value for {key!r}", type(value).__name__)
+            chat = " (a conversation? give --chat-template hf or FILE.jinja)" if isinstance(value, list) else ""
+            problems.invalid(location, f"non-string value for {key!r}", type(value).__name__ + chat)
             return None
         if not value or value.isspace():  # isspace: no copy of a long text, unlike strip
             problems.skipped(location, "empty document", f"key {key!r}")
@@ -228,10 +240,28 @@ def _fields_to_document(
         if surrogate:
             problems.invalid(location, "lone surrogate (not encodable as UTF-8)", surrogate)
             return None
-        if not check_length(location, key, value, options, problems):
+        if not check_length(location, key, len(value), options, problems):
             return None
         texts[key] = value
     return Document(location, texts)
+
+
+def _conversation_document(location: Location, fields: Mapping, options: ReadOptions,
+                           problems: InputProblems) -> Document | None:
+    """A chat record as a Document holding its conversation, or None after reporting why it is not one."""
+    try:
+        conversation = conversation_from_record(fields, options.keys, options.chat.loss_on)
+    except ConversationError as error:
+        problems.invalid(location, error.reason, error.detail)
+        return None
+    for index, message in enumerate(conversation.messages):
+        surrogate = lone_surrogate(message["content"], f"message {index}")
+        if surrogate:
+            problems.invalid(location, "lone surrogate (not encodable as UTF-8)", surrogate)
+            return None
+    if not check_length(location, " ".join(options.keys), conversation.chars, options, problems):
+        return None
+    return Document(location, {}, conversation)
 
 
 def lone_surrogate(text: str, key: str) -> str:
@@ -365,7 +395,7 @@ def read_text_file(path: str, options: ReadOptions, problems: InputProblems) -> 
     if not text or text.isspace():  # isspace: no copy of a large file, unlike strip
         problems.skipped(location, "empty document", "blank file")
         return
-    if check_length(location, options.keys[0], text, options, problems):
+    if check_length(location, options.keys[0], len(text), options, problems):
         yield Document(location, {options.keys[0]: text})
 
 

@@ -265,7 +265,7 @@ class IndexedDataset:
 TEMPORARY_SUFFIX = ".tmp"
 
 
-def _temporary_path(final_path: str) -> str:
+def temporary_path(final_path: str) -> str:
     """A fresh file next to `final_path` (the final rename stays on one file system), named by its writer,
     `.NAME.HOST-PID-TICKS-UNIQUE.tmp`, and created with the permissions the final file would get."""
     directory, name = os.path.split(os.path.abspath(final_path))
@@ -323,7 +323,7 @@ class IndexedDatasetBuilder:
         remove_dead_temporaries(self.bin_path)
         if self.bin_path.endswith(".bin"):
             remove_dead_temporaries(self.bin_path[: -len(".bin")] + ".idx")
-        self._bin_tmp_path = _temporary_path(self.bin_path)
+        self._bin_tmp_path = temporary_path(self.bin_path)
         self._data_file = open(self._bin_tmp_path, "wb")
         self._sequence_lengths = array("q")
         self._document_indices = array("q", [0])
@@ -399,7 +399,7 @@ class IndexedDatasetBuilder:
         self._require_no_open_item("finalize")
         self._data_file.close()
         final_idx = os.fspath(idx_path)
-        idx_tmp_path = _temporary_path(final_idx)
+        idx_tmp_path = temporary_path(final_idx)
         try:
             IndexWriter(idx_tmp_path, self.dtype).write(
                 np.frombuffer(self._sequence_lengths, dtype=np.int64),

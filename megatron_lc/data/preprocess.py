@@ -9,7 +9,9 @@ apart can differ anywhere), and `--max-document-chars` guards against the larges
 process reads documents and groups consecutive ones into tasks; `--workers` processes
 encode tasks; the main process writes the results in input order. At most a few tasks
 are in flight, so memory stays bounded by a few tasks and the largest document.
-`tools/preprocess_data.py` is the command line.
+With `--chat-template`, a document is a conversation: its ids are exactly `apply_chat_template`'s, and a loss
+mask is written beside them (`chat.py`, `loss_mask.py`; docs/sft.md). With `--skip-invalid`, every skipped
+record is listed in `PREFIX_skipped.tsv`. `tools/preprocess_data.py` is the command line.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ import numpy as np
 
 from megatron_lc.errors import ConfigError
 from megatron_lc.cli import ArgumentParser, check_writable, report_tool_error
+from megatron_lc.data.chat import (
+    LOSS_ON_CHOICES,
+    OWN_TEMPLATE,
+    ChatEncoder,
+    ChatSettings,
+    Conversation,
+    TemplateNotPrefixError,
+)
 from megatron_lc.data.corpus import (
     BytesRead,
     Document,
@@ -44,8 +54,15 @@ from megatron_lc.data.indexed_dataset import (
     IndexedDatasetBuilder,
     bin_path,
     idx_path,
-    merge_datasets,
     optimal_dtype,
+    remove_dead_temporaries,
+    temporary_path,
+)
+from megatron_lc.data.loss_mask import (
+    LOSS_MASK_DTYPE,
+    loss_mask_prefix,
+    merge_with_loss_masks,
+    remove_dataset_files,
 )
 from megatron_lc.data.sentences import sentence_splitter, split_all
 from megatron_lc.data.partition_manifest import input_identity, path_digest, verified_summary, write_manifest
@@ -98,6 +115,7 @@ class PreprocessOptions:
     split_sentences: bool = False
     keep_newlines: bool = False
     lang: str = "english"
+    chat: ChatSettings | None = None  # --chat-template, --loss-on
 
     @property
     def tokenizer(self) -> TokenizerSpec:
@@ -108,6 +126,22 @@ class PreprocessOptions:
     def level(self) -> str:
         """Megatron's dataset name level: one sequence per sentence or per document."""
         return "sentence" if self.split_sentences else "document"
+
+    @property
+    def dataset_keys(self) -> tuple[str, ...]:
+        """The name of each dataset written: one per JSON key; one per conversation with --chat-template (its two
+        keys joined for prompt/completion records)."""
+        return ("_".join(self.json_keys),) if self.chat is not None else self.json_keys
+
+    @property
+    def masked(self) -> bool:
+        """Whether a loss mask is written beside the ids."""
+        return self.chat is not None and self.chat.masked
+
+    @property
+    def skipped_path(self) -> str | None:
+        """With --skip-invalid: where every skipped record's location is written."""
+        return skipped_log_path(self.output_prefix) if self.skip_invalid else None
 
 
 @dataclass(frozen=True)
@@ -121,13 +155,14 @@ class EncodeConfig:
     split_sentences: bool = False
     keep_newlines: bool = False
     lang: str = "english"
+    chat: ChatSettings | None = None
 
 
 @dataclass
 class Task:
-    """Consecutive records (one text per key each) encoded by one worker call."""
+    """Consecutive records (one text per key each, or one conversation) encoded by one worker call."""
 
-    records: list[tuple[str, ...]] = field(default_factory=list)
+    records: list[tuple[str, ...] | tuple[Conversation]] = field(default_factory=list)
     locations: list[str] = field(default_factory=list)
     chars: int = 0
 
@@ -140,6 +175,8 @@ class EncodedKey:
     tokens: np.ndarray
     lengths: np.ndarray
     sequences_per_document: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None  # uint8, one per token (chat.py)
+    rejected: tuple[tuple[str, str, str], ...] = ()  # (location, reason, detail) of records left out
 
     @property
     def documents(self) -> int:
@@ -152,10 +189,19 @@ def cached_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     return spec.build()
 
 
+@functools.lru_cache(maxsize=4)
+def cached_chat_encoder(spec: TokenizerSpec, settings: ChatSettings) -> ChatEncoder:
+    """One chat encoder per worker process, built on its first task."""
+    return ChatEncoder(spec.model, settings)
+
+
 def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]],
                 locations: Sequence[str] = ()) -> list[EncodedKey]:
     """Each key's documents, every text encoded whole, with BOS/EOD as configured; text the tokenizer
-    refuses is an `InvalidInputError` naming its record."""
+    refuses is an `InvalidInputError` naming its record. Conversations: see `encode_conversations`."""
+    if config.chat is not None:
+        return [encode_conversations(cached_chat_encoder(config.tokenizer, config.chat),
+                                     [record[0] for record in records], locations, config.dtype)]
     try:
         return _encode_records(config, records)
     except TokenizeError as error:
@@ -245,6 +291,24 @@ def pack_documents(documents: Sequence[list[int] | np.ndarray], prefix: list[int
     return EncodedKey(chunks[0] if len(chunks) == 1 else np.concatenate(chunks), lengths)
 
 
+def encode_conversations(encoder: ChatEncoder, conversations: Sequence[Conversation], locations: Sequence[str],
+                         dtype: str) -> EncodedKey:
+    """Each conversation's ids (exactly `apply_chat_template`'s) and loss mask, back to back; a conversation
+    the template refuses is left out and listed in `rejected`; a template that cannot be masked exactly is an
+    `InvalidInputError` naming the first conversation that shows it."""
+    try:
+        encoded = encoder.encode_conversations(conversations, locations)
+    except TemplateNotPrefixError as error:
+        raise InvalidInputError(str(error)) from None
+    kept = [conversation for conversation in encoded if conversation.error is None]
+    rejected = [(location, c.error.reason, c.error.detail) for location, c in zip(locations, encoded) if c.error]
+    documents = [conversation.ids for conversation in kept]
+    masks = [conversation.mask for conversation in kept if conversation.mask is not None]
+    packed = pack_documents(documents, [], [], dtype)
+    loss_mask = (np.concatenate(masks) if masks else np.zeros(0, LOSS_MASK_DTYPE)) if encoder.settings.masked else None
+    return EncodedKey(packed.tokens, packed.lengths, loss_mask=loss_mask, rejected=tuple(rejected))
+
+
 def _as_array(ids: list[int], dtype: str) -> np.ndarray:
     return np.fromiter(ids, dtype=dtype, count=len(ids))
 
@@ -254,10 +318,14 @@ def group_documents(documents: Iterable[Document], keys: Sequence[str]) -> Itera
     is a task of its own: it is never cut)."""
     task = Task()
     for document in documents:
-        record = tuple(document.texts[key] for key in keys)
-        task.records.append(record)
+        if document.conversation is not None:
+            task.records.append((document.conversation,))
+            task.chars += document.conversation.chars
+        else:
+            record = tuple(document.texts[key] for key in keys)
+            task.records.append(record)
+            task.chars += sum(len(text) for text in record)
         task.locations.append(str(document.location))
-        task.chars += sum(len(text) for text in record)
         if task.chars >= TASK_CHARS:
             yield task
             task = Task()
@@ -304,39 +372,113 @@ def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> 
 
 
 def dataset_prefixes(options: PreprocessOptions) -> list[str]:
-    """The output prefix of every JSON key's dataset."""
-    return [output_prefix_for(options.output_prefix, key, options.level) for key in options.json_keys]
+    """The output prefix of every dataset (`PreprocessOptions.dataset_keys`)."""
+    return [output_prefix_for(options.output_prefix, key, options.level) for key in options.dataset_keys]
+
+
+def skipped_log_path(output_prefix: str) -> str:
+    """Where --skip-invalid lists every skipped record: `location<TAB>reason<TAB>detail` lines."""
+    return f"{output_prefix}_skipped.tsv"
+
+
+class SkippedLog:
+    """The skipped records' lines, written to a temporary file and moved into place by `finalize` (removed
+    unless finalized); nothing at all without a path."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.stream = None
+        if path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            remove_dead_temporaries(path)
+            self._temporary = temporary_path(path)
+            self.stream = open(self._temporary, "w", encoding="utf-8")
+
+    def __enter__(self) -> "SkippedLog":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is not None and self.stream is not None:
+            self.stream.close()
+            os.remove(self._temporary)
+
+    def finalize(self, files: Sequence[str] = ()) -> None:
+        """Move the list into place; with `files`, its lines first put in input order (a record the chat template
+        refused is found when its task is encoded, after the reading has passed later records)."""
+        if self.stream is None:
+            return
+        self.stream.close()
+        if files:
+            order = {path: index for index, path in enumerate(files)}
+            with open(self._temporary, encoding="utf-8") as stream:
+                lines = sorted(stream, key=lambda line: _input_position(line.split("\t", 1)[0], order))
+            with open(self._temporary, "w", encoding="utf-8") as stream:
+                stream.writelines(lines)
+        os.replace(self._temporary, self.path)
+
+
+def _input_position(location: str, order: dict[str, int]) -> tuple[int, int]:
+    """A location's (file index, line/row/item number), from `Location`'s text (`path:N`, `path:row N`)."""
+    path, _, where = location.rpartition(":")
+    number = where.rsplit(" ", 1)[-1]
+    return order.get(path, len(order)), int(number) if number.isdigit() else 0
+
+
+def concatenate_skipped_logs(parts: Sequence[str], path: str) -> None:
+    """The partitions' skipped lists as one, in input order (a temporary renamed into place)."""
+    with SkippedLog(path) as log:
+        for part in parts:
+            with open(part, encoding="utf-8") as stream:
+                shutil.copyfileobj(stream, log.stream)
+        log.finalize()
 
 
 class DatasetWriters:
-    """One builder per JSON key; removes partial files unless finalized."""
+    """One builder per dataset (with `masked`, one more for its loss mask); removes partial files unless
+    finalized."""
 
-    def __init__(self, prefixes: Sequence[str], dtype: type[np.number]) -> None:
+    def __init__(self, prefixes: Sequence[str], dtype: type[np.number], masked: bool = False) -> None:
         self.prefixes = list(prefixes)
         self.builders: list[IndexedDatasetBuilder] = []
+        self.mask_builders: list[IndexedDatasetBuilder] = []
         for prefix in self.prefixes:
             os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
             self.builders.append(IndexedDatasetBuilder(bin_path(prefix), dtype=dtype))
+            if masked:
+                self.mask_builders.append(IndexedDatasetBuilder(bin_path(loss_mask_prefix(prefix)),
+                                                                dtype=LOSS_MASK_DTYPE))
         self.tokens = [0] * len(self.prefixes)
+        self.loss_tokens = [0] * len(self.prefixes)
 
     def __enter__(self) -> "DatasetWriters":
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
         if exc_type is not None:
-            for builder in self.builders:
+            for builder in self.builders + self.mask_builders:
                 builder.abort()
 
     def write(self, encoded: Sequence[EncodedKey]) -> None:
-        """Append one task's documents to every key's dataset, one sequence each."""
+        """Append one task's documents to every dataset, one sequence each (and their loss masks)."""
         for key_index, key_documents in enumerate(encoded):
             self.builders[key_index].add_documents(key_documents.tokens, key_documents.lengths,
                                                    key_documents.sequences_per_document)
             self.tokens[key_index] += len(key_documents.tokens)
+            if self.mask_builders:
+                self.mask_builders[key_index].add_documents(key_documents.loss_mask, key_documents.lengths)
+                self.loss_tokens[key_index] += int(key_documents.loss_mask.sum(dtype=np.int64))
 
     def finalize(self) -> None:
-        """Write every key's index and move the files into place."""
-        for builder, prefix in zip(self.builders, self.prefixes, strict=True):
+        """Write every index and move the files into place: a dataset's old index first, then its loss mask (or,
+        without one, an old mask removed), then its ids; so a dataset that reads back whole never pairs new ids
+        with an old mask or none."""
+        for key_index, (builder, prefix) in enumerate(zip(self.builders, self.prefixes, strict=True)):
+            if os.path.exists(idx_path(prefix)):
+                os.remove(idx_path(prefix))
+            if self.mask_builders:
+                self.mask_builders[key_index].finalize(idx_path(loss_mask_prefix(prefix)))
+            else:
+                remove_dataset_files(loss_mask_prefix(prefix))
             builder.finalize(idx_path(prefix))
 
 
@@ -430,6 +572,8 @@ class PreprocessSummary:
     problems: InputProblems = field(default_factory=InputProblems)
     seconds: float = 0.0
     dtype: str = ""
+    loss_tokens: dict[str, int] = field(default_factory=dict)  # per output prefix, for datasets with a loss mask
+    skipped_path: str | None = None  # where every skipped record is listed (--skip-invalid)
 
     @property
     def total_tokens(self) -> int:
@@ -440,6 +584,8 @@ class PreprocessSummary:
         self.documents += other.documents
         for prefix, count in other.tokens.items():
             self.tokens[prefix] = self.tokens.get(prefix, 0) + count
+        for prefix, count in other.loss_tokens.items():
+            self.loss_tokens[prefix] = self.loss_tokens.get(prefix, 0) + count
         self.problems.merge(other.problems)
         self.dtype = self.dtype or other.dtype
 
@@ -454,8 +600,14 @@ class PreprocessSummary:
         for reason, entry in self.problems.counts.items():
             detail = f": {entry.first_detail}" if entry.first_detail else ""
             lines.append(f"  {reason}: {entry.count:,} (first at {entry.first_location}{detail})")
+        if self.skipped_path is not None:
+            lines.append(f"  every skipped record's location: {self.skipped_path}")
         for prefix, count in self.tokens.items():
             lines.append(f"wrote {prefix}.bin/.idx ({count:,} {self.dtype} tokens)")
+            if prefix in self.loss_tokens:
+                share = 100 * self.loss_tokens[prefix] / max(count, 1)
+                lines.append(f"wrote {loss_mask_prefix(prefix)}.bin/.idx ({self.loss_tokens[prefix]:,} tokens trained "
+                             f"on, {share:.1f}%)")
         return "\n".join(lines)
 
 
@@ -465,7 +617,7 @@ def _encode_config(options: PreprocessOptions, tokenizer: Tokenizer) -> EncodeCo
     _ = (tokenizer.eod if options.append_eod else None, tokenizer.bos if options.prepend_bos else None)
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
     return EncodeConfig(options.tokenizer, dtype, options.append_eod, options.prepend_bos,
-                        options.split_sentences, options.keep_newlines, options.lang)
+                        options.split_sentences, options.keep_newlines, options.lang, options.chat)
 
 
 def no_documents_error(options: PreprocessOptions, files: Sequence[str], problems: InputProblems) -> NoDocumentsError:
@@ -486,32 +638,41 @@ def run_partition(
     workers: int,
     position: int = 0,
     require_documents: bool = True,
+    skipped_path: str | None = None,
 ) -> PreprocessSummary:
-    """Tokenize `files` into one dataset per key at `prefixes`; with `require_documents`,
-    inputs without any document raise and leave `prefixes` untouched."""
+    """Tokenize `files` into one dataset per key at `prefixes` (with their loss masks for chat data), listing
+    every skipped record at `skipped_path` when given; with `require_documents`, inputs without any document
+    raise and leave `prefixes` untouched."""
     tokenizer = cached_tokenizer(options.tokenizer)
     config = _encode_config(options, tokenizer)
-    problems = InputProblems(options.skip_invalid)
     bytes_read = BytesRead()
     read_options = ReadOptions(tuple(options.json_keys), options.split, document_limit(options, tokenizer),
-                               bytes_read)
-    tasks = group_documents(read_documents(files, read_options, problems), options.json_keys)
+                               bytes_read, options.chat)
     label = f"partition {position}: " if options.partitions > 1 else ""
     total_bytes = sum(_input_size(path) for path in files)
     with (
-        DatasetWriters(prefixes, np.dtype(config.dtype).type) as writers,
+        SkippedLog(skipped_path) as skipped,
+        DatasetWriters(prefixes, np.dtype(config.dtype).type, options.masked) as writers,
         Progress(options.show_progress, options.log_interval, position, label, total_bytes,
                  lambda: bytes_read.total) as progress,
         TokenizerPool(config, workers) as pool,
     ):
+        problems = InputProblems(options.skip_invalid, log=skipped.stream)
+        tasks = group_documents(read_documents(files, read_options, problems), options.json_keys)
         for encoded in pool.map_ordered(tasks):
+            for location, reason, detail in encoded[0].rejected:  # in a worker: the chat template refused it
+                problems.invalid(location, reason, detail)
             writers.write(encoded)
             progress.add(encoded[0].documents, sum(len(key.tokens) for key in encoded))
         if require_documents and progress.documents == 0:
             raise no_documents_error(options, files, problems)  # the writers drop their temporary files
         writers.finalize()
+        skipped.finalize(files)
+    problems.log = None  # closed; the summary travels back from a partition's process
     tokens = dict(zip(prefixes, writers.tokens, strict=True))
-    return PreprocessSummary(progress.documents, tokens, problems, progress.elapsed, config.dtype)
+    loss_tokens = dict(zip(prefixes, writers.loss_tokens, strict=True)) if options.masked else {}
+    return PreprocessSummary(progress.documents, tokens, problems, progress.elapsed, config.dtype, loss_tokens,
+                             skipped_path)
 
 
 def document_limit(options: PreprocessOptions, tokenizer: Tokenizer) -> int | None:
@@ -554,10 +715,14 @@ class PartitionPlan:
     prefixes: tuple[str, ...]
     manifest: str
     producer: dict
+    masked: bool = False  # loss masks beside the ids
+    skipped: str | None = None  # its list of skipped records (--skip-invalid)
 
     @property
     def outputs(self) -> list[str]:
-        return [path for prefix in self.prefixes for path in (bin_path(prefix), idx_path(prefix))]
+        datasets = [*self.prefixes, *(map(loss_mask_prefix, self.prefixes) if self.masked else ())]
+        listed = [self.skipped] if self.skipped is not None else []
+        return [path for prefix in datasets for path in (bin_path(prefix), idx_path(prefix))] + listed
 
     @property
     def label(self) -> str:
@@ -594,7 +759,17 @@ def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: 
                                                      options.lang if options.split_sentences else None],
         "token dtype": dtype,
         "input files (path, size, modification time)": input_identity(files),
+        "--chat-template (its file's SHA-256)/--loss-on": chat_identity(options.chat),
     }
+
+
+def chat_identity(chat: ChatSettings | None) -> list | None:
+    """The chat settings a partition was made with: the template by value and digest, and `--loss-on` (the
+    tokenizer's own template is in its files' digest)."""
+    if chat is None:
+        return None
+    digest = path_digest(chat.template_file) if chat.template_file is not None else None
+    return [chat.template, digest, chat.loss_on]
 
 
 def plan_partitions(files: list[str], options: PreprocessOptions, work_dir: str) -> list[PartitionPlan]:
@@ -604,9 +779,10 @@ def plan_partitions(files: list[str], options: PreprocessOptions, work_dir: str)
     tokenizer = tokenizer_identity(options)  # hashed once, not per partition
     return [
         PartitionPlan(i, len(groups), tuple(group),
-                      tuple(os.path.join(work_dir, f"{i}_{key}") for key in options.json_keys),
+                      tuple(os.path.join(work_dir, f"{i}_{key}") for key in options.dataset_keys),
                       os.path.join(work_dir, f"{i}.manifest.json"),
-                      partition_producer(options, group, dtype, tokenizer))
+                      partition_producer(options, group, dtype, tokenizer), options.masked,
+                      os.path.join(work_dir, f"{i}_skipped.tsv") if options.skip_invalid else None)
         for i, group in enumerate(groups)
     ]
 
@@ -616,6 +792,7 @@ def summary_record(summary: PreprocessSummary, keys: Sequence[str]) -> dict:
     problems = {reason: [entry.count, entry.first_location, entry.first_detail]
                 for reason, entry in summary.problems.counts.items()}
     return {"documents": summary.documents, "tokens": dict(zip(keys, summary.tokens.values(), strict=True)),
+            "loss_tokens": dict(zip(keys, summary.loss_tokens.values())),
             "problems": problems, "seconds": summary.seconds, "dtype": summary.dtype}
 
 
@@ -625,13 +802,16 @@ def summary_from_record(record: dict, plan: PartitionPlan, keys: Sequence[str]) 
     for reason, (count, location, detail) in record["problems"].items():
         problems.counts[reason] = ProblemCount(count, location, detail)
     tokens = {prefix: record["tokens"][key] for prefix, key in zip(plan.prefixes, keys, strict=True)}
-    return PreprocessSummary(record["documents"], tokens, problems, record["seconds"], record["dtype"])
+    loss_tokens = {prefix: record["loss_tokens"][key] for prefix, key in zip(plan.prefixes, keys)
+                   if key in record["loss_tokens"]}
+    return PreprocessSummary(record["documents"], tokens, problems, record["seconds"], record["dtype"], loss_tokens)
 
 
 def build_partition(plan: PartitionPlan, options: PreprocessOptions, workers: int) -> PreprocessSummary:
     """Tokenize one partition, then record it in its manifest (last: a partition without one is unfinished)."""
-    summary = run_partition(plan.files, plan.prefixes, options, workers, plan.index, require_documents=False)
-    write_manifest(plan.manifest, plan.producer, plan.outputs, summary_record(summary, options.json_keys))
+    summary = run_partition(plan.files, plan.prefixes, options, workers, plan.index, require_documents=False,
+                            skipped_path=plan.skipped)
+    write_manifest(plan.manifest, plan.producer, plan.outputs, summary_record(summary, options.dataset_keys))
     return summary
 
 
@@ -657,7 +837,7 @@ def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessS
     parts: dict[int, PreprocessSummary] = {}
     todo = []
     for plan in plans:
-        summary, reason = reusable_partition(plan, options.json_keys) if resuming else (None, "")
+        summary, reason = reusable_partition(plan, options.dataset_keys) if resuming else (None, "")
         if summary is not None:
             parts[plan.index] = summary
         else:
@@ -676,7 +856,10 @@ def _run_partitions(files: list[str], options: PreprocessOptions) -> PreprocessS
         shutil.rmtree(work_dir, ignore_errors=True)
         raise no_documents_error(options, files, summary.problems)
     for key_index, final in enumerate(final_prefixes):
-        merge_datasets([plan.prefixes[key_index] for plan in plans], final)
+        merge_with_loss_masks([plan.prefixes[key_index] for plan in plans], final)
+    if options.skipped_path is not None:
+        concatenate_skipped_logs([plan.skipped for plan in plans], options.skipped_path)
+        summary.skipped_path = options.skipped_path
     shutil.rmtree(work_dir, ignore_errors=True)
     return summary
 
@@ -706,7 +889,9 @@ def _combine(parts: Sequence[PreprocessSummary], final_prefixes: Sequence[str]) 
     summary = PreprocessSummary(dtype=parts[0].dtype)
     for part in parts:
         renamed = dict(zip(final_prefixes, part.tokens.values(), strict=True))
-        summary.merge(PreprocessSummary(part.documents, renamed, part.problems, part.seconds, part.dtype))
+        loss_tokens = dict(zip(final_prefixes, part.loss_tokens.values())) if part.loss_tokens else {}
+        summary.merge(PreprocessSummary(part.documents, renamed, part.problems, part.seconds, part.dtype,
+                                        loss_tokens))
     return summary
 
 
@@ -720,15 +905,20 @@ def preprocess(options: PreprocessOptions) -> PreprocessSummary:
         summary = _run_partitions(files, options)
     else:
         prefixes = dataset_prefixes(options)
-        summary = run_partition(files, prefixes, options, options.workers)
+        summary = run_partition(files, prefixes, options, options.workers, skipped_path=options.skipped_path)
+    stale = skipped_log_path(options.output_prefix)
+    if options.skipped_path is None and os.path.exists(stale):  # an earlier run's list would name other skips
+        os.remove(stale)
     summary.seconds = time.perf_counter() - start
     return summary
 
 
 def output_files(options: PreprocessOptions) -> set[str]:
-    """The absolute paths this run writes."""
+    """The absolute paths this run writes (an old loss mask it would remove included)."""
     prefixes = dataset_prefixes(options)
-    return {os.path.abspath(path) for prefix in prefixes for path in (bin_path(prefix), idx_path(prefix))}
+    prefixes += [loss_mask_prefix(prefix) for prefix in prefixes]
+    listed = {os.path.abspath(skipped_log_path(options.output_prefix))}
+    return {os.path.abspath(path) for prefix in prefixes for path in (bin_path(prefix), idx_path(prefix))} | listed
 
 
 def input_files(options: PreprocessOptions, announce: bool = True) -> list[str]:
@@ -767,6 +957,8 @@ def check_options(options: PreprocessOptions) -> None:
         _encode_config(options, cached_tokenizer(options.tokenizer))
         if options.split_sentences:
             sentence_splitter(options.lang, options.keep_newlines)
+        if options.chat is not None:
+            check_chat_options(options)
     except (InvalidInputError, ValueError, OSError) as error:
         if isinstance(error, ConfigError):
             raise
@@ -775,6 +967,27 @@ def check_options(options: PreprocessOptions) -> None:
     if options.keep_newlines and not options.split_sentences:
         print("preprocess_data: note: --keep-newlines has no effect without --split-sentences (as in Megatron-LM)",
               file=sys.stderr)
+
+
+def check_chat_options(options: PreprocessOptions) -> None:
+    """--chat-template's needs, as a `ConfigError` naming the flag: a transformers tokenizer, one conversation
+    key (or a prompt and a completion key), no flag that would add tokens to `apply_chat_template`'s ids, and a
+    template that loads."""
+    flag = f"--chat-template {options.chat.template}"
+    if options.tokenizer_type != "HuggingFaceTokenizer":
+        raise ConfigError(f"{flag} needs --tokenizer-type HuggingFaceTokenizer (a local tokenizer directory "
+                          f"transformers loads), not {options.tokenizer_type}")
+    if len(options.json_keys) > 2:
+        raise ConfigError(f"{flag}: --json-keys names one conversation field (messages, conversations) or a prompt "
+                          f"and a completion field, not {len(options.json_keys)} fields")
+    for name, given in (("--append-eod", options.append_eod), ("--prepend-bos", options.prepend_bos),
+                        ("--split-sentences", options.split_sentences)):
+        if given:
+            raise ConfigError(f"{name} with {flag}: a document's ids are exactly the template's rendering "
+                              "(its own begin-of-text and end-of-turn tokens); drop the flag")
+    if options.chat.template_file is not None and not os.path.isfile(options.chat.template_file):
+        raise ConfigError(f"{flag}: no such file (give a Jinja template file, or {OWN_TEMPLATE} for the tokenizer's own)")
+    cached_chat_encoder(options.tokenizer, options.chat)  # the tokenizer loads and the template parses
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -794,10 +1007,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument("--split", default="train", help="split read from a saved DatasetDict (default: train)")
     group.add_argument(
+        "--chat-template", metavar="{hf,FILE.jinja}",
+        help="read conversations, not text: --json-keys names a list of OpenAI messages ({role, content}) or of "
+        "ShareGPT turns ({from, value}), or a prompt and a completion field; each document's ids are exactly "
+        "tokenizer.apply_chat_template(messages) with the tokenizer's own template (hf) or FILE.jinja; writes "
+        "PREFIX_{key}_document and its loss mask PREFIX_{key}_document_loss_mask (docs/sft.md). Needs "
+        "--tokenizer-type HuggingFaceTokenizer")
+    group.add_argument(
+        "--loss-on", choices=LOSS_ON_CHOICES, default=None,
+        help="with --chat-template: the tokens trained on; assistant (default): each assistant message's "
+        "content and end of turn, written as a loss mask; all: every token, no mask written")
+    group.add_argument(
         "--skip-invalid",
         action="store_true",
-        help="skip and count malformed lines, invalid UTF-8, "
-        "missing keys and non-string values instead of stopping at the first",
+        help="skip and count malformed lines, invalid UTF-8, missing keys, non-string values and invalid "
+        "conversations instead of stopping at the first; every skipped record's file:line is listed in "
+        "PREFIX_skipped.tsv",
     )
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
@@ -864,7 +1089,18 @@ def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
         split_sentences=args.split_sentences,
         keep_newlines=args.keep_newlines,
         lang=args.lang,
+        chat=_chat_settings(args),
     )
+
+
+def _chat_settings(args: argparse.Namespace) -> ChatSettings | None:
+    """--chat-template and --loss-on; --loss-on alone is refused (plain text trains on every token)."""
+    if args.chat_template is None:
+        if args.loss_on is not None:
+            raise ConfigError(f"--loss-on {args.loss_on} needs --chat-template (plain text has no turns: every token "
+                              "is trained on)")
+        return None
+    return ChatSettings(args.chat_template, args.loss_on or "assistant")
 
 
 def _max_document_chars(args: argparse.Namespace) -> int | None:

@@ -139,3 +139,33 @@ class CountingDataset:
 def counting_reads():
     """`counting_reads(dataset)`: the dataset, counting the tokens read from its .bin."""
     return CountingDataset
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_dir(tmp_path_factory, corpus_texts) -> str:
+    """A Llama-3-like tokenizer directory with Llama 3 Instruct's chat template (megatron_lc.testing)."""
+    from megatron_lc.testing import write_chat_tokenizer
+
+    return write_chat_tokenizer(tmp_path_factory.mktemp("chat_tokenizer"), corpus_texts)
+
+
+@pytest.fixture(scope="session")
+def chat_hf_tokenizer(chat_tokenizer_dir):
+    """`chat_tokenizer_dir` as transformers loads it: the tokenizer whose `apply_chat_template` is the reference."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(chat_tokenizer_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def megatron_indexed_dataset():
+    """megatron-core's indexed_dataset module (skips where megatron-core is not installed)."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets import indexed_dataset
+    except ImportError as error:
+        pytest.skip(f"megatron-core is not importable ({error}); install it to check compatibility")
+    return indexed_dataset

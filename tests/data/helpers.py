@@ -20,3 +20,10 @@ def read_documents(prefix: str, key: str = "text") -> list[list[int]]:
 def output_bytes(prefix: str, key: str = "text") -> tuple[bytes, bytes]:
     base = f"{prefix}_{key}_document"
     return open(base + ".bin", "rb").read(), open(base + ".idx", "rb").read()
+
+
+def reference_chat_ids(tokenizer, messages, **kwargs) -> list[int]:
+    """`tokenizer.apply_chat_template(messages, **kwargs)`'s ids (transformers 5 returns a BatchEncoding, 4 a
+    list)."""
+    out = tokenizer.apply_chat_template(messages, **kwargs)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)

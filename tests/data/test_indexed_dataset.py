@@ -6,7 +6,6 @@ import os
 import struct
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
@@ -255,17 +254,6 @@ def test_a_dead_writers_temporaries_are_removed_and_a_live_ones_kept(tmp_path, c
 
 
 # --- Megatron-core's own reader and writer ----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def megatron_indexed_dataset():
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.datasets import indexed_dataset
-    except ImportError as error:
-        pytest.skip(f"megatron-core is not importable ({error}); install it to check compatibility")
-    return indexed_dataset
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
