@@ -10,9 +10,9 @@ from megatron_lc.errors import ConfigError
 from megatron_lc.config import parse_config
 from megatron_lc.training import trainer
 from megatron_lc.training.trainer import build_run, train_one_step
+from tests.helpers import train_flags
 
-BASE = ["--mock-data", "--seq-length", "16", "--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64",
-        "--num-attention-heads", "2", "--num-query-groups", "1", "--device", "cpu", "--train-iters", "1"]
+BASE = train_flags("--train-iters", "1", tiny_model=True)
 
 
 def test_vocabulary_is_padded_to_the_multiple_with_rows_no_token_uses():
