@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_lc.cli import ArgumentParser
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import config_from_values
+from megatron_lc.arguments import config_from_values
 from megatron_lc.context_layout import CP_COMM_TYPES
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import SampleSource

@@ -85,7 +85,7 @@ def test_the_trainer_sets_it_before_resolving_devices(monkeypatch):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(trainer, "resolve_devices", stop)
-    from megatron_lc.config import parse_config
+    from megatron_lc.arguments import parse_config
     with pytest.raises(RuntimeError, match="stop here"):
         trainer.build_run(parse_config(["--mock-data", "--seq-length", "64", "--device", "cpu"]))
     assert order == ["allocator", "devices"]

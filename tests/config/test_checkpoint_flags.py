@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.preflight import preflight
 from megatron_lc.training import checkpointing
 from megatron_lc.training.trainer import train

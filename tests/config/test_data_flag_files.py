@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.trainer import train
 from tests.helpers import TINY_MODEL_FLAGS, write_random_dataset
 

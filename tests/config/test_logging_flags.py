@@ -6,7 +6,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.logging import megatron_flops
 from megatron_lc.training.trainer import build_run, train
 from tests.helpers import train_flags

@@ -56,7 +56,7 @@ set_cuda_allocator_settings()  # as the trainer: expandable segments merged in b
 import torch.distributed as dist
 
 from megatron_lc.attention import kernels
-from megatron_lc.config import config_from_values
+from megatron_lc.arguments import config_from_values
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import PEAK_DENSE_BF16_FLOPS, Devices
 from megatron_lc.memory import offload as offload_module

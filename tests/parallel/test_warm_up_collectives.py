@@ -109,7 +109,7 @@ def test_four_ranks_hsdp_with_ulysses_pairs():
 
 
 def test_the_trainer_warms_up_right_after_the_mesh(monkeypatch):
-    from megatron_lc.config import parse_config
+    from megatron_lc.arguments import parse_config
     from megatron_lc.training import trainer
 
     order = []

@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.trainer import build_run, train_one_step
 from tests.helpers import train_flags
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import build_parser, parse_config
+from megatron_lc.arguments import build_parser, parse_config
 from megatron_lc.training.preflight import preflight
 from megatron_lc.training import checkpointing, save_lock
 from megatron_lc.training.trainer import train
