@@ -19,19 +19,34 @@ def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _add_field(group, f: dataclasses.Field, hint) -> None:
+def _argument(f: dataclasses.Field, hint, default) -> tuple[list[str], dict]:
+    """The flag names and argparse settings of section field `f`, the parser's default being `default`."""
     meta = dict(f.metadata)
     help_text = meta.pop("help", "")
     names = [_flag_name(f.name)]
     if "flag_name" in meta:  # Megatron's spelling first, the plain hyphenated one as an alias
         names.insert(0, meta.pop("flag_name"))
-    default = f.default if f.default is not dataclasses.MISSING else None
     if hint is bool:
-        group.add_argument(*names, dest=f.name, action="store_true", default=None, help=help_text)
-        return
-    kind = _scalar_type(hint)
-    group.add_argument(*names, dest=f.name, type=kind, default=None,
-                       help=f"{help_text} (default: {default})", **meta)
+        return names, dict(dest=f.name, action="store_true", default=default, help=help_text)
+    field_default = f.default if f.default is not dataclasses.MISSING else None
+    return names, dict(dest=f.name, type=_scalar_type(hint), default=default,
+                       help=f"{help_text} (default: {field_default})", **meta)
+
+
+def _add_field(group, f: dataclasses.Field, hint) -> None:
+    names, settings = _argument(f, hint, None)  # None: not given (a preset's value or the field's default)
+    group.add_argument(*names, **settings)
+
+
+def add_section_flag(parser: argparse.ArgumentParser, name: str, **settings) -> None:
+    """Training's flag of field `name` on another entry point's parser (evaluation): its type, choices, default
+    and help from the section that declares it; `settings` are argparse's where that entry point differs
+    (`required`, a help of its own)."""
+    section = next(cls for cls in SECTIONS.values() if name in {f.name for f in dataclasses.fields(cls)})
+    f = next(f for f in dataclasses.fields(section) if f.name == name)
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    names, arguments = _argument(f, get_type_hints(section)[name], default)
+    parser.add_argument(*names, **{**arguments, **settings})
 
 
 def _scalar_type(hint):

@@ -12,7 +12,7 @@ from typing import Literal, get_args
 from megatron_lc.attention.ulysses import check_ulysses_shapes
 from megatron_lc.attention.ring import RING_KV_GRADS, RingKvGrads
 from megatron_lc.attention.untied_ulysses import BACKWARD_MEMORY, BackwardMemory, check_untied_shapes
-from megatron_lc.context_layout import ContextLayout
+from megatron_lc.context_layout import CP_COMM_TYPES, ContextLayout
 from megatron_lc.errors import ConfigError
 from megatron_lc.flags import flag, flag_list
 
@@ -125,7 +125,7 @@ class ParallelArgs:
     cp_comm_type: str = flag("a2a", "context-parallel communication: a2a (all-to-all, --cp-impl), p2p (ring "
                              "attention over the cp group), a2a+p2p (all-to-all inside groups of contiguous ranks, "
                              "a ring across them; see --hierarchical-context-parallel-sizes)",
-                             choices=("a2a", "p2p", "a2a+p2p"))
+                             choices=CP_COMM_TYPES)
     hierarchical_context_parallel_sizes: list[int] = flag_list(
         "with --cp-comm-type a2a+p2p: A R, the all-to-all degree (contiguous ranks: a node) and the ring degree; "
         "A x R = --context-parallel-size")
