@@ -20,7 +20,10 @@ from megatron_lc.attention.context_parallel import ContextParallel, ParallelArgs
 from megatron_lc.data.sources import DataArgs, read_data_args, read_per_split_data_args, validate_data_flags
 from megatron_lc.errors import ConfigError
 from megatron_lc.memory.stack import MemoryArgs, MemoryStack
+from megatron_lc.models.llama.model import LlamaConfig
+from megatron_lc.models.llama.parallelize import ParallelizeOptions
 from megatron_lc.models.llama.zoo import ModelArgs
+from megatron_lc.parallel_state import ParallelDims
 from megatron_lc.training.args import CheckpointArgs, LoggingArgs, OptimArgs, TrainArgs
 
 
@@ -28,6 +31,21 @@ SECTIONS = {
     "model": ModelArgs, "parallel": ParallelArgs, "memory": MemoryArgs, "data": DataArgs,
     "optim": OptimArgs, "train": TrainArgs, "checkpoint": CheckpointArgs, "logging": LoggingArgs,
 }
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run is built from, derived from its TrainConfig once (`TrainConfig.run_spec`): the trainer,
+    evaluate and the planner's traces build from it rather than deriving each piece again."""
+
+    model: LlamaConfig
+    """The model: the flavour with the overrides (or a checkpoint's), the vocabulary padded."""
+    data_vocab_size: int
+    """The ids the data may hold: the vocabulary before padding (--make-vocab-size-divisible-by)."""
+    parallelize: ParallelizeOptions
+    """Context parallelism, the memory stack and FSDP's settings (`parallelize_options`)."""
+    dims: ParallelDims
+    """The parallel degrees on the run's world."""
 
 
 @dataclass
@@ -113,9 +131,9 @@ class TrainConfig:
                                ring_kv_grads=p.ring_kv_grads, kernel=p.attention_kernel,
                                flash_impl=p.flash_attention_impl)
 
-    def parallelize_options(self):
+    def parallelize_options(self) -> ParallelizeOptions:
         """The ParallelizeOptions of the run: its context parallelism, memory stack and FSDP settings."""
-        from megatron_lc.models.llama.parallelize import FSDPSettings, ParallelizeOptions
+        from megatron_lc.models.llama.parallelize import FSDPSettings
 
         par = self.parallel
         fsdp = FSDPSettings(param_dtype=torch.bfloat16 if self.train.bf16 else torch.float32,
@@ -124,13 +142,20 @@ class TrainConfig:
         return ParallelizeOptions(cp=self.context_parallel(), memory=self.memory_stack(), fsdp=fsdp,
                                   seq_length=self.data.seq_length)
 
-    def parallel_dims(self, world_size: int):
+    def parallel_dims(self, world_size: int) -> ParallelDims:
         """The run's parallel degrees on `world_size` ranks (`parallel_state.ParallelDims`)."""
-        from megatron_lc.parallel_state import ParallelDims
-
         p = self.parallel
         return ParallelDims(world_size, cp=p.context_parallel_size, dp_replicate=p.data_parallel_replicate,
                             cp_ring=self.context_layout().ring_size)
+
+    def run_spec(self, world_size: int, vocab_size: int | None = None, model: LlamaConfig | None = None) -> RunSpec:
+        """The run's spec on `world_size` ranks: `vocab_size` is the tokenizer's (as `model_config` takes it);
+        `model` a model config given whole (evaluate: the checkpoint's), its vocabulary the data's."""
+        if model is None:
+            model, data_vocab = self.model_config(vocab_size), self.model_config(vocab_size, padded=False).vocab_size
+        else:
+            data_vocab = model.vocab_size
+        return RunSpec(model, data_vocab, self.parallelize_options(), self.parallel_dims(world_size))
 
     def global_batch(self, world_size: int) -> int:
         """Samples per optimizer step (--global-batch-size, default micro-batch x data-parallel size)."""

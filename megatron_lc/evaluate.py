@@ -124,13 +124,14 @@ def evaluate(args) -> dict:
     preflight(cfg)
     source = None if args.passkey and not args.data_path else evaluation_source(args, config.vocab_size)
     total = 0 if args.passkey else min(args.num_samples or len(source), len(source))
-    per_step = args.micro_batch_size * cfg.parallel_dims(launch.world_size).dp
+    spec = cfg.run_spec(launch.world_size, model=config)
+    per_step = args.micro_batch_size * spec.dims.dp
     if not args.passkey and total < per_step:
         raise ConfigError(f"--data-path {' '.join(args.data_path)} holds {len(source)} whole samples of --seq-length "
                           f"{args.seq_length}; evaluating needs at least {per_step} (shorten --seq-length)")
-    devices, pstate = start_processes(cfg, launch, say_nccl_settings=False)  # as training starts; stdout is JSON
+    devices, pstate = start_processes(cfg, spec.dims, launch, say_nccl_settings=False)  # as training starts; stdout is JSON
     layout = cfg.context_layout()
-    model, _ = build_sharded_model(cfg, config, pstate, devices)
+    model, _ = build_sharded_model(cfg, spec, pstate, devices)
     checkpointing.load_model_weights(path, model)
     model.eval()
     if args.passkey:

@@ -11,7 +11,7 @@ import torch
 
 from megatron_lc.config import TrainConfig
 from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
-from megatron_lc.parallel_state import LaunchInfo, ParallelState, init_distributed, warm_up_collectives
+from megatron_lc.parallel_state import LaunchInfo, ParallelDims, ParallelState, init_distributed, warm_up_collectives
 from megatron_lc.training.preflight import activate_flash
 
 
@@ -39,15 +39,16 @@ def warmed_up_collectives(pstate: ParallelState, devices: Devices, rank: int, sa
         print(nccl_settings_line(free_before - torch.cuda.mem_get_info(devices.accelerator)[0]), flush=True)
 
 
-def start_processes(cfg: TrainConfig, launch: LaunchInfo, say_nccl_settings: bool = True
+def start_processes(cfg: TrainConfig, dims: ParallelDims, launch: LaunchInfo, say_nccl_settings: bool = True
                     ) -> tuple[Devices, ParallelState]:
-    """This process's devices and its place in the run's mesh, started as the module docstring says."""
+    """This process's devices and its place in the run's mesh (`dims`, the run spec's), started as the module
+    docstring says."""
     set_cuda_allocator_settings()  # torch reads it when CUDA initialises
     devices = resolve_devices(cfg.train.device, launch.local_rank)
     if devices.is_cuda:
         torch.cuda.set_device(devices.accelerator)
         activate_flash(cfg, devices.accelerator)  # before any attention and any process group
     init_distributed(devices.accelerator, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
-    pstate = ParallelState(cfg.parallel_dims(launch.world_size), devices.accelerator.type)
+    pstate = ParallelState(dims, devices.accelerator.type)
     warmed_up_collectives(pstate, devices, launch.rank, say_nccl_settings)
     return devices, pstate

@@ -102,14 +102,13 @@ def build_run(cfg: TrainConfig) -> Run:
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
     cfg = cfg.resolved(launch.world_size)  # --train-samples, --data-args-path, ... filled in
     preflight(cfg)  # what the run needs of this machine's disks, packages and devices
-    devices, pstate = start_processes(cfg, launch)
-    p = cfg.parallel
-    spec = cfg.tokenizer_spec()
-    tokenizer = spec.build() if spec else None
+    tokenizer_spec = cfg.tokenizer_spec()
+    tokenizer = tokenizer_spec.build() if tokenizer_spec else None
     eod = tokenizer.eod if tokenizer else None
-    model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)  # padded (--make-vocab-...)
-    data_vocab = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None, padded=False).vocab_size
-    model, offload = build_sharded_model(cfg, model_config, pstate, devices)
+    spec = cfg.run_spec(launch.world_size, tokenizer.vocab_size if tokenizer else None)
+    devices, pstate = start_processes(cfg, spec.dims, launch)
+    p, model_config, data_vocab = cfg.parallel, spec.model, spec.data_vocab_size
+    model, offload = build_sharded_model(cfg, spec, pstate, devices)
     if offload is not None:  # page-lock the host arenas before step 1 (logged; minutes for a terabyte)
         block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
         offload.reserve((cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size,
