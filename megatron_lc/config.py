@@ -19,10 +19,12 @@ import torch
 from megatron_lc.attention.context_parallel import ContextParallel, ParallelArgs
 from megatron_lc.data.sources import DataArgs, read_data_args, read_per_split_data_args, validate_data_flags
 from megatron_lc.errors import ConfigError
+from megatron_lc.memory.chunks import plan_chunks
 from megatron_lc.memory.stack import MemoryArgs, MemoryStack
 from megatron_lc.models.llama.model import LlamaConfig
-from megatron_lc.models.llama.parallelize import ParallelizeOptions
-from megatron_lc.models.llama.zoo import ModelArgs
+from megatron_lc.models.llama.parallelize import FSDPSettings, ParallelizeOptions
+from megatron_lc.models.llama.zoo import (FLAVOURS, ModelArgs, config_from_dict, get_config, padded_vocab_size,
+                                          rope_scaling_from_flags)
 from megatron_lc.parallel_state import ParallelDims
 from megatron_lc.training.args import CheckpointArgs, LoggingArgs, OptimArgs, TrainArgs
 
@@ -87,9 +89,6 @@ class TrainConfig:
         return dataclasses.replace(config, vocab_size=padded_vocab_size(config.vocab_size, multiple))
 
     def _unpadded_model_config(self, vocab_size: int | None):
-        from megatron_lc.models.llama import FLAVOURS, get_config
-        from megatron_lc.models.llama.zoo import config_from_dict, rope_scaling_from_flags
-
         m = self.model
         base = config_from_dict(m.checkpoint_model) if m.checkpoint_model else None
         if base is None and m.model not in FLAVOURS:
@@ -115,8 +114,6 @@ class TrainConfig:
 
     def memory_stack(self) -> MemoryStack:
         """The run's memory stack (`memory.stack`), tile counts resolved by the chunk scheduler."""
-        from megatron_lc.memory.chunks import plan_chunks
-
         c = self.model_config()
         local_tokens = self.data.micro_batch_size * self.data.seq_length // self.parallel.context_parallel_size
         chunks = plan_chunks(local_tokens, c.hidden_size, c.ffn_hidden_size, c.vocab_size, 2 if self.train.bf16 else 4,
@@ -133,8 +130,6 @@ class TrainConfig:
 
     def parallelize_options(self) -> ParallelizeOptions:
         """The ParallelizeOptions of the run: its context parallelism, memory stack and FSDP settings."""
-        from megatron_lc.models.llama.parallelize import FSDPSettings
-
         par = self.parallel
         fsdp = FSDPSettings(param_dtype=torch.bfloat16 if self.train.bf16 else torch.float32,
                             reduce_dtype=torch.float32, reshard_after_forward=not par.no_reshard_after_forward,
@@ -403,9 +398,3 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def padded_vocab_size(vocab_size: int, multiple: int) -> int:
-    """The vocabulary rounded up to a multiple of `multiple` (Megatron-LM's _vocab_size_with_padding, one
-    tensor-parallel rank)."""
-    return -(-vocab_size // multiple) * multiple

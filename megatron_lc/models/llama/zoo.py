@@ -46,6 +46,12 @@ def get_config(name: str, base: LlamaConfig | None = None, **overrides) -> Llama
     return config
 
 
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """The vocabulary rounded up to a multiple of `multiple` (Megatron-LM's _vocab_size_with_padding, one
+    tensor-parallel rank)."""
+    return -(-vocab_size // multiple) * multiple
+
+
 def config_from_dict(values: dict) -> LlamaConfig:
     """A LlamaConfig from its `dataclasses.asdict` form (as a checkpoint's meta.json records it)."""
     values = dict(values)
