@@ -1,4 +1,5 @@
-# The README's commands: `make demo` and `make test`. Both install what they need.
+# The README's commands: `make demo` and `make test` (`make test-fast`: all but the multi-process and planner-trace
+# tests, marked in tests/conftest.py). They install what they need.
 # A local .venv is created unless a virtual environment is already active.
 ifdef VIRTUAL_ENV
 PYTHON := python
@@ -25,6 +26,9 @@ endif
 
 test: install
 	$(PYTHON) -m pytest tests -x -n 2 --dist loadfile --durations=15
+
+test-fast: install
+	$(PYTHON) -m pytest tests -x -n 2 --dist loadfile --durations=10 -m "not multiprocess and not planner_trace"
 
 demo: install
 	$(PYTHON) examples/quickstart/demo.py

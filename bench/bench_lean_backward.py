@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from bench.common import run_ranks
-from megatron_lc.config import config_from_values
+from megatron_lc.arguments import config_from_values
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import Devices
 from megatron_lc.parallel_state import ParallelState

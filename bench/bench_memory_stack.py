@@ -19,7 +19,7 @@ import time
 import torch
 
 from bench.common import CPU, batch_for, bench_model_config
-from megatron_lc.config import config_from_values
+from megatron_lc.arguments import config_from_values
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.parallelize import apply_memory_stack
 from megatron_lc.parallel_state import ParallelDims, ParallelState

@@ -28,46 +28,40 @@ import torch.distributed as dist
 
 from megatron_lc.cli import ArgumentParser
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import config_from_values
-from megatron_lc.context_layout import CP_COMM_TYPES
+from megatron_lc.arguments import add_section_flag, config_from_values
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import SampleSource
 from megatron_lc.data.sources import SPLIT_NAMES, build_datasets
-from megatron_lc.devices import resolve_devices, set_cuda_allocator_settings
 from megatron_lc.entry import run_entry_point
 from megatron_lc.training.hf_conversion import config_from_meta
 from megatron_lc.training.build import build_sharded_model
-from megatron_lc.training.preflight import activate_flash, preflight
-from megatron_lc.parallel_state import ParallelState, detect_launch, init_distributed, warm_up_collectives
+from megatron_lc.training.preflight import preflight
+from megatron_lc.training.startup import start_processes
+from megatron_lc.parallel_state import detect_launch
 from megatron_lc.training import checkpointing
 from megatron_lc.training.step import IGNORE_INDEX
-from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 from megatron_lc.passkey import DEFAULT_DEPTHS, passkey_table, plot_passkey, run_passkey
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m megatron_lc.evaluate", description=__doc__.splitlines()[0])
     p.add_argument("--load", required=True, help="checkpoint directory (a --save root or one iter_* directory)")
-    p.add_argument("--data-path", nargs="+", default=None,
-                   help="indexed dataset prefixes, as for training: PREFIX ... or W1 PREFIX1 W2 PREFIX2 ... "
-                        "(required unless --passkey)")
-    p.add_argument("--split", default=None, help="train,valid,test weights as for training (default: every document)")
+    # training's flags, from the sections that declare them (megatron_lc.arguments)
+    add_section_flag(p, "data_path", help="indexed dataset prefixes, as for training: PREFIX ... or W1 PREFIX1 W2 "
+                                          "PREFIX2 ... (required unless --passkey)")
+    add_section_flag(p, "split", help="train,valid,test weights as for training (default: every document)")
     p.add_argument("--split-part", default="valid", choices=SPLIT_NAMES, help="with --split: the part evaluated")
-    p.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    add_section_flag(p, "seq_length", required=True, help="tokens per sample")
     p.add_argument("--num-samples", type=int, default=None, help="samples to evaluate (default: all whole samples)")
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    add_section_flag(p, "micro_batch_size")
     p.add_argument("--reset-position-ids", action=argparse.BooleanOptionalAction, default=None,
                    help="restart positions at each document (default: as the checkpoint's training)")
     p.add_argument("--reset-attention-mask", action=argparse.BooleanOptionalAction, default=None,
                    help="attend within each document only (default: as the checkpoint's training; Megatron-LM's "
                         "default attends across end-of-document tokens)")
-    p.add_argument("--context-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-replicate", type=int, default=1,
-                   help="HSDP replicas, as in training (the rest of the data-parallel ranks shard the model)")
-    p.add_argument("--cp-impl", default="ulysses", choices=("ulysses", "untied_ulysses"))
-    p.add_argument("--cp-comm-type", default="a2a", choices=CP_COMM_TYPES, help="as for megatron_lc.train")
-    p.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A", "R"),
-                   help="with --cp-comm-type a2a+p2p: all-to-all degree and ring degree")
+    for name in ("context_parallel_size", "data_parallel_replicate", "cp_impl", "cp_comm_type",
+                 "hierarchical_context_parallel_sizes"):
+        add_section_flag(p, name)
     p.add_argument("--loss-by-position-in", default=None, choices=("context", "sample"),
                    help="with --loss-by-position: bucket a token by its position in the context its prediction sees "
                         "(its document with --reset-attention-mask, else its sample; the default) or in its sample")
@@ -84,10 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --passkey: the context lengths tested (default: --seq-length)")
     p.add_argument("--passkey-plot", default=None, metavar="FILE.png",
                    help="with --passkey: draw the depth x length retrieval map")
-    p.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
-                   help="with --passkey: the tokenizer (default: the checkpoint's training's)")
-    p.add_argument("--tokenizer-model", default=None, help="with --passkey: its file (default: the training's)")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    add_section_flag(p, "tokenizer_type", help="with --passkey: the tokenizer (default: the checkpoint's training's)")
+    add_section_flag(p, "tokenizer_model", help="with --passkey: its file (default: the training's)")
+    add_section_flag(p, "device")
     return p
 
 
@@ -102,7 +95,7 @@ def evaluate(args) -> dict:
     for name in ("reset_position_ids", "reset_attention_mask"):  # the contexts training saw, unless told
         if getattr(args, name) is None:
             setattr(args, name, bool(trained.get(name, False)))
-    if args.data_path is None and not args.passkey:
+    if not args.data_path and not args.passkey:
         raise ConfigError("give --data-path (the loss on a dataset) or --passkey (the passkey test)")
     tokenizer = _passkey_tokenizer(args, meta) if args.passkey else None
     _refuse_flags_that_would_not_act(args)
@@ -121,7 +114,7 @@ def evaluate(args) -> dict:
                               "cp_comm_type": args.cp_comm_type,
                               "hierarchical_context_parallel_sizes": args.hierarchical_context_parallel_sizes or [],
                               "seq_length": args.seq_length, "data_path": args.data_path or [],
-                              "mock_data": args.passkey, "split": args.split})
+                              "mock_data": args.passkey, "split": args.split, "device": args.device})
     cfg.validate(launch.world_size)
     for length in lengths if args.passkey else ():
         try:
@@ -131,20 +124,14 @@ def evaluate(args) -> dict:
     preflight(cfg)
     source = None if args.passkey and not args.data_path else evaluation_source(args, config.vocab_size)
     total = 0 if args.passkey else min(args.num_samples or len(source), len(source))
-    per_step = args.micro_batch_size * cfg.parallel_dims(launch.world_size).dp
+    spec = cfg.run_spec(launch.world_size, model=config)
+    per_step = args.micro_batch_size * spec.dims.dp
     if not args.passkey and total < per_step:
         raise ConfigError(f"--data-path {' '.join(args.data_path)} holds {len(source)} whole samples of --seq-length "
                           f"{args.seq_length}; evaluating needs at least {per_step} (shorten --seq-length)")
-    set_cuda_allocator_settings()  # before CUDA initialises, as in training
-    devices = resolve_devices(args.device, launch.local_rank)
-    if devices.is_cuda:
-        torch.cuda.set_device(devices.accelerator)
-        activate_flash(cfg, devices.accelerator)  # before any attention, as in training
-    init_distributed(devices.accelerator)
+    devices, pstate = start_processes(cfg, spec.dims, launch, say_nccl_settings=False)  # as training starts; stdout is JSON
     layout = cfg.context_layout()
-    pstate = ParallelState(cfg.parallel_dims(launch.world_size), devices.accelerator.type)
-    warm_up_collectives(pstate, devices.accelerator)  # NCCL's connections before the model takes the card
-    model, _ = build_sharded_model(cfg, config, pstate, devices)
+    model, _ = build_sharded_model(cfg, spec, pstate, devices)
     checkpointing.load_model_weights(path, model)
     model.eval()
     if args.passkey:

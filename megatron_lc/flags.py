@@ -1,7 +1,7 @@
 """How a room declares its command-line flags: dataclass fields with help text (a leaf module).
 
 A room's flag section (`memory.stack.MemoryArgs`, ...) is a dataclass of such fields; `config`
-composes the sections and derives the parser from them, named as in Megatron-LM
+composes the sections and `arguments` derives the parser from them, named as in Megatron-LM
 (`seq_length` -> `--seq-length`).
 """
 

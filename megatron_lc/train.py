@@ -7,7 +7,7 @@
 
 import sys
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.entry import run_entry_point
 from megatron_lc.training.trainer import train
 

@@ -1,4 +1,25 @@
+"""Settings every test shares, and the markers of the slow tier (`tests/tiers.py`), set from what each test uses.
+
+`make test` runs everything; `make test-fast` leaves out the tests marked `multiprocess` (they start other
+processes: gloo worlds, torchrun, a tool's command line) or `planner_trace` (they trace a step with the memory
+planner). A new test is marked by what it calls, with nothing to remember; `-m multiprocess` runs one tier.
+"""
+
+import pytest
 import torch
+
+from tests.tiers import MARKERS, tier_markers
 
 # Tests share two cores with the multi-process runs they start.
 torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    for name, meaning in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in tier_markers(item):
+            item.add_marker(getattr(pytest.mark, name))

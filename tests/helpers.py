@@ -69,7 +69,17 @@ def parallelize_options(**fields):
 
 
 TRAIN_FLAGS = ["--mock-data", "--seq-length", "64", "--lr", "3e-3", "--adam-eps", "1e-4", "--device", "cpu"]
-"""Flags of a tiny CPU training run (mock data) that the trainer tests start from."""
+"""Flags of a tiny CPU training run (mock data, the debug model) that the trainer tests start from."""
+
+TINY_MODEL_FLAGS = ["--seq-length", "16", "--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64",
+                    "--num-attention-heads", "2", "--num-query-groups", "1", "--vocab-size", "64"]
+"""A one-layer, 32-wide model on 16 tokens: for the flag tests, where the model's size does not matter."""
+
+
+def train_flags(*overrides: str, tiny_model: bool = False) -> list[str]:
+    """`TRAIN_FLAGS` (with `tiny_model`, on `TINY_MODEL_FLAGS`'s model), then `overrides`: a flag given again takes
+    its last value, as argparse does."""
+    return [*TRAIN_FLAGS, *(TINY_MODEL_FLAGS if tiny_model else ()), *overrides]
 
 
 def torchrun_train(nproc, args, tmp_path):

@@ -75,17 +75,17 @@ def test_the_private_setter_is_the_one_torch_has(monkeypatch):
 
 
 def test_the_trainer_sets_it_before_resolving_devices(monkeypatch):
-    from megatron_lc.training import trainer
+    from megatron_lc.training import startup, trainer
 
     order = []
-    monkeypatch.setattr(trainer, "set_cuda_allocator_settings", lambda: order.append("allocator"))
+    monkeypatch.setattr(startup, "set_cuda_allocator_settings", lambda: order.append("allocator"))
 
     def stop(*_):
         order.append("devices")
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(trainer, "resolve_devices", stop)
-    from megatron_lc.config import parse_config
+    monkeypatch.setattr(startup, "resolve_devices", stop)
+    from megatron_lc.arguments import parse_config
     with pytest.raises(RuntimeError, match="stop here"):
         trainer.build_run(parse_config(["--mock-data", "--seq-length", "64", "--device", "cpu"]))
     assert order == ["allocator", "devices"]

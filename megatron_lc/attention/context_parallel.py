@@ -12,8 +12,9 @@ from typing import Literal, get_args
 from megatron_lc.attention.ulysses import check_ulysses_shapes
 from megatron_lc.attention.ring import RING_KV_GRADS, RingKvGrads
 from megatron_lc.attention.untied_ulysses import BACKWARD_MEMORY, BackwardMemory, check_untied_shapes
-from megatron_lc.context_layout import ContextLayout
+from megatron_lc.context_layout import CP_COMM_TYPES, ContextLayout
 from megatron_lc.errors import ConfigError
+from megatron_lc.flags import flag, flag_list
 
 CpImpl = Literal["ulysses", "untied_ulysses"]
 CP_IMPLS: tuple[str, ...] = get_args(CpImpl)
@@ -115,3 +116,52 @@ class ContextParallel:
                     raise
                 raise ValueError(f"{e} [the all-to-all degree is {a2a}, the first of "
                                  "--hierarchical-context-parallel-sizes]") from e
+
+
+@dataclass
+class ParallelArgs:
+    context_parallel_size: int = flag(1, "context-parallel degree: each sequence is split over this many ranks")
+    cp_impl: str = flag("ulysses", "context-parallel attention of the all-to-all level", choices=CP_IMPLS)
+    cp_comm_type: str = flag("a2a", "context-parallel communication: a2a (all-to-all, --cp-impl), p2p (ring "
+                             "attention over the cp group), a2a+p2p (all-to-all inside groups of contiguous ranks, "
+                             "a ring across them; see --hierarchical-context-parallel-sizes)",
+                             choices=CP_COMM_TYPES)
+    hierarchical_context_parallel_sizes: list[int] = flag_list(
+        "with --cp-comm-type a2a+p2p: A R, the all-to-all degree (contiguous ranks: a node) and the ring degree; "
+        "A x R = --context-parallel-size")
+    untied_heads_per_stage: int | None = flag(None, "Untied Ulysses heads per stage (a multiple of the all-to-all "
+                                              "degree; default that degree)")
+    untied_overlap_stages: bool = flag(False, "Untied Ulysses: the next stage's projections and all-to-alls in "
+                                       "flight while a stage attends, forward and backward (one more set of "
+                                       "stage buffers)")
+    untied_backward: str = flag("fast", "what Untied Ulysses' backward holds: fast (a kv round's dK/dV summed over "
+                                "its stages in fp32 and sent back once; the attention output kept whole) or lean "
+                                "(each stage's dK/dV sent back with its dQ, no fp32 sums; the output kept by stage "
+                                "and each stage's freed once sent: less memory at the backward's peak, more bytes "
+                                "exchanged)", choices=BACKWARD_MEMORY)
+    ring_kv_grads: str = flag("overlapped", "ring attention's backward: overlapped (the fp32 dK/dV accumulators travel "
+                              "while the next block attends: two pairs held, the kernels' shares kept until one "
+                              "arrives) or in_place (rotated in place after each step through a small staging "
+                              "buffer, the shares added as made: one pair held, the rotation not hidden)",
+                              choices=RING_KV_GRADS)
+    data_parallel_replicate: int = flag(1, "HSDP replicas (outer data-parallel dimension); the rest is sharded")
+    attention_kernel: str = flag("auto", "local attention kernel",
+                                 choices=("auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash",
+                                          "reference"))
+    flash_attention_impl: str = flag("auto", "what runs torch's flash kernels, through torch's registry "
+                                     "(torch.nn.attention.activate_flash_attention_impl): auto (FA3 on compute "
+                                     "capability 9.0 when flash_attn_interface imports, FA4 on 10.0 when "
+                                     "flash_attn.cute imports, else torch's own), default, fa3, fa4",
+                                     choices=("auto", "default", "fa3", "fa4"))
+    distributed_timeout_minutes: int = flag(10, "timeout of the process group's collectives, in minutes "
+                                                "(init_process_group's timeout, as Megatron-LM)")
+    fsdp_cpu_offload: bool = flag(False, "keep sharded parameters, gradients and optimizer state in host memory")
+    no_reshard_after_forward: bool = flag(False, "keep gathered parameters between forward and backward")
+    tensor_model_parallel_size: int = flag(1, "Megatron-LM's tensor parallelism: only 1 (FSDP2 + context "
+                                           "parallelism shard the model and the sequence instead)")
+    pipeline_model_parallel_size: int = flag(1, "Megatron-LM's pipeline parallelism: only 1 (FSDP2 shards the "
+                                             "layers' parameters instead)")
+    sequence_parallel: bool = flag(False, "Megatron-LM's sequence parallelism (of tensor parallelism): refused; "
+                                   "--context-parallel-size splits the sequence instead")
+    use_distributed_optimizer: bool = flag(False, "Megatron-LM's sharded optimizer: refused, as FSDP2 always shards "
+                                           "the optimizer state (drop the flag)")

@@ -474,6 +474,8 @@ class UntiedUlyssesAttention:
     workspace: StageWorkspace = field(default_factory=StageWorkspace)
     tile_bounds: TileBounds = tiling.tile_bounds
     """The tile policy of the row-chunk loops (the planner's runs representative chunks)."""
+    fp32_out_gemm: bool | None = None
+    """How the fp32 sums of 16-bit products are taken (`tiling.addmm_fp32_`; the planner states its target's)."""
 
     @property
     def cp(self) -> int:
@@ -766,7 +768,7 @@ class UntiedUlyssesAttention:
             for start, end in self.tile_bounds(s, -(-s // DX_CHUNK_ROWS)):
                 acc = torch.zeros(end - start, wo.shape[0], dtype=acc_dtype, device=y.device)
                 for out, cols in zip(outs, columns):
-                    addmm_fp32_(acc, out[b, start:end].reshape(end - start, -1), cols)
+                    addmm_fp32_(acc, out[b, start:end].reshape(end - start, -1), cols, self.fp32_out_gemm)
                 y[b, start:end].copy_(acc)
                 del acc
         return y
@@ -870,7 +872,7 @@ class UntiedUlyssesAttention:
                 acc = call.dx[b, rows_b].to(acc_dtype)
                 for rows, grad in terms:
                     for r in range(self.cp):
-                        addmm_fp32_(acc, grad[b, r, rows_b], rows[r])
+                        addmm_fp32_(acc, grad[b, r, rows_b], rows[r], self.fp32_out_gemm)
                 call.dx[b, rows_b].copy_(acc)
                 del acc
 
@@ -911,7 +913,7 @@ class UntiedUlyssesAttention:
                                   dtype=torch.promote_types(grad.dtype, torch.float32))
             for r in range(self.cp):
                 for b in range(call.batch):
-                    addmm_fp32_(stacked[r], grad[b, r].t(), call.x[b])
+                    addmm_fp32_(stacked[r], grad[b, r].t(), call.x[b], self.fp32_out_gemm)
             if call.norm is not None:
                 stacked.mul_(call.norm.weight.to(stacked.dtype))
         for block, cols in zip(blocks, self._columns(blocks)):

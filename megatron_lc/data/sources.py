@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -27,6 +28,9 @@ from megatron_lc.data.blending import BlendedSamples, normalize
 from megatron_lc.data.index_cache import IndexCache, dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset, bin_path, idx_path
 from megatron_lc.data.samples import LongSequenceSamples, SampleSource
+from megatron_lc.data.tokenizers import TOKENIZER_TYPES
+from megatron_lc.errors import ConfigError
+from megatron_lc.flags import flag, flag_list
 
 SPLIT_NAMES = ("train", "valid", "test")
 DEFAULT_SPLIT = "969, 30, 1"  # Megatron-LM's value when --data-path comes without --split
@@ -286,3 +290,84 @@ def _part_source(
         raise ValueError(f"--seq-length {seq_length}: no prefix of the {part.name} part holds a whole sample, so "
                          "unweighted prefixes have nothing to weigh; shorten --seq-length or give weights")
     return BlendedSamples(sources, weights, size, cache)
+
+
+@dataclass
+class DataArgs:
+    data_path: list[str] = flag_list("indexed datasets: PREFIX ... or W1 PREFIX1 W2 PREFIX2 ... (weighted blend; "
+                                     "PREFIX of PREFIX.bin/.idx); cut into train/valid/test by --split")
+    split: str | None = flag(None, "train,valid,test weights carving every --data-path prefix by document, "
+                                   "e.g. 969,30,1 (default with --data-path: 969, 30, 1 and a warning, as "
+                                   "Megatron-LM)")
+    data_args_path: str | None = flag(None, "a file holding --data-path's words (whitespace-separated: PREFIX ... "
+                                            "or W1 PREFIX1 ...), for blends too long for a command line")
+    per_split_data_args_path: str | None = flag(None, "a JSON file {\"train\": ..., \"valid\": ..., \"test\": "
+                                                      "...}, each a string or list of --train-data-path's words "
+                                                      "(valid and test may be null)")
+    train_data_path: list[str] = flag_list("training blend, uncut (replaces --data-path's train part)")
+    valid_data_path: list[str] = flag_list("validation blend, uncut (replaces --data-path's valid part)")
+    test_data_path: list[str] = flag_list("test blend, uncut (replaces --data-path's test part)")
+    data_cache_path: str | None = flag(None, "directory for built sample indices (epoch layouts, blending "
+                                             "indices), reused when data and flags are the same")
+    mock_data: bool = flag(False, "deterministic random tokens instead of --data-path")
+    tokenizer_type: str | None = flag(None, "tokenizer of the data (for vocab size and generation)",
+                                      choices=TOKENIZER_TYPES)
+    tokenizer_model: str | None = flag(None, "tokenizer file or directory")
+    vocab_file: str | None = flag(None, "GPT2BPETokenizer: its vocab.json")
+    merge_file: str | None = flag(None, "GPT2BPETokenizer: its merges.txt")
+    seq_length: int = flag(1024, "tokens per sample")
+    micro_batch_size: int = flag(1, "samples per rank per forward/backward")
+    global_batch_size: int | None = flag(None, "samples per step over all data-parallel ranks "
+                                               "(default micro x dp; more means gradient accumulation)")
+    no_shuffle: bool = flag(False, "read documents in stream order")
+    num_workers: int = flag(0, "worker processes reading micro-batches ahead of the step (torch DataLoader "
+                               "workers, as Megatron-LM; 0 reads them in the training process; Megatron-LM's "
+                               "default is 2)")
+    reset_position_ids: bool = flag(False, "restart positions at each document")
+    reset_attention_mask: bool = flag(False, "attend within each document only (default: a sample attends "
+                                             "across its end-of-document tokens as one sequence, as Megatron-LM)")
+    eod_mask_loss: bool = flag(False, "do not train on predicting the token after an end-of-document")
+
+
+def _read_text(path: str, flag_name: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{flag_name} {path}: cannot be read ({e.strerror or e})") from e
+
+
+def read_data_args(path: str) -> list[str]:
+    """--data-args-path: the file's whitespace-separated words are --data-path's (Megatron-LM's format)."""
+    words = _read_text(path, "--data-args-path").split()
+    if not words:
+        raise ConfigError(f"--data-args-path {path}: the file is empty; it holds --data-path's words")
+    return words
+
+
+def read_per_split_data_args(path: str) -> dict[str, list[str]]:
+    """--per-split-data-args-path: Megatron-LM's JSON object with keys train, valid and test, each a string of
+    whitespace-separated words or a list of them (a blend as --train-data-path takes it); null: none."""
+    import json
+
+    try:
+        data = json.loads(_read_text(path, "--per-split-data-args-path"))
+    except ValueError as e:
+        raise ConfigError(f"--per-split-data-args-path {path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict) or "train" not in data or set(data) - {"train", "valid", "test"}:
+        raise ConfigError(f"--per-split-data-args-path {path}: expected an object with keys train, valid, test "
+                          f"(got {sorted(data) if isinstance(data, dict) else type(data).__name__})")
+    parts = {}
+    for key in ("train", "valid", "test"):
+        value = data.get(key)
+        if value is None:
+            parts[key] = []
+        elif isinstance(value, str):
+            parts[key] = value.split()
+        elif isinstance(value, list) and all(isinstance(w, (str, int, float)) for w in value):
+            parts[key] = [str(w) for w in value]
+        else:
+            raise ConfigError(f"--per-split-data-args-path {path}: {key} must be a string or a list of words, got "
+                              f"{value!r}")
+    if not parts["train"]:
+        raise ConfigError(f"--per-split-data-args-path {path}: train is empty")
+    return parts

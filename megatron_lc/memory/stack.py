@@ -150,9 +150,11 @@ class MemoryStack:
                                 prefetch_early=self.offload_mode == "early", every_k=self.offload_every_k_layers,
                                 attention_layers=self.kept_attention_layers(num_layers))
 
-    def apply(self, model, devices, bounds: TileBounds = tile_bounds) -> OffloadScheduler | None:
+    def apply(self, model, devices, bounds: TileBounds = tile_bounds,
+              fp32_out_gemm: bool | None = None) -> OffloadScheduler | None:
         """Set each block's recompute, offload, kept attention and MLP tiles, and the head's loss tiles, on a
-        (meta-device) Transformer, the tile loops running over `bounds`; returns the offload scheduler, if any."""
+        (meta-device) Transformer, the tile loops running over `bounds` and summing 16-bit products in fp32 the
+        `fp32_out_gemm` way (`tiling.addmm_fp32_`); returns the offload scheduler, if any."""
         self.validate()
         num_layers = model.config.num_layers
         offload = self.offload_scheduler(num_layers, devices)
@@ -160,8 +162,8 @@ class MemoryStack:
             layer.memory.recompute = self.block_recompute(i, num_layers)
             layer.memory.offload = offload if layer.memory.recompute == "full" else None
             layer.memory.keep_attention = layer.memory.recompute == "full" and i < self.kept_attention_layers(num_layers)
-            layer.mlp.num_tiles, layer.mlp.tile_bounds = self.mlp_tiles, bounds
-        model.head.loss_tiles, model.head.tile_bounds = self.loss_tiles, bounds
+            layer.mlp.num_tiles, layer.mlp.tile_bounds, layer.mlp.fp32_out_gemm = self.mlp_tiles, bounds, fp32_out_gemm
+        model.head.loss_tiles, model.head.tile_bounds, model.head.fp32_out_gemm = self.loss_tiles, bounds, fp32_out_gemm
         return offload
 
 

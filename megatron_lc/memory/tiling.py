@@ -81,36 +81,25 @@ def _new_accumulator(weight: torch.Tensor, dtype: torch.dtype, many_tiles: bool)
 
 
 _FP32_OUT_GEMM: dict[tuple[type, str], bool] = {}
-"""(tensor type, device type) -> whether `torch.addmm(..., out_dtype=fp32, out=acc)` runs there."""
-_FP32_OUT_GEMM_PLANNED: list[bool] = []
-"""Set by `planned_fp32_out_gemm` while the planner traces: the target's answer, not the tracing device's."""
+"""(tensor type, device type) -> whether `torch.addmm(..., out_dtype=fp32, out=acc)` runs there (what the
+hardware and torch answer, remembered; nothing sets it)."""
 
 
-@contextlib.contextmanager
-def planned_fp32_out_gemm(available: bool) -> Iterator[None]:
-    """While open, `addmm_fp32_` takes the path the planned machine takes (CUDA: the fp32-output GEMM;
-    CPU: fp32 copies of operand blocks), whatever tensors it sees."""
-    _FP32_OUT_GEMM_PLANNED.append(available)
-    try:
-        yield
-    finally:
-        _FP32_OUT_GEMM_PLANNED.pop()
-
-
-def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_out_gemm: bool | None = None) -> None:
     """``acc += a @ b`` accumulated in ``acc``'s dtype (fp32 for 16-bit a, b), rounded nowhere else.
 
     With 16-bit operands and an fp32 accumulator this is one GEMM writing fp32 output
     (``addmm`` with ``out_dtype``: CUDA, and fake tensors on any device); where that is
     unavailable (CPU, or a torch whose CUDA kernel wants ``acc`` in the operands' dtype)
     the operands are upcast to fp32 copies, block by block. Either way no 16-bit product
-    is rounded before it is added.
+    is rounded before it is added. `fp32_out_gemm` names the path (the planner states its target's, whatever
+    tensors it traces with); None: the device's, tried once.
     """
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
         return
     key = (type(acc), acc.device.type)
-    if _FP32_OUT_GEMM_PLANNED[-1] if _FP32_OUT_GEMM_PLANNED else _FP32_OUT_GEMM.get(key, True):
+    if _FP32_OUT_GEMM.get(key, True) if fp32_out_gemm is None else fp32_out_gemm:
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             _FP32_OUT_GEMM[key] = True
@@ -136,9 +125,9 @@ def fp32_out_gemm_available(device: torch.device) -> bool | None:
     return _FP32_OUT_GEMM.get((torch.Tensor, device.type))
 
 
-def _accumulate_at_b(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def _accumulate_at_b(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_out_gemm: bool | None) -> None:
     """``acc += a.T @ b``, in place, accumulated in ``acc``'s dtype (no tile-sized 16-bit product)."""
-    addmm_fp32_(acc, a.t(), b)
+    addmm_fp32_(acc, a.t(), b, fp32_out_gemm)
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -152,7 +141,7 @@ def _swiglu_tile_forward(xt, w_gate, w_up, w_down) -> torch.Tensor:
     return F.linear(gate, w_down)
 
 
-def _swiglu_tile_backward(xt, dy, w_gate, w_up, w_down, grads, grad_x_tile) -> None:
+def _swiglu_tile_backward(xt, dy, w_gate, w_up, w_down, grads, grad_x_tile, fp32_out_gemm) -> None:
     """Recompute one tile and add its gradients.
 
     ``grads`` holds the accumulators (or None) for (w_gate, w_up, w_down); ``grad_x_tile``
@@ -168,15 +157,15 @@ def _swiglu_tile_backward(xt, dy, w_gate, w_up, w_down, grads, grad_x_tile) -> N
     dsilu = gate.sub_(silu).add_(1).mul_(sig)
     del sig
     if acc_down is not None:
-        _accumulate_at_b(acc_down, dy, silu * up)
+        _accumulate_at_b(acc_down, dy, silu * up, fp32_out_gemm)
     d_act = dy @ w_down
     d_up = silu.mul_(d_act)
     d_gate = d_act.mul_(up).mul_(dsilu)
     del up, dsilu
     if acc_gate is not None:
-        _accumulate_at_b(acc_gate, d_gate, xt)
+        _accumulate_at_b(acc_gate, d_gate, xt, fp32_out_gemm)
     if acc_up is not None:
-        _accumulate_at_b(acc_up, d_up, xt)
+        _accumulate_at_b(acc_up, d_up, xt, fp32_out_gemm)
     if grad_x_tile is not None:
         torch.mm(d_gate, w_gate, out=grad_x_tile)
         grad_x_tile.addmm_(d_up, w_up)
@@ -186,7 +175,7 @@ class _TiledSwiGLU(torch.autograd.Function):
     """SwiGLU MLP over row tiles; saves only the input and the weights."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, num_tiles, bounds):
+    def forward(ctx, x, w_gate, w_up, w_down, num_tiles, bounds, fp32_out_gemm):
         dtype = _compute_dtype(x)
         with _autocast_off(x):
             rows = x.reshape(-1, x.shape[-1])
@@ -195,7 +184,7 @@ class _TiledSwiGLU(torch.autograd.Function):
             for start, end in bounds(rows.shape[0], num_tiles):
                 out[start:end] = _swiglu_tile_forward(rows[start:end].to(dtype), wg, wu, wd)
         ctx.save_for_backward(x, w_gate, w_up, w_down)
-        ctx.num_tiles, ctx.dtype, ctx.bounds = num_tiles, dtype, bounds
+        ctx.num_tiles, ctx.dtype, ctx.bounds, ctx.fp32_out_gemm = num_tiles, dtype, bounds, fp32_out_gemm
         return out.view(*x.shape[:-1], wd.shape[0])
 
     @staticmethod
@@ -216,12 +205,12 @@ class _TiledSwiGLU(torch.autograd.Function):
             for start, end in bounds:
                 gx_tile = grad_x[start:end] if need_x else None
                 _swiglu_tile_backward(
-                    rows[start:end].to(dtype), dy_rows[start:end], *weights, grads, gx_tile
+                    rows[start:end].to(dtype), dy_rows[start:end], *weights, grads, gx_tile, ctx.fp32_out_gemm
                 )
         originals = (w_gate, w_up, w_down)
         grad_ws = [None if g is None else g.to(w.dtype) for g, w in zip(grads, originals)]
         grad_x = None if grad_x is None else grad_x.view(x.shape).to(x.dtype)
-        return (grad_x, *grad_ws, None, None)
+        return (grad_x, *grad_ws, None, None, None)
 
 
 def _check_mlp_shapes(x, w_gate, w_up, w_down) -> None:
@@ -245,16 +234,18 @@ def tiled_swiglu_mlp(
     w_down: torch.Tensor,
     num_tiles: int,
     bounds: TileBounds = tile_bounds,
+    fp32_out_gemm: bool | None = None,
 ) -> torch.Tensor:
     """``F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)`` over tiles.
 
     ``x`` is ``[..., S, hidden]``; its leading dims are flattened with the sequence and
     the rows are cut into ``num_tiles`` tiles. Forward keeps nothing but ``x`` and the
-    weights; backward recomputes tile by tile and returns one gradient per weight.
+    weights; backward recomputes tile by tile and returns one gradient per weight. `bounds` is the tile policy,
+    `fp32_out_gemm` how 16-bit tiles' weight gradients are summed in fp32 (`addmm_fp32_`).
     """
     _check_num_tiles(num_tiles)
     _check_mlp_shapes(x, w_gate, w_up, w_down)
-    return _TiledSwiGLU.apply(x, w_gate, w_up, w_down, num_tiles, bounds)
+    return _TiledSwiGLU.apply(x, w_gate, w_up, w_down, num_tiles, bounds, fp32_out_gemm)
 
 
 # ----------------------------------------------------------------------- loss
@@ -286,7 +277,7 @@ def _tile_loss_and_grad_logits(logits, labels, ignore_index, need_grad):
     return loss, grad.mul_(valid.unsqueeze(1))
 
 
-def _ce_tile(h_tile, weight, labels, ignore_index, grad_h_tile, grad_w):
+def _ce_tile(h_tile, weight, labels, ignore_index, grad_h_tile, grad_w, fp32_out_gemm):
     """Loss sum of one row tile; writes its hidden gradient and adds its weight gradient.
 
     ``grad_h_tile`` / ``grad_w`` are None when that gradient is not needed.
@@ -301,7 +292,7 @@ def _ce_tile(h_tile, weight, labels, ignore_index, grad_h_tile, grad_w):
     if grad_h_tile is not None:
         torch.mm(grad_logits, weight, out=grad_h_tile)
     if grad_w is not None:
-        _accumulate_at_b(grad_w, grad_logits, h_tile)
+        _accumulate_at_b(grad_w, grad_logits, h_tile, fp32_out_gemm)
     return loss
 
 
@@ -319,7 +310,7 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, num_tiles, ignore_index, tile_policy):
+    def forward(ctx, hidden, weight, labels, num_tiles, ignore_index, tile_policy, fp32_out_gemm):
         dtype = _compute_dtype(hidden)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         bounds = list(tile_policy(hidden.shape[0], num_tiles))
@@ -337,6 +328,7 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
                     ignore_index,
                     grad_h_tile,
                     grad_w,
+                    fp32_out_gemm,
                 )
         num_valid = (labels != ignore_index).sum()
         ctx.mark_non_differentiable(num_valid)
@@ -359,7 +351,7 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
             grad_h.mul_(grad_loss)
         if grad_w is not None:
             grad_w = grad_w.mul_(grad_loss).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def _check_loss_shapes(hidden, weight, labels) -> None:
@@ -381,16 +373,17 @@ def tiled_linear_cross_entropy(
     num_tiles: int,
     ignore_index: int = -100,
     bounds: TileBounds = tile_bounds,
+    fp32_out_gemm: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross-entropies of ``hidden @ weight.T`` against ``labels``, tiled.
 
     Returns ``(loss_sum, num_valid)``: an fp32 scalar and an int64 scalar (rows whose
     label is ``ignore_index`` count in neither). The mean over the global batch is the
-    caller's: all-reduce both, then divide.
+    caller's: all-reduce both, then divide. `bounds` and `fp32_out_gemm` as in ``tiled_swiglu_mlp``.
     """
     _check_num_tiles(num_tiles)
     _check_loss_shapes(hidden, weight, labels)
-    return _TiledLinearCrossEntropy.apply(hidden, weight, labels, num_tiles, ignore_index, bounds)
+    return _TiledLinearCrossEntropy.apply(hidden, weight, labels, num_tiles, ignore_index, bounds, fp32_out_gemm)
 
 
 def linear_cross_entropy(

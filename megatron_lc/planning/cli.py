@@ -25,7 +25,7 @@ import sys
 
 from megatron_lc.errors import ConfigError
 from megatron_lc.cli import ArgumentParser, run_tool
-from megatron_lc.config import build_parser, parse_config
+from megatron_lc.arguments import build_parser, parse_config
 from megatron_lc.planning.estimate import Machine, planning_config
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
 from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, TOLERANCE

@@ -28,9 +28,9 @@ the registry as it selects the real ones):
 Fused CUDA ops: on CUDA, `F.rms_norm` runs torch's fused kernel (`_fused_rms_norm`),
 whose autograd saves the input and an fp32 `rstd` per row and whose backward returns
 `grad_input` and `grad_weight`; on CPU it decomposes into pow/mean/rsqrt/mul, each with
-a full-size intermediate saved for backward. `cuda_op_models` (open during a CUDA-target
-trace) replaces `F.rms_norm` by a stand-in with the fused kernel's
-allocations.
+a full-size intermediate saved for backward. `cuda_rms_norm` is a stand-in with the fused
+kernel's allocations; a CUDA-target trace passes it as the model's norm op
+(`ParallelizeOptions.rms_norm`).
 
 Communication library: NCCL allocates its buffers outside PyTorch's allocator, per
 connection, a fixed amount that does not grow with the message size. `NcclSettings`
@@ -40,14 +40,12 @@ models them from the settings a run states (NCCL_BUFFSIZE, channels); see
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from megatron_lc.attention import kernels
 
@@ -282,22 +280,10 @@ class _FusedRMSNorm(torch.autograd.Function):
         return torch.empty_like(x), None, grad_weight, None
 
 
-@contextlib.contextmanager
-def cuda_op_models() -> Iterator[None]:
-    """`F.rms_norm` allocates as torch's fused CUDA kernel while the context is open.
-
-    A function swap rather than a TorchFunctionMode: modes are not active in backward,
-    where checkpointed blocks are recomputed.
-    """
-    original = F.rms_norm
-    F.rms_norm = _rms_norm
-    try:
-        yield
-    finally:
-        F.rms_norm = original
-
-
-def _rms_norm(input, normalized_shape, weight=None, eps=None):
+def cuda_rms_norm(input, normalized_shape, weight=None, eps=None):
+    """`F.rms_norm` as torch's fused CUDA kernel allocates (the op a CUDA-target trace gives the model's norms:
+    an op the model is handed, not a TorchFunctionMode, as modes are not active in backward, where checkpointed
+    blocks are recomputed)."""
     return _FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
 
 

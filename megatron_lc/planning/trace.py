@@ -13,23 +13,22 @@ The same `run_tracked_step` drives the real CPU runs that validate the planner.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_lc.config import TrainConfig
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import Devices
-from megatron_lc.memory import tiling
 from megatron_lc.models.llama.parallelize import materialize
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from megatron_lc.planning.fakes import fake_process_group, representative_tile_bounds
 from megatron_lc.planning.standins import (
     BufferNamer,
-    cuda_op_models,
+    cuda_rms_norm,
     planned_kernel_name,
     planned_kernels,
 )
@@ -92,7 +91,7 @@ def measure_real_step(cfg: TrainConfig, pstate: ParallelState, batch: Batch,
     Where host and accelerator are one device (CPU runs), the offload pool is tracked too;
     a probe of its reserved bytes moves it from the accelerator's side to the host's.
     """
-    model, offload = build_sharded_model(cfg, cfg.model_config(), pstate, devices)
+    model, offload = build_sharded_model(cfg, cfg.run_spec(pstate.dims.world_size), pstate, devices)
     optimizer = build_run_optimizer(model, cfg, fused=False)
     initialize_optimizer_state(model, optimizer)
     probe = (lambda: offload.host_bytes_reserved) if offload and devices.host == devices.accelerator else None
@@ -116,13 +115,15 @@ def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str =
     compute_dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32  # what attention sees (--bf16: autocast)
     kernel = planned_kernel_name(cfg.parallel.attention_kernel, device, compute_dtype, flash_attn_installed,
                                  flash_impl)
-    opts = cfg.parallelize_options()
+    spec = cfg.run_spec(world_size)
+    opts = spec.parallelize
     opts = dataclasses.replace(opts, cp=dataclasses.replace(opts.cp, kernel=kernel), kernels=planned_kernels(namer),
-                               tile_bounds=representative_tile_bounds)
-    model_config = dataclasses.replace(cfg.model_config(), num_layers=num_layers)
-    with fake_process_group(world_size), tiling.planned_fp32_out_gemm(device == "cuda"):
-        pstate = ParallelState(parallel_dims(cfg, world_size), device_type="cpu")
-        model, offload = build_parallel_model(cfg, model_config, pstate, PLANNER_DEVICES, opts)
+                               tile_bounds=representative_tile_bounds, fp32_out_gemm=device == "cuda",
+                               rms_norm=cuda_rms_norm if device == "cuda" else F.rms_norm)
+    model_config = dataclasses.replace(spec.model, num_layers=num_layers)
+    with fake_process_group(world_size):
+        pstate = ParallelState(spec.dims, device_type="cpu")
+        model, offload = build_parallel_model(model_config, opts, pstate, PLANNER_DEVICES)
         with FakeTensorMode(allow_non_fake_inputs=True):
             materialize(model, PLANNER_DEVICES, cfg.train.seed)
             optimizer = build_run_optimizer(model, cfg, fused=device == "cuda")
@@ -131,7 +132,6 @@ def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str =
             batches = [synthetic_micro_batch(cfg, pstate.cp_size, PLANNER_DEVICES.host) for _ in range(count)]
             tracker = make_tracker(model, optimizer)
             namer.tracker = tracker
-            with cuda_op_models() if device == "cuda" else contextlib.nullcontext():
-                analysis = run_tracked_step(tracker, model, optimizer, batches, pstate, PLANNER_DEVICES,
-                                            cfg.optim.clip_grad, cfg.train.bf16)
+            analysis = run_tracked_step(tracker, model, optimizer, batches, pstate, PLANNER_DEVICES,
+                                        cfg.optim.clip_grad, cfg.train.bf16)
     return StepTrace(analysis, num_layers, count, offload.host_bytes_peak if offload else 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lc.config import TrainConfig
+from megatron_lc.config import RunSpec, TrainConfig
 from megatron_lc.devices import Devices
 from megatron_lc.memory.offload import OffloadScheduler
 from megatron_lc.models.llama import Transformer, build_model
@@ -16,17 +16,17 @@ from megatron_lc.parallel_state import ParallelState
 from megatron_lc.training.optim import build_optimizer
 
 
-def build_parallel_model(cfg: TrainConfig, model_config: LlamaConfig, pstate: ParallelState, devices: Devices,
-                         opts: ParallelizeOptions | None = None) -> tuple[Transformer, OffloadScheduler | None]:
-    """The run's model on the meta device, parallelized (`opts`, default the run's), and its offload scheduler."""
+def build_parallel_model(model_config: LlamaConfig, opts: ParallelizeOptions, pstate: ParallelState,
+                         devices: Devices) -> tuple[Transformer, OffloadScheduler | None]:
+    """A run's model on the meta device, parallelized as `opts` say, and its offload scheduler."""
     model = build_model(model_config, device="meta", dtype=torch.float32)  # fp32 master weights, also with --bf16
-    return model, parallelize_llama(model, pstate, opts or cfg.parallelize_options(), devices)
+    return model, parallelize_llama(model, pstate, opts, devices)
 
 
-def build_sharded_model(cfg: TrainConfig, model_config: LlamaConfig, pstate: ParallelState,
+def build_sharded_model(cfg: TrainConfig, spec: RunSpec, pstate: ParallelState,
                         devices: Devices) -> tuple[Transformer, OffloadScheduler | None]:
-    """The run's model on this rank with its (sharded) initial weights, and its offload scheduler."""
-    model, offload = build_parallel_model(cfg, model_config, pstate, devices)
+    """The run's model (`spec`) on this rank with its (sharded) initial weights, and its offload scheduler."""
+    model, offload = build_parallel_model(spec.model, spec.parallelize, pstate, devices)
     materialize(model, devices, seed=cfg.train.seed, fsdp_cpu_offload=cfg.parallel.fsdp_cpu_offload)
     return model, offload
 

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import math
-import os
 import resource
 import signal
 import time
@@ -20,18 +19,12 @@ from megatron_lc.attention.kernels import running_kernel
 from megatron_lc.errors import ConfigError
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
-from megatron_lc.training.preflight import activate_flash, preflight
+from megatron_lc.training.preflight import preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
-from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
 from megatron_lc.models.llama import count_parameters
-from megatron_lc.parallel_state import (
-    ParallelState,
-    detect_launch,
-    init_distributed,
-    warm_up_collectives,
-)
+from megatron_lc.parallel_state import ParallelState, detect_launch
 from megatron_lc.training.logging import (
     MetricsLogger,
     default_log_dir,
@@ -42,39 +35,8 @@ from megatron_lc.training.logging import (
 from megatron_lc.training.resume import apply_checkpoint_args, resume, save, take_save_lock
 from megatron_lc.training.run import Run, global_batch_size, say
 from megatron_lc.training.schedule import schedule_from_config
+from megatron_lc.training.startup import start_processes
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
-
-
-def set_allocator_defaults() -> None:
-    """Expandable segments in the CUDA allocator's settings, merged into the user's (see devices.py).
-
-    Called before anything touches CUDA: torch reads the variable when CUDA initialises.
-    """
-    set_cuda_allocator_settings()
-
-
-def nccl_version() -> str:
-    version = torch.cuda.nccl.version()  # (major, minor, patch[, suffix]); an int in old torch
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
-def nccl_settings_line(warm_up_bytes: int) -> str:
-    """What NCCL ran with: its version, NVLS (NVLink SHARP buffers, which the memory plan leaves out and
-    NCCL turns on by default on NVSwitch systems), and the device memory the warm-up collectives took."""
-    nvls = os.environ.get("NCCL_NVLS_ENABLE")
-    nvls_text = (f"NCCL_NVLS_ENABLE={nvls}" if nvls is not None
-                 else "NCCL_NVLS_ENABLE unset (NCCL's default: on where NVSwitch has it)")
-    return (f"NCCL {nccl_version()} | {nvls_text} | warm-up collectives took {warm_up_bytes / 2**30:.2f} GiB "
-            "of device memory")
-
-
-def warmed_up_collectives(pstate: ParallelState, devices: Devices, rank: int) -> None:
-    """Warm up the step's collectives (NCCL's connections before PyTorch's cache fills the card); on CUDA
-    rank 0 prints NCCL's settings and the device memory the warm-up took (the driver's free bytes)."""
-    free_before = torch.cuda.mem_get_info(devices.accelerator)[0] if devices.is_cuda else 0
-    warm_up_collectives(pstate, devices.accelerator)
-    if devices.is_cuda and rank == 0:
-        print(nccl_settings_line(free_before - torch.cuda.mem_get_info(devices.accelerator)[0]), flush=True)
 
 
 def data_sizes(cfg: TrainConfig, dp_size: int) -> dict[str, int]:
@@ -140,20 +102,12 @@ def build_run(cfg: TrainConfig) -> Run:
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
     cfg = cfg.resolved(launch.world_size)  # --train-samples, --data-args-path, ... filled in
     preflight(cfg)  # what the run needs of this machine's disks, packages and devices
-    set_allocator_defaults()
-    devices = resolve_devices(cfg.train.device, launch.local_rank)
-    if devices.is_cuda:
-        torch.cuda.set_device(devices.accelerator)
-        activate_flash(cfg, devices.accelerator)  # before any attention and any process group
-    init_distributed(devices.accelerator, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
-    p = cfg.parallel
-    pstate = ParallelState(cfg.parallel_dims(launch.world_size), devices.accelerator.type)
-    warmed_up_collectives(pstate, devices, launch.rank)
-    spec = cfg.tokenizer_spec()
-    tokenizer = spec.build() if spec else None
+    tokenizer_spec = cfg.tokenizer_spec()
+    tokenizer = tokenizer_spec.build() if tokenizer_spec else None
     eod = tokenizer.eod if tokenizer else None
-    model_config = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None)  # padded (--make-vocab-...)
-    data_vocab = cfg.model_config(vocab_size=tokenizer.vocab_size if tokenizer else None, padded=False).vocab_size
+    spec = cfg.run_spec(launch.world_size, tokenizer.vocab_size if tokenizer else None)
+    devices, pstate = start_processes(cfg, spec.dims, launch)
+    p, model_config, data_vocab = cfg.parallel, spec.model, spec.data_vocab_size
     train_source, valid_source, test_source = build_sample_sources(cfg, data_vocab, pstate.dp_size, launch.rank)
     loader = _loader(train_source, cfg, pstate, eod)
     eval_loaders = tuple((source, _loader(source, cfg, pstate, eod)) for source in (valid_source, test_source)
@@ -161,7 +115,7 @@ def build_run(cfg: TrainConfig) -> Run:
     for worker_loader in (loader, *(l for _, l in eval_loaders)):  # forked before anything is page-locked
         if isinstance(worker_loader, WorkerLoader):
             worker_loader.start()
-    model, offload = build_sharded_model(cfg, model_config, pstate, devices)
+    model, offload = build_sharded_model(cfg, spec, pstate, devices)
     if offload is not None:  # page-lock the host arenas before step 1 (logged; minutes for a terabyte)
         block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
         offload.reserve((cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size,
@@ -211,8 +165,8 @@ def full_validation_rounds(run: Run, source: SampleSource) -> int:
     return len(source) // per_round
 
 
-def evaluate(run: Run, iters: int, source: SampleSource | None = None, first_sample: int = 0,
-             rounds: int | None = None) -> float:
+def validation_loss(run: Run, iters: int, source: SampleSource | None = None, first_sample: int = 0,
+                    rounds: int | None = None) -> float:
     """Mean loss over `iters` global batches (Megatron's --eval-iters) of `source` (default the
     validation part) from `first_sample`, in stream order; `rounds` micro-batch rounds instead when given."""
     loader = run.eval_loader(source or run.valid_source)
@@ -371,7 +325,7 @@ def _train_run(run: Run) -> list[dict]:
             if g.eval_interval and step % g.eval_interval == 0:
                 metrics.update(run_validation(run, step // g.eval_interval - 1))
             if step == cfg.train.train_iters and run.test_source is not None and g.eval_iters >= 1:
-                metrics["test_loss"] = evaluate(run, g.eval_iters, run.test_source)  # once, as Megatron
+                metrics["test_loss"] = validation_loss(run, g.eval_iters, run.test_source)  # once, as Megatron
             console = ("val_loss" in metrics or step % g.log_interval == 0
                        or step in (start + 1, cfg.train.train_iters))  # every evaluation is logged at its step
             tensorboard = step % g.tensorboard_log_interval == 0
@@ -406,10 +360,10 @@ def run_validation(run: Run, evaluation: int) -> dict:
     stopped, or with --full-validation the whole validation part from its first sample."""
     g = run.cfg.logging
     if g.full_validation:
-        return {"val_loss": evaluate(run, 0, run.valid_source, 0, rounds=full_validation_rounds(run, run.valid_source))}
+        return {"val_loss": validation_loss(run, 0, run.valid_source, 0, rounds=full_validation_rounds(run, run.valid_source))}
     per_evaluation = g.eval_iters * global_batch_size(run.cfg, run.pstate.dp_size)
     first = validation_window(evaluation, per_evaluation, len(run.valid_source))
-    return {"val_loss": evaluate(run, g.eval_iters, run.valid_source, first)}
+    return {"val_loss": validation_loss(run, g.eval_iters, run.valid_source, first)}
 
 
 def skip_train(run: Run, step: int) -> dict:
@@ -420,11 +374,11 @@ def skip_train(run: Run, step: int) -> dict:
     say(run, f"skipping training (--skip-train): evaluating the weights of step {step}")
     if run.valid_source is not None and (g.full_validation or g.eval_iters >= 1):
         rounds = full_validation_rounds(run, run.valid_source) if g.full_validation else None
-        result["val_loss"] = evaluate(run, g.eval_iters, run.valid_source, 0, rounds=rounds)
+        result["val_loss"] = validation_loss(run, g.eval_iters, run.valid_source, 0, rounds=rounds)
         say(run, f"validation at step {step} | lm loss {result['val_loss']:.6E} | "
                   f"lm loss PPL {validation_ppl(result['val_loss']):.6E}")
     if run.test_source is not None and g.eval_iters >= 1:
-        result["test_loss"] = evaluate(run, g.eval_iters, run.test_source)
+        result["test_loss"] = validation_loss(run, g.eval_iters, run.test_source)
         say(run, f"test at step {step} | lm loss {result['test_loss']:.6E} | "
                   f"lm loss PPL {validation_ppl(result['test_loss']):.6E}")
     if len(result) == 1:

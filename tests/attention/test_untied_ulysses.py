@@ -101,7 +101,7 @@ def test_registry_builds_untied_ulysses_and_checks_the_stage_width():
 
 @pytest.mark.parametrize("flags", [["--context-parallel-size", "2"], ["--cp-impl", "untied_ulysses"]])
 def test_pipelined_stages_without_untied_ulysses_are_refused_naming_the_flag(flags):
-    from megatron_lc.config import parse_config
+    from megatron_lc.arguments import parse_config
 
     base = ["--model", "debug", "--mock-data", "--seq-length", "64", "--device", "cpu"]
     parse_config([*base, "--context-parallel-size", "2", "--cp-impl", "untied_ulysses",

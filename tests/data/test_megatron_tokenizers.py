@@ -16,7 +16,7 @@ from adversarial import adversarial_texts
 
 from megatron_lc.errors import EXIT_CONFIG_ERROR
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.preflight import preflight
 from megatron_lc.data.corpus import InvalidInputError
 from megatron_lc.data.indexed_dataset import IndexedDataset

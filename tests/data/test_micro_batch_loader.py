@@ -90,7 +90,7 @@ def test_mock_samples_go_through_the_same_loader():
 def test_bad_parallel_layout_is_rejected_early(samples):
     with pytest.raises(ValueError, match="dp_rank 2 is not a rank"):
         MicroBatchLoader(samples, 1, dp_rank=2, dp_size=2)
-    with pytest.raises(ValueError, match="is not divisible by 3 \(--context-parallel-size 3\)"):
+    with pytest.raises(ValueError, match=r"is not divisible by 3 \(--context-parallel-size 3\)"):
         MicroBatchLoader(samples, 1, cp_size=3)
 
 

@@ -67,7 +67,7 @@ set_cuda_allocator_settings()  # as the trainer: expandable segments merged in b
 import torch.distributed as dist
 
 from megatron_lc.attention import kernels
-from megatron_lc.config import config_from_values
+from megatron_lc.arguments import config_from_values
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import PEAK_DENSE_BF16_FLOPS, Devices
 from megatron_lc.memory import offload as offload_module
@@ -473,7 +473,7 @@ def measure_step(cfg, world_size: int, s: Sizes) -> dict:
 def _measure_step(cfg, world_size: int, s: Sizes) -> dict:
     devices = Devices(torch.device(s.device), torch.device("cpu"))
     pstate = ParallelState(parallel_dims(cfg, world_size), device_type=s.device)
-    model, offload = build_sharded_model(cfg, cfg.model_config(), pstate, devices)
+    model, offload = build_sharded_model(cfg, cfg.run_spec(pstate.dims.world_size), pstate, devices)
     optimizer = build_run_optimizer(model, cfg, fused=s.device == "cuda")
     initialize_optimizer_state(model, optimizer)
     batch = synthetic_batch(cfg, pstate)
@@ -637,7 +637,7 @@ def step_loss_and_grads(cfg, s: Sizes) -> tuple[torch.Tensor, list[torch.Tensor]
     torch.manual_seed(0)
     devices = Devices(torch.device(s.device), torch.device("cpu"))
     pstate = ParallelState(parallel_dims(cfg, 1), device_type=s.device)
-    model, _ = build_sharded_model(cfg, cfg.model_config(), pstate, devices)
+    model, _ = build_sharded_model(cfg, cfg.run_spec(pstate.dims.world_size), pstate, devices)
     torch.manual_seed(1)
     batch = synthetic_batch(cfg, pstate)
     from megatron_lc.training.step import forward_backward

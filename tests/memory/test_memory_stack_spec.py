@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_lc.config import config_from_values
+from megatron_lc.arguments import config_from_values
 from megatron_lc.devices import Devices
 from megatron_lc.errors import ConfigError
 from megatron_lc.memory.chunks import plan_chunks
@@ -158,14 +158,14 @@ def test_sparse_offload_counts_of_segments():
                                        (["--offload-activations", "--offload-prefetch-early"], "early"),
                                        (["--offload-mode", "early"], "early")])
 def test_old_offload_spellings_are_aliases_of_offload_mode(old, mode):
-    from megatron_lc.config import parse_config
+    from megatron_lc.arguments import parse_config
 
     cfg = parse_config(["--mock-data", "--recompute-granularity", "full", *old])
     assert cfg.memory.offload_mode == mode and cfg.memory_stack().offload_mode == mode
 
 
 def test_kept_attention_layers_are_the_first_checkpointed_blocks_and_the_flag_is_refused_alone():
-    from megatron_lc.config import parse_config
+    from megatron_lc.arguments import parse_config
 
     base = ["--mock-data", "--num-layers", "4", "--recompute-granularity", "full", "--offload-mode", "prefetch"]
     cfg = parse_config([*base, "--keep-attention-output", "--keep-attention-output-layers", "2"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.errors import ConfigError
 from megatron_lc.models.llama import build_model
 from megatron_lc.training.hf_conversion import checkpoint_to_hf, config_from_meta, hf_to_checkpoint, plan_shards

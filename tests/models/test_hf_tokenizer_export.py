@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.data.tokenizers import build_tokenizer, train_sentencepiece
 from megatron_lc.training.hf_conversion import checkpoint_to_hf
 from megatron_lc.training.trainer import train

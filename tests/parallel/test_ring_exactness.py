@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.models.llama import get_config
 from megatron_lc.models.llama.parallelize import ParallelizeOptions
 from megatron_lc.training.trainer import train

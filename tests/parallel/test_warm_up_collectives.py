@@ -109,11 +109,11 @@ def test_four_ranks_hsdp_with_ulysses_pairs():
 
 
 def test_the_trainer_warms_up_right_after_the_mesh(monkeypatch):
-    from megatron_lc.config import parse_config
-    from megatron_lc.training import trainer
+    from megatron_lc.arguments import parse_config
+    from megatron_lc.training import startup, trainer
 
     order = []
-    monkeypatch.setattr(trainer, "warm_up_collectives", lambda pstate, device: order.append(("warm_up", device)))
+    monkeypatch.setattr(startup, "warm_up_collectives", lambda pstate, device: order.append(("warm_up", device)))
     real_build = trainer.build_sharded_model
     monkeypatch.setattr(trainer, "build_sharded_model",
                         lambda *a, **k: (order.append(("model", None)), real_build(*a, **k))[1])

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from megatron_lc.planning import cli as estimate_memory
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.planning.autofit import (
     MODES,
     TOLERANCE,

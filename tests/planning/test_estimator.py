@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.planning.estimate import Machine, estimate
 from megatron_lc.planning.estimator import EstimateCache, Estimator
 

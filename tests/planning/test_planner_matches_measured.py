@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_lc.attention.registry import CP_IMPLS
-from megatron_lc.config import config_from_values
+from megatron_lc.arguments import config_from_values
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import Devices
 from megatron_lc.parallel_state import ParallelState

@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_lc.planning import cli as estimate_memory
-from megatron_lc.config import config_from_values, parse_config
+from megatron_lc.arguments import config_from_values, parse_config
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.search import find_max_seq_length, length_multiple, stack_layers
 from megatron_lc.planning.standins import (

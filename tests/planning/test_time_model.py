@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_lc.planning import cli as estimate_memory
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.models.llama import build_model
 from megatron_lc.planning import timing
 from megatron_lc.planning.timing import RATES, TimeModel, predict, step_work
@@ -271,7 +271,7 @@ def test_early_prefetch_hides_the_copy_back_behind_the_next_layers_backward():
 def test_fa3_prices_only_the_calls_its_backward_workspace_holds():
     """Past about 16.7M tokens in one kernel call FA3 does not run (its dq workspace size is a 32-bit int): the
     planner prices torch's flash kernel (FA2's rates) there, FA3 where a ring shortens the calls."""
-    from megatron_lc.config import parse_config
+    from megatron_lc.arguments import parse_config
     from megatron_lc.planning.estimate import Machine
 
     def family(length, *layout):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 RECORDER = """#!/usr/bin/env python3

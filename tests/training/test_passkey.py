@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.data.tokenizers import ByteTokenizer
 from megatron_lc.passkey import passkey_keys, passkey_sample
 from megatron_lc.training.trainer import train

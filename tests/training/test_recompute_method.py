@@ -3,12 +3,11 @@
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.trainer import build_run, train_one_step
+from tests.helpers import train_flags
 
-BASE = ["--mock-data", "--seq-length", "16", "--num-layers", "3", "--hidden-size", "32", "--ffn-hidden-size", "64",
-        "--num-attention-heads", "2", "--num-query-groups", "1", "--vocab-size", "64", "--device", "cpu",
-        "--train-iters", "2", "--lr", "3e-3"]
+BASE = train_flags("--num-layers", "3", "--train-iters", "2", tiny_model=True)
 FULL = ["--recompute-granularity", "full"]
 
 

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.preflight import preflight
 from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lc.training import checkpointing
 from megatron_lc.training.logging import format_duration
 from megatron_lc.training.trainer import train
-from tests.helpers import free_port
+from tests.helpers import free_port, train_flags
 
-BASE = ["--mock-data", "--seq-length", "32", "--lr", "3e-3", "--adam-eps", "1e-4", "--device", "cpu"]
+BASE = train_flags("--seq-length", "32")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -191,7 +191,7 @@ def test_a_longer_seq_length_on_resume_continues_the_token_stream(tmp_path, caps
     """4K -> 8K -> 16K in miniature through the trainer: the step and the schedule go on, each phase starts at the
     first token the previous ones did not train, and says so."""
     _write_dataset(tmp_path / "a", 0)
-    data = [a for a in BASE if a not in ("--mock-data", "--seq-length", "32")] + [
+    data = [a for a in BASE if a != "--mock-data"] + [  # each phase gives its --seq-length
         "--data-path", str(tmp_path / "a"), "--split", "100,0,0", "--train-iters", "6", "--lr-decay-iters", "6",
         "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
     lengths = {"16": "2", "32": "4", "64": "6"}

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import build_parser, parse_config
+from megatron_lc.arguments import build_parser, parse_config
 from megatron_lc.training.preflight import preflight
 from megatron_lc.training import checkpointing, save_lock
 from megatron_lc.training.trainer import train
-from tests.helpers import write_random_dataset
+from tests.helpers import train_flags, write_random_dataset
 
-BASE = ["--mock-data", "--seq-length", "32", "--lr", "3e-3", "--adam-eps", "1e-4", "--device", "cpu"]
+BASE = train_flags("--seq-length", "32")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

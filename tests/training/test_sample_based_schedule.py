@@ -5,12 +5,11 @@ import math
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.trainer import build_run, train, train_one_step
+from tests.helpers import train_flags
 
-BASE = ["--mock-data", "--seq-length", "16", "--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64",
-        "--num-attention-heads", "2", "--num-query-groups", "1", "--vocab-size", "64", "--device", "cpu",
-        "--lr", "1.0", "--min-lr", "0.1", "--clip-grad", "0"]
+BASE = train_flags("--lr", "1.0", "--min-lr", "0.1", "--clip-grad", "0", tiny_model=True)
 
 
 def megatron_lr(n: int, init: float, peak: float, low: float, warmup: int, decay: int, style: str) -> float:

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.schedule import LRSchedule, schedule_from_config
 
 

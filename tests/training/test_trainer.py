@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training import checkpointing
 from megatron_lc.training.trainer import NonFiniteError, train
 from tests.helpers import TRAIN_FLAGS, logged_losses, torchrun_train

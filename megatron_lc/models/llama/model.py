@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -133,12 +134,18 @@ class MLP(nn.Module):
         self.num_tiles: int | None = None
         self.tile_bounds: TileBounds = tile_bounds
         """The tile policy of the tiled MLP (the planner's runs representative tiles)."""
+        self.fp32_out_gemm: bool | None = None
+        """How the tiles' fp32 weight-gradient sums are taken (`tiling.addmm_fp32_`); set with the tiles."""
 
     def forward(self, x):
         if self.num_tiles:
             return tiled_swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                                    self.num_tiles, self.tile_bounds)
+                                    self.num_tiles, self.tile_bounds, self.fp32_out_gemm)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+RMSNormOp = Callable[..., torch.Tensor]
+"""`F.rms_norm`'s signature: (input, normalized_shape, weight, eps) -> output."""
 
 
 class RMSNorm(nn.Module):
@@ -146,12 +153,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.op: RMSNormOp = F.rms_norm
+        """The norm's op (the planner's stand-in allocates as torch's fused CUDA kernel)."""
 
     def forward(self, x):
         # One fused op: no fp32 copy of x is kept for backward (at 5M tokens that copy is the
         # largest buffer of a recomputed block). Equal to transformers' norm in fp32; in bf16
         # it rounds once where transformers rounds twice.
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.op(x, (x.shape[-1],), self.weight, self.eps)
 
 
 @dataclass
@@ -236,6 +245,8 @@ class LMHead(nn.Module):
         self.loss_tiles: int | None = None
         self.tile_bounds: TileBounds = tile_bounds
         """The tile policy of the tiled loss."""
+        self.fp32_out_gemm: bool | None = None
+        """How the tiled loss sums its weight gradient in fp32 (`tiling.addmm_fp32_`); set with the tiles."""
 
     def forward(self, h, labels=None, per_token: bool | str = False):
         """Logits [B, S, V] without labels; else (sum of token losses, valid-token count),
@@ -249,7 +260,7 @@ class LMHead(nn.Module):
         flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
         if self.loss_tiles:
             return tiled_linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels, self.loss_tiles,
-                                              bounds=self.tile_bounds)
+                                              bounds=self.tile_bounds, fp32_out_gemm=self.fp32_out_gemm)
         return linear_cross_entropy(flat_h, self.lm_head.weight, flat_labels)
 
     @torch.no_grad()

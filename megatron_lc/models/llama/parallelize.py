@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -24,7 +25,7 @@ from megatron_lc.devices import Devices
 from megatron_lc.memory.offload import OffloadScheduler
 from megatron_lc.memory.stack import MemoryStack
 from megatron_lc.memory.tiling import TileBounds, tile_bounds
-from megatron_lc.models.llama.model import Transformer, parameter_seed
+from megatron_lc.models.llama.model import RMSNorm, RMSNormOp, Transformer, parameter_seed
 from megatron_lc.parallel_state import ParallelState
 
 
@@ -45,7 +46,8 @@ class FSDPSettings:
 @dataclass(frozen=True)
 class ParallelizeOptions:
     """How to run the model: its context-parallel attention, its memory stack and its FSDP sharding, each a
-    spec owned by its room; and what the planner swaps in (the kernel table, the tile policy)."""
+    spec owned by its room; and the ops the planner passes in place of the real ones (the kernel table, the tile
+    policy, the fp32 sums' GEMM, the norm op), handed to the model here rather than set in another module."""
 
     cp: ContextParallel = ContextParallel()
     """Context-parallel attention (`attention/context_parallel.py`)."""
@@ -58,6 +60,12 @@ class ParallelizeOptions:
     """The table the attention kernel is looked up in; None: the real kernels (the planner passes its stand-ins)."""
     tile_bounds: TileBounds = tile_bounds
     """The tile policy of every sequence-tile loop (the planner's runs representative tiles)."""
+    fp32_out_gemm: bool | None = None
+    """How the tile loops sum 16-bit products in fp32 (`tiling.addmm_fp32_`): True, one GEMM writing fp32 (CUDA);
+    False, fp32 copies of operand blocks (CPU); None: whichever the device runs. The planner states its target's."""
+    rms_norm: RMSNormOp = F.rms_norm
+    """The op of every RMSNorm (the planner passes `planning.standins.cuda_rms_norm` when planning for CUDA:
+    traced on CPU, `F.rms_norm` decomposes and saves what torch's fused CUDA kernel does not)."""
 
     def validate(self) -> None:
         self.memory.validate()
@@ -71,12 +79,18 @@ def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: Par
         kernel=cp.kernel, heads_per_stage=cp.heads_per_stage, overlap=cp.overlap, untied_backward=cp.untied_backward,
         ring_kv_grads=cp.ring_kv_grads,
         num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups, seq_length=opts.seq_length,
-        kernels=opts.kernels, tile_bounds=opts.tile_bounds,
+        kernels=opts.kernels, tile_bounds=opts.tile_bounds, fp32_out_gemm=opts.fp32_out_gemm,
     ))
 
 
+def apply_norm_op(model: Transformer, opts: ParallelizeOptions) -> None:
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.op = opts.rms_norm
+
+
 def apply_memory_stack(model: Transformer, opts: ParallelizeOptions, devices: Devices) -> OffloadScheduler | None:
-    return opts.memory.apply(model, devices, opts.tile_bounds)
+    return opts.memory.apply(model, devices, opts.tile_bounds, opts.fp32_out_gemm)
 
 
 def apply_fsdp(model: Transformer, pstate: ParallelState, opts: ParallelizeOptions) -> None:
@@ -102,6 +116,7 @@ def parallelize_llama(model: Transformer, pstate: ParallelState, opts: Paralleli
     opts.validate()
     model.sample_length = opts.seq_length
     apply_attention_backend(model, pstate, opts, devices)
+    apply_norm_op(model, opts)
     offload = apply_memory_stack(model, opts, devices)
     if pstate.distributed:
         apply_fsdp(model, pstate, opts)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
+from megatron_lc.attention.rotary import ROPE_TYPES
+from megatron_lc.flags import flag
 from megatron_lc.models.llama.model import LlamaConfig, RopeScaling
 
 LLAMA3_VOCAB = 128256
@@ -42,6 +44,12 @@ def get_config(name: str, base: LlamaConfig | None = None, **overrides) -> Llama
     config = replace(base, **given)
     config.validate()
     return config
+
+
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """The vocabulary rounded up to a multiple of `multiple` (Megatron-LM's _vocab_size_with_padding, one
+    tensor-parallel rank)."""
+    return -(-vocab_size // multiple) * multiple
 
 
 def config_from_dict(values: dict) -> LlamaConfig:
@@ -88,3 +96,50 @@ def rope_scaling_from_flags(base: RopeScaling | None, use_rope_scaling: bool, fa
                 raise ValueError(f"{ROPE_FLAGS[name]} is {kind} scaling's, not {scaling.rope_type}'s "
                                  f"(--rope-scaling-type {kind})")
     return scaling
+
+
+@dataclass
+class ModelArgs:
+    model: str = flag("debug", "model flavour from the zoo (python -m megatron_lc.models --list)")
+    num_layers: int | None = flag(None, "override: transformer blocks")
+    hidden_size: int | None = flag(None, "override: width of the residual stream")
+    ffn_hidden_size: int | None = flag(None, "override: width of the SwiGLU MLP")
+    num_attention_heads: int | None = flag(None, "override: query heads")
+    num_query_groups: int | None = flag(None, "override: key/value heads (GQA)")
+    kv_channels: int | None = flag(None, "override: head dimension")
+    vocab_size: int | None = flag(None, "override: vocabulary size (default: the tokenizer's, else the flavour's); "
+                                        "with --tokenizer-type NullTokenizer the tokenizer's N (EOD = N, "
+                                        "vocabulary N + 1)")
+    rotary_base: float | None = flag(None, "override: rotary theta")
+    norm_epsilon: float | None = flag(None, "override: RMSNorm epsilon")
+    max_position_embeddings: int | None = flag(None, "override: positions recorded in exported configs (rotary "
+                                               "itself works at any length)")
+    untie_embeddings_and_output_weights: bool = flag(False, "an output matrix of its own for a flavour that ties it "
+                                                     "to the embedding")
+    init_method_std: float | None = flag(None, "override: standard deviation of the normal initialisation")
+    use_rope_scaling: bool = flag(False, "Llama 3.x rotary scaling (factor --rope-scaling-factor, default 8)")
+    rope_scaling_factor: float | None = flag(None, "rotary scaling factor (with --use-rope-scaling, or for a flavour "
+                                                   "or checkpoint that scales)")
+    rope_scaling_type: str | None = flag(None, "rotary scaling as transformers names it: llama3 (Llama 3.x, the "
+                                         "default), linear (position interpolation), yarn (NTK-by-parts with its "
+                                         "attention factor) or dynamic (NTK, the base raised by --seq-length over "
+                                         "--max-position-embeddings)", choices=ROPE_TYPES)
+    rope_scaling_original_max_position_embeddings: int | None = flag(
+        None, "the context the base model was trained at, which the scaling stretches (default 8192, or the "
+        "checkpoint's)")
+    rope_scaling_low_freq_factor: float | None = flag(None, "llama3 scaling: low_freq_factor (default 1)")
+    rope_scaling_high_freq_factor: float | None = flag(None, "llama3 scaling: high_freq_factor (default 4)")
+    rope_scaling_beta_fast: float | None = flag(None, "yarn scaling: beta_fast (default 32)")
+    rope_scaling_beta_slow: float | None = flag(None, "yarn scaling: beta_slow (default 1)")
+    rope_scaling_attention_factor: float | None = flag(None, "yarn scaling: the factor on cos and sin (default "
+                                                       "0.1 ln(factor) + 1)")
+    make_vocab_size_divisible_by: int = flag(1, "pad the vocabulary (the tokenizer's, --vocab-size or the "
+                                             "flavour's) up to a multiple of this, as Megatron-LM: the pad rows "
+                                             "are embedding and output rows no token uses (Megatron-LM's default "
+                                             "is 128; 1 leaves it as it is)")
+    attention_dropout: float = flag(0.0, "dropout on the attention probabilities: only 0 (LLaMA trains without "
+                                         "dropout; Megatron-LM's default is 0.1)")
+    hidden_dropout: float = flag(0.0, "dropout on the residual branches: only 0 (LLaMA trains without dropout; "
+                                      "Megatron-LM's default is 0.1)")
+    checkpoint_model: dict | None = field(default=None, metadata={
+        "cli": False, "help": "the whole model config of the checkpoint in --load (--use-checkpoint-args)"})

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_lc.training.trainer import train
 

@@ -7,12 +7,12 @@ import torch
 
 from megatron_lc import parallel_state
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
-from megatron_lc.training import trainer
+from megatron_lc.arguments import parse_config
+from megatron_lc.training import startup
 from megatron_lc.training.trainer import build_run, train_one_step
+from tests.helpers import train_flags
 
-BASE = ["--mock-data", "--seq-length", "16", "--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64",
-        "--num-attention-heads", "2", "--num-query-groups", "1", "--device", "cpu", "--train-iters", "1"]
+BASE = train_flags("--train-iters", "1", tiny_model=True)
 
 
 def test_vocabulary_is_padded_to_the_multiple_with_rows_no_token_uses():
@@ -47,8 +47,8 @@ def test_distributed_timeout_reaches_init_process_group(monkeypatch):
     assert seen["timeout"] == datetime.timedelta(minutes=3)
 
     asked = []
-    real = trainer.init_distributed
-    monkeypatch.setattr(trainer, "init_distributed", lambda device, **kw: asked.append(kw) or real(device, **kw))
+    real = startup.init_distributed
+    monkeypatch.setattr(startup, "init_distributed", lambda device, **kw: asked.append(kw) or real(device, **kw))
     build_run(parse_config(BASE + ["--distributed-timeout-minutes", "7"]))
     assert asked == [{"timeout_minutes": 7}]
     with pytest.raises(ConfigError, match="--distributed-timeout-minutes 0 must be > 0"):

@@ -6,13 +6,13 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.logging import megatron_flops
 from megatron_lc.training.trainer import build_run, train
+from tests.helpers import train_flags
 
-BASE = ["--mock-data", "--seq-length", "16", "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "48",
-        "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "8", "--vocab-size", "100",
-        "--device", "cpu", "--lr", "3e-3"]
+BASE = train_flags("--num-layers", "2", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
+                   "--num-query-groups", "2", "--kv-channels", "8", "--vocab-size", "100", tiny_model=True)
 
 
 def megatron_12x(B, S, L, h, heads, groups, d, ffn, V) -> float:

@@ -5,13 +5,11 @@ import json
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.trainer import train
-from tests.helpers import write_random_dataset
+from tests.helpers import TINY_MODEL_FLAGS, write_random_dataset
 
-MODEL = ["--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "2",
-         "--num-query-groups", "1", "--vocab-size", "128", "--device", "cpu", "--seq-length", "16", "--lr", "3e-3",
-         "--train-iters", "3"]
+MODEL = [*TINY_MODEL_FLAGS, "--vocab-size", "128", "--device", "cpu", "--lr", "3e-3", "--train-iters", "3"]
 
 
 def _dataset(prefix, seed: int) -> str:

@@ -5,14 +5,13 @@ import json
 import pytest
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.training.preflight import preflight
 from megatron_lc.training import checkpointing
 from megatron_lc.training.trainer import train
+from tests.helpers import train_flags
 
-BASE = ["--mock-data", "--seq-length", "16", "--num-layers", "1", "--hidden-size", "32", "--ffn-hidden-size", "64",
-        "--num-attention-heads", "2", "--num-query-groups", "1", "--vocab-size", "64", "--device", "cpu",
-        "--lr", "3e-3", "--adam-eps", "1e-4", "--train-iters", "4"]
+BASE = train_flags("--train-iters", "4", tiny_model=True)
 
 
 def _run(tmp_path, name, *flags):

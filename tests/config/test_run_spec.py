@@ -1,0 +1,25 @@
+"""The run spec: what the trainer, evaluate and the planner build from, derived from the config once."""
+
+import dataclasses
+
+from megatron_lc.arguments import parse_config
+from tests.helpers import train_flags
+
+
+def test_the_spec_holds_the_padded_model_the_datas_vocabulary_the_options_and_the_degrees():
+    cfg = parse_config(train_flags("--vocab-size", "1000", "--make-vocab-size-divisible-by", "128",
+                                   "--context-parallel-size", "2", "--tiled-loss", tiny_model=True))
+    spec = cfg.run_spec(4)
+    assert spec.model.vocab_size == 1024 and spec.data_vocab_size == 1000
+    assert spec.model == cfg.model_config() and spec.parallelize == cfg.parallelize_options()
+    assert spec.dims == cfg.parallel_dims(4) and spec.dims.cp == 2 and spec.dims.dp == 2
+    assert spec.parallelize.memory.loss_tiles == cfg.memory_stack().loss_tiles
+
+
+def test_a_tokenizers_vocabulary_or_a_checkpoints_model_is_the_specs():
+    cfg = parse_config(train_flags(tiny_model=True))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=None))
+    assert cfg.run_spec(1, vocab_size=300).model.vocab_size == 300
+    checkpoint = dataclasses.replace(cfg.model_config(), vocab_size=77)
+    spec = cfg.run_spec(1, model=checkpoint)
+    assert spec.model is checkpoint and spec.data_vocab_size == 77
