@@ -52,7 +52,7 @@ TRAINING_ARGS=(
 CHECKPOINT_ARGS=(
     # --load of an empty directory starts from scratch: one command starts and resumes the run.
     --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval 50
-    --exit-signal-handler           # SIGTERM / SIGUSR1: save at the next step and exit 0
+    --exit-signal-handler           # SIGTERM / SIGUSR1: save at the next step and exit 3 (resume me)
 )
 LOGGING_ARGS=(
     --log-interval 1

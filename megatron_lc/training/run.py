@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +13,7 @@ from megatron_lc.devices import Devices
 from megatron_lc.parallel_state import LaunchInfo, ParallelState
 from megatron_lc.training.save_lock import SaveLock
 from megatron_lc.training.schedule import LRSchedule
+from megatron_lc.training.stopping import StepTiming
 
 
 @dataclass
@@ -33,6 +34,8 @@ class Run:
     accumulation: int
     save_lock: SaveLock | None = None
     test_source: SampleSource | None = None
+    timing: StepTiming = field(default_factory=StepTiming)
+    """Measured step and save times (and the resumed checkpoint's), for the deadline."""
 
     @property
     def is_logging_rank(self) -> bool:

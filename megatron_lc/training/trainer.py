@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import resource
-import signal
 import time
 
 import torch
@@ -42,6 +41,8 @@ from megatron_lc.training.logging import (
 from megatron_lc.training.resume import apply_checkpoint_args, resume, save, take_save_lock
 from megatron_lc.training.run import Run, global_batch_size, say
 from megatron_lc.training.schedule import schedule_from_config
+from megatron_lc.scheduler import current_job
+from megatron_lc.training.stopping import StopRequest, clear_stopped, deadlines, mark_stopped
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
 
 
@@ -271,72 +272,43 @@ def train_one_step(run: Run, step: int) -> dict:
     return metrics
 
 
-class StopRequest:
-    """Save and stop at a step boundary on a signal (--exit-signal-handler) or on time (--exit-duration-in-mins).
-
-    A signal may reach only some ranks, and clocks differ: every rank contributes its
-    reason to one all-reduce per step, so all of them stop at the same step.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self, cfg: TrainConfig, device: torch.device):
-        self.handle_signals = cfg.train.exit_signal_handler
-        self.deadline = (time.monotonic() + 60 * cfg.train.exit_duration_in_mins
-                         if cfg.train.exit_duration_in_mins else None)
-        self.device = device
-        self.received: int | None = None
-        self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS} if self.handle_signals else {}
-
-    def _on_signal(self, signum, frame) -> None:
-        self.received = signum
-
-    def reason(self) -> str | None:
-        """Why every rank stops after this step (None: go on)."""
-        if not self.handle_signals and self.deadline is None:
-            return None
-        flags = torch.tensor([self.received is not None, self.deadline is not None and time.monotonic() >= self.deadline],
-                             dtype=torch.int32, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, timed_out = flags.tolist()
-        if signalled:
-            return f"signal {signal.Signals(self.received).name if self.received else 'on another rank'}"
-        return "--exit-duration-in-mins reached" if timed_out else None
-
-    def close(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-
 def _eta_s(step_times: list[float], remaining: int) -> float:
     """Remaining time from the mean step time, leaving out the first step (warm-up) once others exist."""
     times = step_times[1:] or step_times
     return remaining * sum(times) / len(times)
 
 
-def train(cfg: TrainConfig) -> list[dict]:
+class History(list):
+    """The logged metrics of each step; `stopped` says why the run stopped to be resumed (None: it finished)."""
+
+    stopped: str | None = None
+
+
+def train(cfg: TrainConfig) -> History:
     """Run training to --train-iters (or a stop request); returns the logged metrics."""
+    started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's from start-up
     if cfg.checkpoint.use_checkpoint_args:
         cfg = apply_checkpoint_args(cfg)
     run = build_run(cfg)
     run.save_lock = take_save_lock(run)
+    if run.save_lock is not None and run.is_logging_rank:
+        clear_stopped(cfg.checkpoint.save)
     try:
-        return _train_run(run)
+        return _train_run(run, started)
     finally:
         if run.save_lock is not None and run.is_logging_rank:
             run.save_lock.release()
 
 
-def _train_run(run: Run) -> list[dict]:
+def _train_run(run: Run, started: float) -> History:
     """The loop of `train` once --save is locked."""
     cfg = run.cfg
     start = resume(run)
     if cfg.train.skip_train:
-        return [skip_train(run, start)]
+        return History([skip_train(run, start)])
     if start >= cfg.train.train_iters:
         say(run, f"the checkpoint is at step {start}, --train-iters is {cfg.train.train_iters}: nothing left to do")
-        return []
+        return History()
     g = cfg.logging
     log_dir = g.log_dir or str(default_log_dir())
     logger = MetricsLogger(log_dir, g.tensorboard_dir, cfg.train.train_iters, run.is_logging_rank,
@@ -347,14 +319,23 @@ def _train_run(run: Run) -> list[dict]:
                             torch.bfloat16 if cfg.train.bf16 else torch.float32)
     say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
               f"seq {cfg.data.seq_length} | attention: {kernel} | metrics in {log_dir}/metrics.jsonl")
-    stop = StopRequest(cfg, run.devices.accelerator)
-    history, step_times, began = [], [], time.monotonic()
+    c = cfg.checkpoint
+    stop = StopRequest(cfg.train.exit_signal_handler, deadlines(cfg.train.exit_duration_in_mins, started, current_job()),
+                       c.save_interval_minutes, run.timing, run.devices.accelerator)
+    history, step_times, began = History(), [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
     try:
+        before = stop.decide(may_save=False)  # the resumed checkpoint's step time may already not fit
+        if before.stop:
+            history.stopped = f"stopping before step {start + 1}: {before.stop}"
+            say(run, history.stopped + " (the checkpoint loaded is the one to resume)")
         for step in range(start + 1, cfg.train.train_iters + 1):
+            if history.stopped:
+                break
             metrics = train_one_step(run, step)
             metrics["attention_kernel"] = kernel
             step_times.append(metrics["step_time_s"])
+            run.timing.step_times.append(metrics["step_time_s"])
             since_log.append(metrics["step_time_s"])
             metrics.update(elapsed_s=time.monotonic() - began, eta_s=_eta_s(step_times, cfg.train.train_iters - step))
             if g.eval_interval and step % g.eval_interval == 0:
@@ -374,16 +355,23 @@ def _train_run(run: Run) -> list[dict]:
                 since_log = []
             logger.log(metrics, console=console, tensorboard=tensorboard)
             history.append(metrics)
-            c = cfg.checkpoint
-            exiting = bool(cfg.train.exit_interval) and step % cfg.train.exit_interval == 0
-            reason = stop.reason() or (f"--exit-interval {cfg.train.exit_interval}" if exiting else None)
-            if c.save and ((c.save_interval and step % c.save_interval == 0) or step == cfg.train.train_iters
-                           or exiting or reason):
+            last = step == cfg.train.train_iters
+            decision = stop.decide(may_save=bool(c.save)) if not last else None
+            exiting = not last and bool(cfg.train.exit_interval) and step % cfg.train.exit_interval == 0
+            history.stopped = f"stopping after step {step}: {decision.stop}" if decision and decision.stop else None
+            if c.save and ((c.save_interval and step % c.save_interval == 0) or last or exiting
+                           or (decision and decision.save)):
                 save(run, step)
-            if reason:
-                say(run, f"stopping after step {step}: {reason}" + ("" if c.save else " (no --save: nothing saved)"))
-            if exiting or reason:
+                stop.saved()
+            if exiting and not history.stopped:  # asked for: this invocation is done (exit 0)
+                say(run, f"stopping after step {step}: --exit-interval {cfg.train.exit_interval}"
+                         + ("" if c.save else " (no --save: nothing saved)"))
                 break
+            if history.stopped:
+                say(run, history.stopped + ("" if c.save else " (no --save: nothing saved)"))
+                break
+        if history.stopped and c.save and run.is_logging_rank:
+            mark_stopped(c.save, history[-1]["step"] if history else start, history.stopped)
     finally:
         stop.close()
         logger.close()

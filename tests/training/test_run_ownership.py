@@ -63,7 +63,7 @@ def test_second_run_on_the_same_save_is_refused_and_the_first_keeps_its_checkpoi
     finally:
         first.send_signal(signal.SIGTERM)
         _, stderr = first.communicate(timeout=120)
-    assert first.returncode == 0, stderr[-3000:]
+    assert first.returncode == 3, stderr[-3000:]  # saved and stopped to be resumed
     saved = sorted((tmp_path / "ckpt").glob("iter_*"))
     assert saved and all(checkpointing.read_meta(p)["train_config"]["logging"]["log_dir"] == "a" for p in saved)
     assert [int(p.name[5:]) for p in saved] == list(range(1, len(saved) + 1))  # every step kept, none replaced
