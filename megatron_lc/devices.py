@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lc.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Devices:
@@ -44,6 +46,18 @@ def peak_dense_bf16_flops(device_name: str) -> float | None:
     return next((peak for key, (peak, _) in PEAK_DENSE_BF16_FLOPS.items() if key in device_name), None)
 
 
+def cuda_index(local_rank: int, visible: int) -> int:
+    """The GPU this process uses among the `visible` ones: its local rank's, or the only one it sees (a
+    scheduler binding one GPU per task, e.g. `srun --gpus-per-task=1`, shows each task its own as cuda:0)."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise ConfigError(f"local rank {local_rank} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each task one GPU, or run "
+                          "as many tasks per node as it sees")
+    return local_rank
+
+
 def resolve_devices(name: str = "auto", local_rank: int = 0) -> Devices:
     """Devices for `--device NAME`: 'auto' picks CUDA when available, else CPU."""
     if name == "auto":
@@ -51,7 +65,7 @@ def resolve_devices(name: str = "auto", local_rank: int = 0) -> Devices:
     if name == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for, but torch.cuda.is_available() is False")
-        return Devices(torch.device("cuda", local_rank), torch.device("cpu"))
+        return Devices(torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count())), torch.device("cpu"))
     if name == "cpu":
         return Devices(torch.device("cpu"), torch.device("cpu"))
     raise ValueError(f"--device {name!r}: expected one of auto, cuda, cpu")

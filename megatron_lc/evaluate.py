@@ -38,7 +38,8 @@ from megatron_lc.entry import run_entry_point
 from megatron_lc.training.hf_conversion import config_from_meta
 from megatron_lc.training.build import build_sharded_model
 from megatron_lc.training.preflight import activate_flash, preflight
-from megatron_lc.parallel_state import ParallelState, detect_launch, init_distributed, warm_up_collectives
+from megatron_lc.parallel_state import (ParallelState, detect_launch, init_distributed, require_launcher,
+                                        warm_up_collectives)
 from megatron_lc.training import checkpointing
 from megatron_lc.training.step import IGNORE_INDEX
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def evaluate(args) -> dict:
-    launch = detect_launch()
+    launch = require_launcher()
     found = checkpointing.newest_intact_checkpoint(args.load)
     if found is None:
         raise ConfigError(f"--load {args.load}: no intact checkpoint there")

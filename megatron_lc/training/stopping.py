@@ -82,7 +82,8 @@ class Deadline:
 def deadlines(exit_duration_in_mins: float | None, started: float, job: Job) -> list[Deadline]:
     found = []
     if exit_duration_in_mins:
-        found.append(Deadline(started + 60 * exit_duration_in_mins, f"--exit-duration-in-mins {exit_duration_in_mins:g}"))
+        found.append(Deadline(started + 60 * exit_duration_in_mins,
+                              f"--exit-duration-in-mins {exit_duration_in_mins:g}"))
     if job.end_time is not None:
         found.append(Deadline(job.end_time, f"the time limit of {job.describe()} (SLURM_JOB_END_TIME)"))
     return sorted(found, key=lambda d: d.at)

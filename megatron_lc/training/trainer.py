@@ -27,7 +27,7 @@ from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_set
 from megatron_lc.models.llama import count_parameters
 from megatron_lc.parallel_state import (
     ParallelState,
-    detect_launch,
+    require_launcher,
     init_distributed,
     warm_up_collectives,
 )
@@ -137,7 +137,7 @@ def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) ->
 
 def build_run(cfg: TrainConfig) -> Run:
     """Validate, initialise processes, build the sharded model, optimizer and data."""
-    launch = detect_launch()
+    launch = require_launcher()  # before any process group: a run without its launcher is refused
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
     cfg = cfg.resolved(launch.world_size)  # --train-samples, --data-args-path, ... filled in
     preflight(cfg)  # what the run needs of this machine's disks, packages and devices
@@ -320,7 +320,8 @@ def _train_run(run: Run, started: float) -> History:
     say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
               f"seq {cfg.data.seq_length} | attention: {kernel} | metrics in {log_dir}/metrics.jsonl")
     c = cfg.checkpoint
-    stop = StopRequest(cfg.train.exit_signal_handler, deadlines(cfg.train.exit_duration_in_mins, started, current_job()),
+    stop = StopRequest(cfg.train.exit_signal_handler,
+                       deadlines(cfg.train.exit_duration_in_mins, started, current_job()),
                        c.save_interval_minutes, run.timing, run.devices.accelerator)
     history, step_times, began = History(), [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
