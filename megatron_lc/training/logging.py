@@ -8,13 +8,32 @@ gets Megatron-LM's `lm loss validation` (and, when asked, `lm loss validation pp
 from __future__ import annotations
 
 import json
+import logging
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from megatron_lc.devices import Devices, peak_dense_bf16_flops
+
+
+LIBRARY_LOGGER = "megatron_lc"
+
+
+def show_library_log(this_rank: bool) -> None:
+    """Print the package's INFO lines (page-locking progress, ...) on stdout from `this_rank` (each node's first),
+    warnings only elsewhere; set once per process."""
+    logger = logging.getLogger(LIBRARY_LOGGER)
+    handler = next((h for h in logger.handlers if getattr(h, "megatron_lc", False)), None)
+    if handler is None:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.megatron_lc = True
+        logger.addHandler(handler)
+    handler.setStream(sys.stdout)  # today's stdout (a test harness may have replaced it since)
+    logger.setLevel(logging.INFO if this_rank else logging.WARNING)
 
 
 def default_log_dir() -> Path:

@@ -19,7 +19,7 @@ from megatron_lc.attention.kernels import running_kernel
 from megatron_lc.errors import ConfigError
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
-from megatron_lc.training.preflight import activate_flash, preflight
+from megatron_lc.training.preflight import activate_flash, check_host_memory, preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
@@ -33,6 +33,7 @@ from megatron_lc.parallel_state import (
 )
 from megatron_lc.training.logging import (
     MetricsLogger,
+    show_library_log,
     default_log_dir,
     model_flops_utilization,
     step_flops,
@@ -138,6 +139,7 @@ def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) ->
 def build_run(cfg: TrainConfig) -> Run:
     """Validate, initialise processes, build the sharded model, optimizer and data."""
     launch = require_launcher()  # before any process group: a run without its launcher is refused
+    show_library_log(launch.local_rank == 0)  # e.g. page-locking progress, once per node
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
     cfg = cfg.resolved(launch.world_size)  # --train-samples, --data-args-path, ... filled in
     preflight(cfg)  # what the run needs of this machine's disks, packages and devices
@@ -158,8 +160,10 @@ def build_run(cfg: TrainConfig) -> Run:
     model, offload = build_sharded_model(cfg, model_config, pstate, devices)
     if offload is not None:  # page-lock the host arenas before step 1 (logged; minutes for a terabyte)
         block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
-        offload.reserve((cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size,
-                         model_config.hidden_size), block_dtype)
+        block = (cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size, model_config.hidden_size)
+        check_host_memory(offload.reserve_bytes(block, block_dtype),
+                          "the offloaded block inputs (--offload-activations)")
+        offload.reserve(block, block_dtype)
     optimizer = build_run_optimizer(model, cfg)
     train_source, valid_source, test_source = build_sample_sources(cfg, data_vocab, pstate.dp_size, launch.rank)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
