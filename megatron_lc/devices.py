@@ -32,18 +32,24 @@ class Devices:
 
 PEAK_DENSE_BF16_FLOPS: dict[str, tuple[float, str]] = {
     "H100": (989.4e12, "NVIDIA H100 SXM5 datasheet"),
+    "H100 PCIe": (756e12, "NVIDIA H100 datasheet, PCIe column (1,513 TFLOP/s with sparsity: half of it dense)"),
+    "H100 NVL": (835.5e12, "NVIDIA H100 datasheet, NVL column, per GPU (1,671 TFLOP/s with sparsity: half dense)"),
+    "H800 PCIe": (756e12, "NVIDIA H800 PCIe (the H100 PCIe's compute)"),
     "H200": (989.4e12, "NVIDIA H200 datasheet (the H100 SXM5's compute)"),
     "H800": (989.4e12, "NVIDIA H800 SXM5 (the H100 SXM5's compute)"),
     "A100": (312e12, "NVIDIA A100 datasheet"),
     "B200": (2250e12, "NVIDIA DGX B200 datasheet (72 PFLOP/s sparse FP8 per 8 GPUs: 2.25 PFLOP/s dense BF16 each)"),
 }
-"""Dense bf16 peak per accelerator (the name as `torch.cuda.get_device_name` contains it), with its source:
-what MFU is measured against, and what the time model's rates start from."""
+"""Dense bf16 peak per accelerator (the name as `torch.cuda.get_device_name` contains it, e.g. "NVIDIA H100 80GB
+HBM3" for the SXM card, "NVIDIA H100 PCIe"), with its source: what MFU is measured against, and what the time
+model's rates start from."""
 
 
 def peak_dense_bf16_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of the accelerator named `device_name`, or None when it is not in the table."""
-    return next((peak for key, (peak, _) in PEAK_DENSE_BF16_FLOPS.items() if key in device_name), None)
+    """The dense bf16 peak of the accelerator named `device_name` (the most specific entry it contains: a PCIe
+    card is not measured against the SXM peak), or None when it is not in the table."""
+    keys = [key for key in PEAK_DENSE_BF16_FLOPS if key in device_name]
+    return PEAK_DENSE_BF16_FLOPS[max(keys, key=len)][0] if keys else None
 
 
 def cuda_index(local_rank: int, visible: int) -> int:

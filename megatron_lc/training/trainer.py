@@ -185,10 +185,21 @@ def params_norm(model: torch.nn.Module) -> float:
     return float(total)
 
 
-def _peak_memory_gib(run: Run) -> float:
+def step_peak_memory(run: Run) -> dict:
+    """This step's peak memory, the largest of any rank: on CUDA the allocator's allocated and reserved bytes
+    since the step began (`train_one_step` resets them), on the CPU the process's peak resident size since
+    it started (the kernel keeps no per-step peak)."""
     if run.devices.is_cuda:
-        return torch.cuda.max_memory_allocated(run.devices.accelerator) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB, host process peak
+        peaks = [torch.cuda.max_memory_allocated(run.devices.accelerator),
+                 torch.cuda.max_memory_reserved(run.devices.accelerator)]
+    else:
+        peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0]  # KiB
+    if run.pstate.distributed:
+        shared = torch.tensor(peaks, dtype=torch.float64, device=run.devices.accelerator)
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        peaks = shared.tolist()
+    allocated, reserved = (p / 2**30 for p in peaks)
+    return {"peak_memory_gib": allocated, **({"peak_reserved_gib": reserved} if run.devices.is_cuda else {})}
 
 
 def validation_window(evaluation: int, per_evaluation: int, available: int) -> int:
@@ -249,6 +260,8 @@ def _check_finite(step: int, loss: float, grad_norm: float, skip: bool) -> bool:
 
 def train_one_step(run: Run, step: int) -> dict:
     start = time.perf_counter()
+    if run.devices.is_cuda:
+        torch.cuda.reset_peak_memory_stats(run.devices.accelerator)  # the peaks logged are this step's
     micro_batches = [next(run.loader) for _ in range(run.accumulation)]
     lr, weight_decay = run.schedule(step - 1), run.schedule.weight_decay(step - 1)
     for group in run.optimizer.param_groups:
@@ -265,7 +278,7 @@ def train_one_step(run: Run, step: int) -> dict:
     flops_per_gpu = step_flops(run.model.config, tokens, run.cfg.data.seq_length) / elapsed / run.launch.world_size
     mfu = model_flops_utilization(run.devices, flops_per_gpu)
     metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / elapsed,
-               "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(run)}
+               "step_time_s": elapsed, **step_peak_memory(run)}
     if weight_decay is not None and run.schedule.wd_incr_style != "constant":
         metrics["weight_decay"] = weight_decay
     if mfu is not None:
@@ -317,7 +330,7 @@ def _train_run(run: Run, started: float) -> History:
     log_dir = g.log_dir or str(default_log_dir())
     logger = MetricsLogger(log_dir, g.tensorboard_dir, cfg.train.train_iters, run.is_logging_rank,
                            validation_ppl_to_tensorboard=g.log_validation_ppl_to_tensorboard,
-                           wandb=(g.wandb_project, g.wandb_exp_name, cfg.to_dict()))
+                           wandb=(g.wandb_project, g.wandb_exp_name, cfg.to_dict()), wandb_id_dir=cfg.checkpoint.save)
     n = count_parameters(run.model)
     kernel = running_kernel(run.devices.accelerator.type, cfg.parallel.attention_kernel,
                             torch.bfloat16 if cfg.train.bf16 else torch.float32)
