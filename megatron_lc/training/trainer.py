@@ -43,6 +43,7 @@ from megatron_lc.training.resume import apply_checkpoint_args, resume, save, tak
 from megatron_lc.training.run import Run, global_batch_size, say
 from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.scheduler import current_job
+from megatron_lc.training.step_progress import StepProgress
 from megatron_lc.training.stopping import StopRequest, clear_stopped, deadlines, mark_stopped
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
 
@@ -295,6 +296,10 @@ def _eta_s(step_times: list[float], remaining: int) -> float:
     return remaining * sum(times) / len(times)
 
 
+def print_flushed(text: str) -> None:
+    print(text, flush=True)
+
+
 class History(list):
     """The logged metrics of each step; `stopped` says why the run stopped to be resumed (None: it finished)."""
 
@@ -342,6 +347,7 @@ def _train_run(run: Run, started: float) -> History:
                        c.save_interval_minutes, run.timing, run.devices.accelerator)
     history, step_times, began = History(), [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
+    progress = StepProgress(list(run.model.layers), print_flushed) if run.is_logging_rank else None
     try:
         before = stop.decide(may_save=False)  # the resumed checkpoint's step time may already not fit
         if before.stop:
@@ -350,6 +356,8 @@ def _train_run(run: Run, started: float) -> History:
         for step in range(start + 1, cfg.train.train_iters + 1):
             if history.stopped:
                 break
+            if progress is not None:
+                progress.begin(step, cfg.train.train_iters, run.accumulation, run.timing.step_s())
             metrics = train_one_step(run, step)
             metrics["attention_kernel"] = kernel
             step_times.append(metrics["step_time_s"])
@@ -392,6 +400,8 @@ def _train_run(run: Run, started: float) -> History:
             mark_stopped(c.save, history[-1]["step"] if history else start, history.stopped)
     finally:
         stop.close()
+        if progress is not None:
+            progress.close()
         logger.close()
         _close_loader(run.loader)
     return history
