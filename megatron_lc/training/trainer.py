@@ -396,8 +396,11 @@ def _train_run(run: Run, started: float) -> History:
             if history.stopped:
                 say(run, history.stopped + ("" if c.save else " (no --save: nothing saved)"))
                 break
-        if history.stopped and c.save and run.is_logging_rank:
-            mark_stopped(c.save, history[-1]["step"] if history else start, history.stopped)
+        if history.stopped:
+            if c.save and run.is_logging_rank:
+                mark_stopped(c.save, history[-1]["step"] if history else start, history.stopped)
+            if run.pstate.distributed:  # written before any rank leaves: srun --kill-on-bad-exit stops the rest
+                dist.barrier()
     finally:
         stop.close()
         if progress is not None:
