@@ -52,7 +52,8 @@ TRAINING_ARGS=(
 CHECKPOINT_ARGS=(
     # --load of an empty directory starts from scratch: one command starts and resumes the run.
     --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --save-interval 50
-    --exit-signal-handler           # SIGTERM / SIGUSR1: save at the next step and exit 0
+    --save-interval-minutes 240     # a step takes hours at 5M tokens: 50 steps would be days between saves
+    --exit-signal-handler           # SIGTERM / SIGUSR1: save at the next step and exit 3 (resume me)
 )
 LOGGING_ARGS=(
     --log-interval 1
@@ -61,12 +62,9 @@ LOGGING_ARGS=(
 )
 
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-# NCCL's buffers are part of the plan: 16 channels (ring and all-to-all peers) instead of NCCL's
-# 32 on 8xH100 keep the all-to-all peer buffers at ~2 GiB per GPU. NCCL_BUFFSIZE is NCCL's default.
-export NCCL_MAX_NCHANNELS=${NCCL_MAX_NCHANNELS:-16}
-export NCCL_BUFFSIZE=${NCCL_BUFFSIZE:-4194304}
-# NVLS (NVLink SHARP) off: the memory plan does not model its buffers; these steps are all-to-all/p2p bound.
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+source "$(dirname "$0")/nccl_settings.sh"  # the NCCL settings the memory plan assumes, the same for every launcher
+# Exit status 3 (torchrun: 1, with CHECKPOINT_DIR/stopped_to_resume.json): saved and stopped to be resumed;
+# run the same command again.
 torchrun --nproc-per-node "$GPUS_PER_NODE" -m megatron_lc.train \
     "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MEMORY_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"

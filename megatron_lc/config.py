@@ -360,9 +360,13 @@ class TrainConfig:
             raise ConfigError(f"--eval-interval {g.eval_interval} needs validation data: give --data-path (split "
                               "969,30,1 unless --split says otherwise) or --valid-data-path")
         for name, value in (("--exit-interval", t.exit_interval), ("--exit-duration-in-mins", t.exit_duration_in_mins),
-                            ("--save-interval", self.checkpoint.save_interval)):
+                            ("--save-interval", self.checkpoint.save_interval),
+                            ("--save-interval-minutes", self.checkpoint.save_interval_minutes)):
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} {value} must be > 0")
+        if self.checkpoint.save_interval_minutes and not self.checkpoint.save:
+            raise ConfigError(f"--save-interval-minutes {self.checkpoint.save_interval_minutes:g} saves checkpoints: "
+                              "give --save DIR")
 
     def _check_checkpoint(self, world_size: int) -> None:
         c = self.checkpoint

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lc.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Devices:
@@ -30,18 +32,36 @@ class Devices:
 
 PEAK_DENSE_BF16_FLOPS: dict[str, tuple[float, str]] = {
     "H100": (989.4e12, "NVIDIA H100 SXM5 datasheet"),
+    "H100 PCIe": (756e12, "NVIDIA H100 datasheet, PCIe column (1,513 TFLOP/s with sparsity: half of it dense)"),
+    "H100 NVL": (835.5e12, "NVIDIA H100 datasheet, NVL column, per GPU (1,671 TFLOP/s with sparsity: half dense)"),
+    "H800 PCIe": (756e12, "NVIDIA H800 PCIe (the H100 PCIe's compute)"),
     "H200": (989.4e12, "NVIDIA H200 datasheet (the H100 SXM5's compute)"),
     "H800": (989.4e12, "NVIDIA H800 SXM5 (the H100 SXM5's compute)"),
     "A100": (312e12, "NVIDIA A100 datasheet"),
     "B200": (2250e12, "NVIDIA DGX B200 datasheet (72 PFLOP/s sparse FP8 per 8 GPUs: 2.25 PFLOP/s dense BF16 each)"),
 }
-"""Dense bf16 peak per accelerator (the name as `torch.cuda.get_device_name` contains it), with its source:
-what MFU is measured against, and what the time model's rates start from."""
+"""Dense bf16 peak per accelerator (the name as `torch.cuda.get_device_name` contains it, e.g. "NVIDIA H100 80GB
+HBM3" for the SXM card, "NVIDIA H100 PCIe"), with its source: what MFU is measured against, and what the time
+model's rates start from."""
 
 
 def peak_dense_bf16_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of the accelerator named `device_name`, or None when it is not in the table."""
-    return next((peak for key, (peak, _) in PEAK_DENSE_BF16_FLOPS.items() if key in device_name), None)
+    """The dense bf16 peak of the accelerator named `device_name` (the most specific entry it contains: a PCIe
+    card is not measured against the SXM peak), or None when it is not in the table."""
+    keys = [key for key in PEAK_DENSE_BF16_FLOPS if key in device_name]
+    return PEAK_DENSE_BF16_FLOPS[max(keys, key=len)][0] if keys else None
+
+
+def cuda_index(local_rank: int, visible: int) -> int:
+    """The GPU this process uses among the `visible` ones: its local rank's, or the only one it sees (a
+    scheduler binding one GPU per task, e.g. `srun --gpus-per-task=1`, shows each task its own as cuda:0)."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise ConfigError(f"local rank {local_rank} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each task one GPU, or run "
+                          "as many tasks per node as it sees")
+    return local_rank
 
 
 def resolve_devices(name: str = "auto", local_rank: int = 0) -> Devices:
@@ -51,7 +71,7 @@ def resolve_devices(name: str = "auto", local_rank: int = 0) -> Devices:
     if name == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for, but torch.cuda.is_available() is False")
-        return Devices(torch.device("cuda", local_rank), torch.device("cpu"))
+        return Devices(torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count())), torch.device("cpu"))
     if name == "cpu":
         return Devices(torch.device("cpu"), torch.device("cpu"))
     raise ValueError(f"--device {name!r}: expected one of auto, cuda, cpu")

@@ -1,4 +1,5 @@
-"""How every entry point ends: 0 when done, 2 on a configuration error, 1 on a failure.
+"""How every entry point ends: 0 when done, 3 when stopped to be resumed, 2 on a configuration error, 1 on a
+failure.
 
 A finished distributed run must report success. With gloo, the interpreter's teardown
 after `destroy_process_group()` can still meet the process group's worker threads and
@@ -22,7 +23,9 @@ import torch.distributed as dist
 from megatron_lc.errors import ConfigError
 from megatron_lc.parallel_state import detect_launch
 
-EXIT_OK, EXIT_FAILURE, EXIT_CONFIG_ERROR = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_CONFIG_ERROR, EXIT_RESUME = 0, 1, 2, 3
+"""EXIT_RESUME: the run saved and stopped before its end (a signal, a deadline, --exit-interval): start it
+again with the same command to resume (`training/stopping.py`)."""
 
 
 def exit_process(code: int) -> NoReturn:
@@ -68,9 +71,12 @@ def report_config_error(error: ConfigError) -> bool:
 
 
 def run_entry_point(main: Callable[[], object]) -> NoReturn:
-    """Run `main()` and exit with its outcome's status; never returns."""
+    """Run `main()` and exit with its outcome's status (an int it returns, else 0); never returns."""
+    status = EXIT_OK
     try:
-        main()
+        returned = main()
+        if isinstance(returned, int) and not isinstance(returned, bool):
+            status = returned
     except SystemExit as e:  # argparse's usage errors and --help come before any process group
         if not dist.is_initialized():
             raise
@@ -83,4 +89,4 @@ def run_entry_point(main: Callable[[], object]) -> NoReturn:
         traceback.print_exc()
         exit_process(EXIT_FAILURE)  # no teardown: other ranks may still wait in a collective
     finish_distributed()
-    exit_process(EXIT_OK)
+    exit_process(status)

@@ -37,7 +37,7 @@ from megatron_lc.training.hf_conversion import config_from_meta
 from megatron_lc.training.build import build_sharded_model
 from megatron_lc.training.preflight import preflight
 from megatron_lc.training.startup import start_processes
-from megatron_lc.parallel_state import detect_launch
+from megatron_lc.parallel_state import detect_launch, require_launcher
 from megatron_lc.training import checkpointing
 from megatron_lc.training.step import IGNORE_INDEX
 from megatron_lc.passkey import DEFAULT_DEPTHS, passkey_table, plot_passkey, run_passkey
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def evaluate(args) -> dict:
-    launch = detect_launch()
+    launch = require_launcher()
     found = checkpointing.newest_intact_checkpoint(args.load)
     if found is None:
         raise ConfigError(f"--load {args.load}: no intact checkpoint there")

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megatron_lc.context_layout import ContextLayout
+from megatron_lc.errors import ConfigError
+from megatron_lc.scheduler import current_job
 
 
 @dataclass(frozen=True)
@@ -243,24 +245,50 @@ class LaunchInfo:
     launcher: str
 
 
-_LAUNCHERS = (  # (name, rank, world size, local rank) variables of each launcher
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-)
+def _launch(env: Mapping[str, str], name: str, rank: str, size: str, local: str | None) -> LaunchInfo:
+    return LaunchInfo(int(env[rank]), int(env[size]), int(env.get(local, 0)) if local else 0, name)
 
 
 def detect_launch(env: Mapping[str, str] = os.environ) -> LaunchInfo:
-    """Rank, world size and local rank from torchrun, mpirun (Open MPI, MPICH) or srun."""
-    for name, rank, size, local in _LAUNCHERS:
-        if rank in env and size in env:
-            return LaunchInfo(int(env[rank]), int(env[size]), int(env.get(local, 0)), name)
+    """Rank, world size and local rank from torchrun, mpirun (Open MPI, MPICH/Hydra) or srun.
+
+    The order matters where launchers nest or overlap:
+    - torchrun first: `srun torchrun ...` and mpirun inside a Slurm job leave Slurm's variables of the
+      launching task (torchrun's, or the MPI daemon's) in every worker's environment;
+    - Open MPI's and Hydra's own variables next (Hydra's MPI_LOCALRANKID marks an mpirun process; `srun
+      --mpi=pmi2` sets PMI_RANK/PMI_SIZE but no local rank, which Slurm's SLURM_LOCALID gives);
+    - an `srun` step (SLURM_STEP_NUM_TASKS, set by srun and not in a batch script or salloc shell), with or
+      without pmi2/pmix;
+    - PMI_RANK/PMI_SIZE alone (another PMI launcher): local rank 0.
+    A batch script or salloc shell has Slurm's job variables but no step: one process (see `require_launcher`).
+    """
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return _launch(env, "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        return _launch(env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+    if "PMI_RANK" in env and "PMI_SIZE" in env and "MPI_LOCALRANKID" in env:
+        return _launch(env, "mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return _launch(env, "slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")
+    if "PMI_RANK" in env and "PMI_SIZE" in env:
+        return _launch(env, "mpich", "PMI_RANK", "PMI_SIZE", None)
     return LaunchInfo(0, 1, 0, "single")
 
 
+def require_launcher(env: Mapping[str, str] = os.environ) -> LaunchInfo:
+    """`detect_launch`, refusing one process started without a launcher inside a Slurm allocation of several
+    tasks (a batch script or salloc shell running python directly), which would otherwise train alone."""
+    launch = detect_launch(env)
+    tasks = env.get("SLURM_NTASKS", "1")
+    if launch.launcher == "single" and tasks.isdigit() and int(tasks) > 1:
+        raise ConfigError(f"started without a launcher inside Slurm job {env.get('SLURM_JOB_ID', '?')} of {tasks} "
+                          "tasks (SLURM_NTASKS): launch with srun (one task per GPU), or torchrun or mpirun")
+    return launch
+
+
 def _rendezvous_address(launch: LaunchInfo, env: Mapping[str, str]) -> str:
-    """tcp:// address of rank 0: MASTER_ADDR/PORT, else rank 0's host shared through MPI or Slurm."""
+    """tcp:// address of rank 0: MASTER_ADDR/PORT, else rank 0's host shared through MPI, or for srun the first
+    host of the step's node list (never the host srun was typed on: after salloc that is a login node)."""
     port = env.get("MASTER_PORT", "29500")
     if "MASTER_ADDR" in env:
         return f"tcp://{env['MASTER_ADDR']}:{port}"
@@ -272,8 +300,9 @@ def _rendezvous_address(launch: LaunchInfo, env: Mapping[str, str]) -> str:
                                "mpi4py (pip install 'megatron_lc[mpi]') to share rank 0's address") from e
         host = MPI.COMM_WORLD.bcast(socket.gethostname() if launch.rank == 0 else None, root=0)
         return f"tcp://{host}:{port}"
-    if launch.launcher == "slurm" and "SLURM_LAUNCH_NODE_IPADDR" in env:
-        return f"tcp://{env['SLURM_LAUNCH_NODE_IPADDR']}:{port}"
+    nodes = current_job(env).nodes
+    if launch.launcher == "slurm" and nodes:
+        return f"tcp://{nodes[0]}:{port}"
     raise RuntimeError(f"cannot find rank 0's address for launcher {launch.launcher}: set MASTER_ADDR and MASTER_PORT")
 
 

@@ -3,7 +3,8 @@
 A writer is named by its host, pid and the process's start time in clock ticks since boot
 (`/proc/PID/stat` field 22): a pid reused by a later process has another start time, so a
 file left by a killed process is never taken for the work of a live one. Only a writer on
-this host can be checked; one from another host is always taken as alive.
+this host can be checked; one from another host is always taken as alive here (the checkpoint lock
+also asks the scheduler about the writer's job: `training/save_lock.py`).
 
 Used by the checkpoint lock (`training/save_lock.py`) and by the dataset builder's
 temporary files (`data/indexed_dataset.py`).

@@ -89,3 +89,17 @@ def test_the_trainer_sets_it_before_resolving_devices(monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         trainer.build_run(parse_config(["--mock-data", "--seq-length", "64", "--device", "cpu"]))
     assert order == ["allocator", "devices"]
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.4e12),  # SXM5
+    ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA H100 NVL", 835.5e12),
+    ("NVIDIA H200", 989.4e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA L4", None),
+])
+def test_mfu_is_measured_against_the_peak_of_the_actual_card(name, peak):
+    from megatron_lc.devices import peak_dense_bf16_flops
+
+    assert peak_dense_bf16_flops(name) == peak

@@ -42,6 +42,7 @@ import logging
 import math
 import mmap
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -69,8 +70,8 @@ def page_lock(buffer: torch.Tensor) -> None:
     """Page-lock an ordinary host tensor's memory in place (cudaHostRegister, in pieces of at most
     `PAGE_LOCK_PIECE` bytes), for asynchronous copies. On failure nothing stays registered."""
     cudart = torch.cuda.cudart()
-    done = []
-    for address, nbytes in _pieces(buffer):
+    done, pieces, began = [], _pieces(buffer), time.monotonic()
+    for address, nbytes in pieces:
         error = int(cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
         if error != 0:
             for registered, _ in done:
@@ -81,6 +82,10 @@ def page_lock(buffer: torch.Tensor) -> None:
                 f"a single registration of about 512 GiB or more fails on R580+ drivers: register in smaller "
                 f"pieces, megatron_lc uses {PAGE_LOCK_PIECE >> 30} GiB)")
         done.append((address, nbytes))
+        if len(pieces) > 1:  # one driver call per piece: progress between them
+            locked = sum(n for _, n in done)
+            LOG.info("offload: page-locked %.0f of %.0f GiB (%d of %d pieces), %.0f s", locked / 2**30,
+                     _nbytes(buffer) / 2**30, len(done), len(pieces), time.monotonic() - began)
 
 
 def page_unlock(buffer: torch.Tensor) -> None:
@@ -284,6 +289,10 @@ class OffloadScheduler:
         """Host bytes page-locked now (0 when the arenas are ordinary memory)."""
         return self.host_bytes_reserved if self._pin else 0
 
+    def reserve_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """Host bytes `reserve(shape, dtype)` allocates (and page-locks, on CUDA)."""
+        return max(1, self.host_slots) * math.prod(shape) * dtype.itemsize
+
     def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Make the arena for block inputs of this shape and dtype now, before the first step needs it."""
         if not self._arenas.get((tuple(shape), dtype, INPUT_KIND)):
@@ -312,7 +321,10 @@ class OffloadScheduler:
                  "block inputs" if kind == INPUT_KIND else f"{kind} tensors", list(shape),
                  str(dtype).removeprefix("torch."))
         lock, unlock = (page_lock, page_unlock) if self._pin else (None, None)
+        began = time.monotonic()
         arena = HostArena(shape, dtype, slots, self.host, lock, unlock)
+        LOG.info("offload: %s %.2f GiB in %.0f s", "page-locked" if self._pin else "allocated", nbytes / 2**30,
+                 time.monotonic() - began)
         self._arenas.setdefault(key, []).append(arena)
         self.host_bytes_reserved += arena.nbytes
         self.buffers_allocated += slots

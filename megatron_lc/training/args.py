@@ -54,10 +54,11 @@ class TrainArgs:
     seed: int = flag(1234, "seed of weights and data order")
     skip_nonfinite: bool = flag(False, "skip a step whose loss or gradient is NaN/Inf instead of stopping")
     exit_interval: int | None = flag(None, "exit after the step divisible by N (after saving), e.g. to fit a job limit")
-    exit_duration_in_mins: float | None = flag(None, "save and exit 0 at the first step boundary after this many "
-                                               "minutes of training")
+    exit_duration_in_mins: float | None = flag(None, "save and exit 3 (resume me) before the first step that could "
+                                               "not finish and save within this many minutes of the start "
+                                               "(Slurm's own time limit is read too)")
     exit_signal_handler: bool = flag(False, "on SIGTERM or SIGUSR1 (preemption, scancel, a time limit with "
-                                     "--signal), save at the next step boundary on every rank and exit 0")
+                                     "--signal), save at the next step boundary on every rank and exit 3 (resume me)")
 
 
 @dataclass
@@ -83,6 +84,8 @@ class CheckpointArgs:
     use_checkpoint_args: bool = flag(False, "take the model's shape (--num-layers, --hidden-size, ...) from the "
                                      "checkpoint in --load")
     save_interval: int | None = flag(None, "save every N steps (and at the end)")
+    save_interval_minutes: float | None = flag(None, "also save at the first step boundary once this many minutes "
+                                               "have passed since the last save (or the start)")
     keep_last_checkpoints: int = flag(0, "0 keeps every checkpoint in --save (as Megatron-LM); N > 0 keeps the "
                                       "newest N and deletes the older ones")
 

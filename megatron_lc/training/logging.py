@@ -8,13 +8,55 @@ gets Megatron-LM's `lm loss validation` (and, when asked, `lm loss validation pp
 from __future__ import annotations
 
 import json
+import logging
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from megatron_lc.devices import Devices, peak_dense_bf16_flops
+
+
+LIBRARY_LOGGER = "megatron_lc"
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stdout` is when a line is written (a harness may replace it between runs)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def show_library_log(this_rank: bool) -> None:
+    """Print the package's INFO lines (page-locking progress, ...) on stdout from `this_rank` (each node's first),
+    warnings only elsewhere; set once per process."""
+    logger = logging.getLogger(LIBRARY_LOGGER)
+    if not any(isinstance(h, _StdoutHandler) for h in logger.handlers):
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO if this_rank else logging.WARNING)
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(directory: str | Path, wandb_module) -> str:
+    """The wandb run id kept in `directory` (--save), made and kept there by the first run."""
+    path = Path(directory) / WANDB_ID_FILE
+    if path.exists():
+        return path.read_text().strip()
+    run_id = wandb_module.util.generate_id()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 def default_log_dir() -> Path:
@@ -26,8 +68,9 @@ class MetricsLogger:
 
     def __init__(self, log_dir: str | Path, tensorboard_dir: str | None, total_steps: int, enabled: bool = True,
                  wandb: tuple[str | None, str | None, dict] = (None, None, {}),
-                 validation_ppl_to_tensorboard: bool = False):
-        """`wandb`: (project, run name, config); logs there too when a project is given."""
+                 validation_ppl_to_tensorboard: bool = False, wandb_id_dir: str | None = None):
+        """`wandb`: (project, run name, config); logs there too when a project is given, continuing the wandb run
+        whose id `wandb_id_dir` (--save) holds, so a requeued job's steps go on in the same run."""
         self.enabled = enabled
         self.validation_ppl_to_tensorboard = validation_ppl_to_tensorboard
         self.total_steps = total_steps
@@ -47,7 +90,8 @@ class MetricsLogger:
         if project:
             import wandb as wandb_module  # optional: checked at configuration time
 
-            self._wandb = wandb_module.init(project=project, name=name, config=config, dir=str(self.log_dir))
+            resumed = {} if wandb_id_dir is None else {"id": wandb_run_id(wandb_id_dir, wandb_module), "resume": "allow"}
+            self._wandb = wandb_module.init(project=project, name=name, config=config, dir=str(self.log_dir), **resumed)
 
     def log(self, metrics: dict, console: bool = True, tensorboard: bool = True) -> None:
         """`console`: the progress line and metrics.jsonl (--log-interval); `tensorboard`: the training
@@ -92,7 +136,8 @@ class MetricsLogger:
             parts.append(f"{m['tflops_per_gpu']:.0f} TFLOP/s ({m['mfu']:.0%} MFU)")
         if "params_norm" in m:  # --log-params-norm
             parts.append(f"params norm: {m['params_norm']:.3f}")
-        parts.append(f"peak {m['peak_memory_gib']:.2f} GiB")
+        parts.append(f"peak {m['peak_memory_gib']:.2f} GiB" + (f" (reserved {m['peak_reserved_gib']:.2f})"
+                                                                if "peak_reserved_gib" in m else ""))
         if m.get("host_offload_gib"):
             parts.append(f"host {m['host_offload_gib']:.2f} GiB")
         if "eta_s" in m:

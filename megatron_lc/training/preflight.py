@@ -2,13 +2,19 @@
 process group or accelerator memory exists: the tokenizer's files, the checkpoint in `--load`, a
 `--save` directory this run may own, the wandb package, a visible GPU, and every directory the run
 writes. The trainer and evaluate call it; the planner, which plans for another machine, does not.
+Once the model is built, `check_host_memory` weighs the host memory the offload arenas will pin on
+each node against what the node lets the job use, before any page is locked.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import socket
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_lc.attention.kernels import FlashImplRefused, activate_flash_impl
 from megatron_lc.cli import check_writable
@@ -75,3 +81,113 @@ def activate_flash(cfg: TrainConfig, device: torch.device) -> str:
         return activate_flash_impl(cfg.parallel.flash_attention_impl, device, call=cfg.attention_call())
     except FlashImplRefused as e:
         raise ConfigError(str(e)) from e
+
+
+# --- host memory the job may pin --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """What this node lets the job use: its memory cgroup's limit (v2 memory.max, v1
+    memory.limit_in_bytes; the smallest on the path to the root) less what the cgroup holds now beyond
+    reclaimable page cache, and the kernel's MemAvailable. None where not known."""
+
+    cgroup_limit: int | None = None
+    cgroup_used: int = 0
+    mem_available: int | None = None
+    cgroup_file: str = ""
+
+    def usable(self) -> int | None:
+        sizes = [s for s in (None if self.cgroup_limit is None else self.cgroup_limit - self.cgroup_used,
+                             self.mem_available) if s is not None]
+        return min(sizes) if sizes else None
+
+    def describe(self) -> str:
+        parts = []
+        if self.cgroup_limit is not None:
+            parts.append(f"cgroup limit {_gib(self.cgroup_limit)} ({self.cgroup_file}), {_gib(self.cgroup_used)} "
+                         "of it in use")
+        if self.mem_available is not None:
+            parts.append(f"MemAvailable {_gib(self.mem_available)}")
+        return "; ".join(parts)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+UNLIMITED = 1 << 60
+"""cgroup v1 writes 'no limit' as a page-rounded 2^63 - 1; anything above this is no limit."""
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) < UNLIMITED else None  # v2 writes "max"
+
+
+def _stat(path: Path, *keys: str) -> int:
+    try:
+        fields = dict(line.split()[:2] for line in path.read_text().splitlines() if len(line.split()) >= 2)
+    except OSError:
+        return 0
+    return next((int(fields[k]) for k in keys if k in fields), 0)
+
+
+def _cgroup_limit(proc: Path, root: Path) -> tuple[int | None, int, str]:
+    """(limit, bytes in use less page cache, the file that set the limit) of this process's memory cgroup."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None, 0, ""
+    best: tuple[int | None, int, str] = (None, 0, "")
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            base, limit_name, usage_name, cache_keys = root, "memory.max", "memory.current", ("file",)
+        elif "memory" in controllers.split(","):
+            base, limit_name, usage_name, cache_keys = root / "memory", "memory.limit_in_bytes", \
+                "memory.usage_in_bytes", ("total_cache", "cache")
+        else:
+            continue
+        directory = base / path.lstrip("/")
+        if not directory.is_dir():  # a container sees its own cgroup as the root
+            directory = base
+        for level in [directory, *directory.parents]:
+            if base not in (level, *level.parents):
+                break
+            limit = _read_int(level / limit_name)
+            if limit is not None and (best[0] is None or limit < best[0]):
+                used = (_read_int(level / usage_name) or 0) - _stat(level / "memory.stat", *cache_keys)
+                best = (limit, max(used, 0), str(level / limit_name))
+    return best
+
+
+def read_host_memory(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> HostMemory:
+    limit, used, file = _cgroup_limit(proc, cgroup_root)
+    available = _stat(proc / "meminfo", "MemAvailable:") * 1024 or None
+    return HostMemory(limit, used, available, file)
+
+
+def check_host_memory(need: int, what: str, memory: HostMemory | None = None) -> None:
+    """Refuse, in one line with the numbers, a node whose ranks together would pin more host memory than the
+    job may use there; every rank learns every node's answer, so all refuse together (call it on every rank,
+    before any page is locked). `need`: this rank's bytes; `what`: the flags that ask for them."""
+    memory = memory or read_host_memory()
+    mine = (socket.gethostname(), need, memory.usable(), memory.describe())
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    nodes: dict[str, list] = {}
+    for host, bytes_, usable, text in everyone:
+        nodes.setdefault(host, [0, 0, usable, text])
+        nodes[host][0] += bytes_
+        nodes[host][1] += 1
+    for host, (total, ranks, usable, text) in nodes.items():
+        if usable is not None and total > usable:
+            raise ConfigError(f"host memory on {host}: {what} would take {_gib(total)} ({ranks} ranks), more than "
+                              f"this job may use there ({_gib(usable)}: {text}); ask the scheduler for more memory "
+                              "(Slurm: --mem), or offload less")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from megatron_lc.training import checkpointing
 from megatron_lc.training.run import Run, global_batch_size, say
 from megatron_lc.training.save_lock import SaveLock, acquire_save_lock
 from megatron_lc.training.schedule import LRSchedule
+from megatron_lc.training.stopping import StepTiming
 
 
 def _data_settings(cfg: TrainConfig, pstate: ParallelState) -> dict:
@@ -65,7 +67,7 @@ def _normalised_split(split: str | None) -> list[float] | None:
 def checkpoint_extra(run: Run) -> dict:
     return {"model_config": dataclasses.asdict(run.model.config), "train_config": run.cfg.to_dict(),
             "schedule": run.schedule.to_dict(), "data_settings": _data_settings(run.cfg, run.pstate),
-            "data": run.loader.state_dict(), "world_size": run.launch.world_size}
+            "data": run.loader.state_dict(), "world_size": run.launch.world_size, "timing": run.timing.to_dict()}
 
 
 def _differences(saved: dict, current: dict) -> str:
@@ -214,15 +216,18 @@ def resume(run: Run) -> int:
     checkpointing.load_checkpoint(path, run.model, run.optimizer if has_optim and not c.no_load_optim else None)
     if has_rng and not c.no_load_rng and meta.get("world_size") == run.launch.world_size:  # rank r's is rank r's
         checkpointing.load_rng_state(path, run.launch.rank)
+    run.timing = StepTiming.resumed(meta.get("timing"))
     say(run, f"resumed from {path} at step {meta['step']}")
     return int(meta["step"])
 
 
 def save(run: Run, step: int) -> None:
     c = run.cfg.checkpoint
+    began = time.monotonic()
     path = checkpointing.save_checkpoint(c.save, step, run.model, run.optimizer, checkpoint_extra(run),
                                          keep_last=c.keep_last_checkpoints, run_id=run.save_lock.run_id,
                                          save_optimizer=not c.no_save_optim, save_rng=not c.no_save_rng)
+    run.timing.save_times.append(time.monotonic() - began)
     say(run, f"saved {path}")
 
 

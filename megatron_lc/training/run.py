@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +13,7 @@ from megatron_lc.devices import Devices
 from megatron_lc.parallel_state import LaunchInfo, ParallelState
 from megatron_lc.training.save_lock import SaveLock
 from megatron_lc.training.schedule import LRSchedule
+from megatron_lc.training.stopping import StepTiming
 
 
 @dataclass
@@ -39,6 +40,9 @@ class Run:
     def eval_loader(self, source: SampleSource) -> MicroBatchLoader | WorkerLoader:
         """The loader reading `source`, repositioned by each evaluation."""
         return next(loader for known, loader in self.eval_loaders if known is source)
+
+    timing: StepTiming = field(default_factory=StepTiming)
+    """Measured step and save times (and the resumed checkpoint's), for the deadline."""
 
     @property
     def is_logging_rank(self) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import resource
-import signal
 import time
 
 import torch
@@ -19,14 +18,15 @@ from megatron_lc.attention.kernels import running_kernel
 from megatron_lc.errors import ConfigError
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
-from megatron_lc.training.preflight import preflight
+from megatron_lc.training.preflight import check_host_memory, preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
 from megatron_lc.models.llama import count_parameters
-from megatron_lc.parallel_state import ParallelState, detect_launch
+from megatron_lc.parallel_state import ParallelState, require_launcher
 from megatron_lc.training.logging import (
     MetricsLogger,
+    show_library_log,
     default_log_dir,
     model_flops_utilization,
     step_flops,
@@ -36,6 +36,9 @@ from megatron_lc.training.resume import apply_checkpoint_args, resume, save, tak
 from megatron_lc.training.run import Run, global_batch_size, say
 from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.training.startup import start_processes
+from megatron_lc.scheduler import current_job
+from megatron_lc.training.step_progress import StepProgress
+from megatron_lc.training.stopping import StopRequest, clear_stopped, deadlines, mark_stopped
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
 
 
@@ -98,7 +101,8 @@ def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) ->
 
 def build_run(cfg: TrainConfig) -> Run:
     """Validate, initialise processes, build the sharded model, optimizer and data."""
-    launch = detect_launch()
+    launch = require_launcher()  # before any process group: a run without its launcher is refused
+    show_library_log(launch.local_rank == 0)  # e.g. page-locking progress, once per node
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
     cfg = cfg.resolved(launch.world_size)  # --train-samples, --data-args-path, ... filled in
     preflight(cfg)  # what the run needs of this machine's disks, packages and devices
@@ -118,8 +122,10 @@ def build_run(cfg: TrainConfig) -> Run:
     model, offload = build_sharded_model(cfg, spec, pstate, devices)
     if offload is not None:  # page-lock the host arenas before step 1 (logged; minutes for a terabyte)
         block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
-        offload.reserve((cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size,
-                         model_config.hidden_size), block_dtype)
+        block = (cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size, model_config.hidden_size)
+        check_host_memory(offload.reserve_bytes(block, block_dtype),
+                          "the offloaded block inputs (--offload-activations)")
+        offload.reserve(block, block_dtype)
     optimizer = build_run_optimizer(model, cfg)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg, launch.world_size), offload,
@@ -140,10 +146,21 @@ def params_norm(model: torch.nn.Module) -> float:
     return float(total)
 
 
-def _peak_memory_gib(run: Run) -> float:
+def step_peak_memory(run: Run) -> dict:
+    """This step's peak memory, the largest of any rank: on CUDA the allocator's allocated and reserved bytes
+    since the step began (`train_one_step` resets them), on the CPU the process's peak resident size since
+    it started (the kernel keeps no per-step peak)."""
     if run.devices.is_cuda:
-        return torch.cuda.max_memory_allocated(run.devices.accelerator) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB, host process peak
+        peaks = [torch.cuda.max_memory_allocated(run.devices.accelerator),
+                 torch.cuda.max_memory_reserved(run.devices.accelerator)]
+    else:
+        peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0]  # KiB
+    if run.pstate.distributed:
+        shared = torch.tensor(peaks, dtype=torch.float64, device=run.devices.accelerator)
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        peaks = shared.tolist()
+    allocated, reserved = (p / 2**30 for p in peaks)
+    return {"peak_memory_gib": allocated, **({"peak_reserved_gib": reserved} if run.devices.is_cuda else {})}
 
 
 def validation_window(evaluation: int, per_evaluation: int, available: int) -> int:
@@ -206,6 +223,8 @@ def train_one_step(run: Run, step: int) -> dict:
     start = time.perf_counter()
     if run.offload is not None:
         run.offload.reset_peak()  # the logged host peak is this step's
+    if run.devices.is_cuda:
+        torch.cuda.reset_peak_memory_stats(run.devices.accelerator)  # the peaks logged are this step's
     micro_batches = [next(run.loader) for _ in range(run.accumulation)]
     lr, weight_decay = run.schedule(step - 1), run.schedule.weight_decay(step - 1)
     for group in run.optimizer.param_groups:
@@ -222,7 +241,7 @@ def train_one_step(run: Run, step: int) -> dict:
     flops_per_gpu = step_flops(run.model.config, tokens, run.cfg.data.seq_length) / elapsed / run.launch.world_size
     mfu = model_flops_utilization(run.devices, flops_per_gpu)
     metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / elapsed,
-               "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(run)}
+               "step_time_s": elapsed, **step_peak_memory(run)}
     if weight_decay is not None and run.schedule.wd_incr_style != "constant":
         metrics["weight_decay"] = weight_decay
     if mfu is not None:
@@ -233,58 +252,33 @@ def train_one_step(run: Run, step: int) -> dict:
     return metrics
 
 
-class StopRequest:
-    """Save and stop at a step boundary on a signal (--exit-signal-handler) or on time (--exit-duration-in-mins).
-
-    A signal may reach only some ranks, and clocks differ: every rank contributes its
-    reason to one all-reduce per step, so all of them stop at the same step.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self, cfg: TrainConfig, device: torch.device):
-        self.handle_signals = cfg.train.exit_signal_handler
-        self.deadline = (time.monotonic() + 60 * cfg.train.exit_duration_in_mins
-                         if cfg.train.exit_duration_in_mins else None)
-        self.device = device
-        self.received: int | None = None
-        self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS} if self.handle_signals else {}
-
-    def _on_signal(self, signum, frame) -> None:
-        self.received = signum
-
-    def reason(self) -> str | None:
-        """Why every rank stops after this step (None: go on)."""
-        if not self.handle_signals and self.deadline is None:
-            return None
-        flags = torch.tensor([self.received is not None, self.deadline is not None and time.monotonic() >= self.deadline],
-                             dtype=torch.int32, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, timed_out = flags.tolist()
-        if signalled:
-            return f"signal {signal.Signals(self.received).name if self.received else 'on another rank'}"
-        return "--exit-duration-in-mins reached" if timed_out else None
-
-    def close(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-
 def _eta_s(step_times: list[float], remaining: int) -> float:
     """Remaining time from the mean step time, leaving out the first step (warm-up) once others exist."""
     times = step_times[1:] or step_times
     return remaining * sum(times) / len(times)
 
 
-def train(cfg: TrainConfig) -> list[dict]:
+def print_flushed(text: str) -> None:
+    print(text, flush=True)
+
+
+class History(list):
+    """The logged metrics of each step; `stopped` says why the run stopped to be resumed (None: it finished)."""
+
+    stopped: str | None = None
+
+
+def train(cfg: TrainConfig) -> History:
     """Run training to --train-iters (or a stop request); returns the logged metrics."""
+    started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's from start-up
     if cfg.checkpoint.use_checkpoint_args:
         cfg = apply_checkpoint_args(cfg)
     run = build_run(cfg)
     run.save_lock = take_save_lock(run)
+    if run.save_lock is not None and run.is_logging_rank:
+        clear_stopped(cfg.checkpoint.save)
     try:
-        return _train_run(run)
+        return _train_run(run, started)
     finally:
         for loader in (run.loader, *(l for _, l in run.eval_loaders)):
             if isinstance(loader, WorkerLoader):
@@ -293,33 +287,46 @@ def train(cfg: TrainConfig) -> list[dict]:
             run.save_lock.release()
 
 
-def _train_run(run: Run) -> list[dict]:
+def _train_run(run: Run, started: float) -> History:
     """The loop of `train` once --save is locked."""
     cfg = run.cfg
     start = resume(run)
     if cfg.train.skip_train:
-        return [skip_train(run, start)]
+        return History([skip_train(run, start)])
     if start >= cfg.train.train_iters:
         say(run, f"the checkpoint is at step {start}, --train-iters is {cfg.train.train_iters}: nothing left to do")
-        return []
+        return History()
     g = cfg.logging
     log_dir = g.log_dir or str(default_log_dir())
     logger = MetricsLogger(log_dir, g.tensorboard_dir, cfg.train.train_iters, run.is_logging_rank,
                            validation_ppl_to_tensorboard=g.log_validation_ppl_to_tensorboard,
-                           wandb=(g.wandb_project, g.wandb_exp_name, cfg.to_dict()))
+                           wandb=(g.wandb_project, g.wandb_exp_name, cfg.to_dict()), wandb_id_dir=cfg.checkpoint.save)
     n = count_parameters(run.model)
     kernel = running_kernel(run.devices.accelerator.type, cfg.parallel.attention_kernel,
                             torch.bfloat16 if cfg.train.bf16 else torch.float32)
     say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
               f"seq {cfg.data.seq_length} | attention: {kernel} | metrics in {log_dir}/metrics.jsonl")
-    stop = StopRequest(cfg, run.devices.accelerator)
-    history, step_times, began = [], [], time.monotonic()
+    c = cfg.checkpoint
+    stop = StopRequest(cfg.train.exit_signal_handler,
+                       deadlines(cfg.train.exit_duration_in_mins, started, current_job()),
+                       c.save_interval_minutes, run.timing, run.devices.accelerator)
+    history, step_times, began = History(), [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
+    progress = StepProgress(list(run.model.layers), print_flushed) if run.is_logging_rank else None
     try:
+        before = stop.decide(may_save=False)  # the resumed checkpoint's step time may already not fit
+        if before.stop:
+            history.stopped = f"stopping before step {start + 1}: {before.stop}"
+            say(run, history.stopped + " (the checkpoint loaded is the one to resume)")
         for step in range(start + 1, cfg.train.train_iters + 1):
+            if history.stopped:
+                break
+            if progress is not None:
+                progress.begin(step, cfg.train.train_iters, run.accumulation, run.timing.step_s())
             metrics = train_one_step(run, step)
             metrics["attention_kernel"] = kernel
             step_times.append(metrics["step_time_s"])
+            run.timing.step_times.append(metrics["step_time_s"])
             since_log.append(metrics["step_time_s"])
             metrics.update(elapsed_s=time.monotonic() - began, eta_s=_eta_s(step_times, cfg.train.train_iters - step))
             if g.eval_interval and step % g.eval_interval == 0:
@@ -339,18 +346,30 @@ def _train_run(run: Run) -> list[dict]:
                 since_log = []
             logger.log(metrics, console=console, tensorboard=tensorboard)
             history.append(metrics)
-            c = cfg.checkpoint
-            exiting = bool(cfg.train.exit_interval) and step % cfg.train.exit_interval == 0
-            reason = stop.reason() or (f"--exit-interval {cfg.train.exit_interval}" if exiting else None)
-            if c.save and ((c.save_interval and step % c.save_interval == 0) or step == cfg.train.train_iters
-                           or exiting or reason):
+            last = step == cfg.train.train_iters
+            decision = stop.decide(may_save=bool(c.save)) if not last else None
+            exiting = not last and bool(cfg.train.exit_interval) and step % cfg.train.exit_interval == 0
+            history.stopped = f"stopping after step {step}: {decision.stop}" if decision and decision.stop else None
+            if c.save and ((c.save_interval and step % c.save_interval == 0) or last or exiting
+                           or (decision and decision.save)):
                 save(run, step)
-            if reason:
-                say(run, f"stopping after step {step}: {reason}" + ("" if c.save else " (no --save: nothing saved)"))
-            if exiting or reason:
+                stop.saved()
+            if exiting and not history.stopped:  # asked for: this invocation is done (exit 0)
+                say(run, f"stopping after step {step}: --exit-interval {cfg.train.exit_interval}"
+                         + ("" if c.save else " (no --save: nothing saved)"))
                 break
+            if history.stopped:
+                say(run, history.stopped + ("" if c.save else " (no --save: nothing saved)"))
+                break
+        if history.stopped:
+            if c.save and run.is_logging_rank:
+                mark_stopped(c.save, history[-1]["step"] if history else start, history.stopped)
+            if run.pstate.distributed:  # written before any rank leaves: srun --kill-on-bad-exit stops the rest
+                dist.barrier()
     finally:
         stop.close()
+        if progress is not None:
+            progress.close()
         logger.close()
     return history
 

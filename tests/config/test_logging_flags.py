@@ -67,3 +67,55 @@ def test_the_attention_kernel_that_runs_is_printed_and_recorded_in_metrics(tmp_p
     assert "attention: cpu_flash" in capsys.readouterr().out
     record = json.loads((tmp_path / "log" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["attention_kernel"] == "cpu_flash"
+
+
+def _fake_wandb(monkeypatch) -> list[dict]:
+    """A stand-in for the wandb package that records each init's arguments."""
+    import importlib.machinery
+    import sys
+    import types
+
+    inits, ids = [], iter(["abc123", "def456"])
+    module = types.ModuleType("wandb")
+    module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    module.util = types.SimpleNamespace(generate_id=lambda: next(ids))
+
+    def init(**kwargs):
+        inits.append(kwargs)
+        return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda *a, **k: None)
+    module.init = init
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return inits
+
+
+def test_wandb_continues_the_same_run_across_requeues(tmp_path, monkeypatch):
+    """The wandb run id is kept in --save: a requeued (resumed) job logs into the run it started."""
+    inits = _fake_wandb(monkeypatch)
+    flags = BASE + ["--wandb-project", "p", "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")]
+    train(parse_config(flags + ["--train-iters", "4", "--exit-interval", "2", "--log-dir", str(tmp_path / "a")]))
+    train(parse_config(flags + ["--train-iters", "4", "--log-dir", str(tmp_path / "b")]))
+    assert [(i["project"], i["id"], i["resume"]) for i in inits] == [("p", "abc123", "allow"), ("p", "abc123", "allow")]
+    assert (tmp_path / "ckpt" / "wandb_run_id").read_text() == "abc123\n"
+    train(parse_config(BASE + ["--wandb-project", "p", "--train-iters", "1", "--log-dir", str(tmp_path / "c")]))
+    assert "id" not in inits[-1]  # no --save: a new run each time
+
+
+def test_peak_memory_is_the_steps_allocated_and_reserved_on_cuda(monkeypatch):
+    """On CUDA the peaks are the allocator's since the step began, reserved beside allocated (a recording
+    stand-in for torch.cuda here; the CPU has no per-step peak)."""
+    import types
+
+    from megatron_lc.devices import Devices
+    from megatron_lc.training.logging import MetricsLogger
+    from megatron_lc.training.trainer import step_peak_memory
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: asked.append(("allocated", d)) or 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: asked.append(("reserved", d)) or 4 * 2**30)
+    cuda = torch.device("cuda", 0)
+    run = types.SimpleNamespace(devices=Devices(cuda, torch.device("cpu")), pstate=types.SimpleNamespace(distributed=False))
+    peaks = step_peak_memory(run)
+    assert peaks == {"peak_memory_gib": 3.0, "peak_reserved_gib": 4.0}
+    assert asked == [("allocated", cuda), ("reserved", cuda)]
+    metrics = {"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0, **peaks}
+    assert "peak 3.00 GiB (reserved 4.00)" in MetricsLogger(".", None, 1, enabled=False)._progress_line(metrics)

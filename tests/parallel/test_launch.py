@@ -9,22 +9,91 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lc.parallel_state import ParallelDims, detect_launch
+from megatron_lc.devices import cuda_index
+from megatron_lc.errors import ConfigError
+from megatron_lc.parallel_state import ParallelDims, _rendezvous_address, detect_launch, require_launcher
+from megatron_lc.scheduler import expand_nodelist
 
 HERE = Path(__file__).parent
 
 
+SRUN = {"SLURM_JOB_ID": "81", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "9",
+        "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.1"}
+"""An `srun` task's environment (rank 9 of 16, the second task on the second node)."""
+
+
 @pytest.mark.parametrize("env, expected", [
     ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, ("torchrun", 3, 8, 3)),
+    ({"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "GROUP_RANK": "1", **SRUN,
+      "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"},
+     ("torchrun", 11, 16, 3)),  # srun torchrun on 2 nodes: torchrun's, not its launching task's
     ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_LOCAL_RANK": "5"},
      ("openmpi", 5, 16, 5)),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_LOCAL_RANK": "5", **SRUN,
+      "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}, ("openmpi", 5, 16, 5)),  # mpirun inside a Slurm job
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}, ("mpich", 1, 2, 1)),
+    ({"PMI_RANK": "9", "PMI_SIZE": "16", "MPI_LOCALRANKID": "1", **SRUN, "SLURM_STEP_NUM_TASKS": "2",
+      "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}, ("mpich", 9, 16, 1)),  # Hydra's proxies are srun tasks
     ({"PMI_RANK": "1", "PMI_SIZE": "2"}, ("mpich", 1, 2, 0)),
-    ({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}, ("slurm", 9, 16, 1)),
+    (SRUN, ("slurm", 9, 16, 1)),
+    ({**SRUN, "PMI_RANK": "9", "PMI_SIZE": "16"}, ("slurm", 9, 16, 1)),  # srun --mpi=pmi2: not local rank 0
+    ({**SRUN, "PMIX_RANK": "9"}, ("slurm", 9, 16, 1)),  # srun --mpi=pmix
+    ({**SRUN, "SLURM_NTASKS": "32"}, ("slurm", 9, 16, 1)),  # a step of 16 tasks in a job of 32
     ({}, ("single", 0, 1, 0)),
+    ({"SLURM_JOB_ID": "81", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, ("single", 0, 1, 0)),  # a 1-task batch
 ])
 def test_launcher_environment_is_read(env, expected):
-    info = detect_launch(env)
+    info = require_launcher(env)
     assert (info.launcher, info.rank, info.world_size, info.local_rank) == expected
+
+
+@pytest.mark.parametrize("env", [
+    {"SLURM_JOB_ID": "81", "SLURM_NTASKS": "16", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"},  # the batch script
+    {"SLURM_JOB_ID": "81", "SLURM_NTASKS": "16", "SLURM_JOB_NODELIST": "gpu[07-08]"},  # a salloc shell
+])
+def test_a_run_without_a_launcher_inside_a_multi_task_allocation_is_refused(env):
+    with pytest.raises(ConfigError) as e:
+        require_launcher(env)
+    assert str(e.value) == ("started without a launcher inside Slurm job 81 of 16 tasks (SLURM_NTASKS): launch with "
+                            "srun (one task per GPU), or torchrun or mpirun")
+
+
+def test_the_entry_point_refuses_it_in_one_line_before_any_process_group(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "PMI_"))}
+    env.update(SLURM_JOB_ID="81", SLURM_NTASKS="16", SLURM_PROCID="0", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "megatron_lc.train", "--mock-data", "--seq-length", "32",
+                          "--device", "cpu", "--train-iters", "1"], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: started without a launcher inside Slurm job 81 of 16 tasks (SLURM_NTASKS): launch with srun (one "
+        "task per GPU), or torchrun or mpirun"]
+
+
+def test_srun_rank_zeros_address_is_the_first_node_of_the_step_not_the_host_srun_ran_on():
+    """After salloc on a login node, srun runs there: SLURM_LAUNCH_NODE_IPADDR is the login node's."""
+    launch = detect_launch(SRUN)
+    assert _rendezvous_address(launch, {**SRUN, "MASTER_PORT": "6000"}) == "tcp://gpu07:6000"
+    assert _rendezvous_address(launch, {**SRUN, "MASTER_ADDR": "head"}) == "tcp://head:29500"
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("gpu[07-09,12],login5", ["gpu07", "gpu08", "gpu09", "gpu12", "login5"]),
+    ("node1", ["node1"]),
+    ("a[1-2]-ib,b[009-010]", ["a1-ib", "a2-ib", "b009", "b010"]),
+])
+def test_slurm_node_lists_are_expanded_in_order(text, hosts):
+    assert expand_nodelist(text) == hosts
+
+
+@pytest.mark.parametrize("local_rank, visible, index", [(3, 8, 3), (3, 1, 0), (0, 1, 0)])
+def test_a_task_that_sees_one_gpu_uses_it(local_rank, visible, index):
+    assert cuda_index(local_rank, visible) == index
+
+
+def test_a_local_rank_past_the_visible_gpus_is_refused():
+    with pytest.raises(ConfigError, match="local rank 3 sees 2 GPUs"):
+        cuda_index(3, 2)
 
 
 @pytest.mark.parametrize("kwargs, message", [

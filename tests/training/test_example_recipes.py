@@ -7,6 +7,7 @@ from the recipe), with placeholder data files.
 
 import json
 import os
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -18,30 +19,48 @@ from megatron_lc.arguments import parse_config
 REPO = Path(__file__).resolve().parents[2]
 RECORDER = """#!/usr/bin/env python3
 import json, os, sys
+prog = os.path.basename(sys.argv[0])
 with open({out!r}, "a") as f:
-    f.write(json.dumps({{"argv": sys.argv[1:], "nvls": os.environ.get("NCCL_NVLS_ENABLE")}}) + "\\n")
+    f.write(json.dumps({{"prog": prog, "argv": sys.argv[1:], "nvls": os.environ.get("NCCL_NVLS_ENABLE"),
+                        "nccl": {{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}}}) + "\\n")
+if sys.argv[1:3] == ["show", "hostnames"]:
+    print("node1")
+if "megatron_lc.train" in sys.argv and os.environ.get("FAKE_STOPPED"):
+    open(os.environ["FAKE_STOPPED"], "w").write("{{}}")
+sys.exit(int(os.environ.get("FAKE_EXIT_" + prog.upper(), "0")))
 """
 RECIPES = [
     ("examples/pretrain_llama_5m.sh", [], 8),
     ("examples/pretrain_llama_3m.sh", [], 8),
     ("examples/pretrain_llama_7m.sh", [], 8),
     ("examples/slurm/pretrain_llama_8m_2nodes.sbatch", [], 16),
+    ("examples/slurm/pretrain_llama_8m_2nodes_torchrun.sbatch", [], 16),
     ("examples/mpirun_pretrain.sh", ["hosts"], 8),
 ]
+SLURM_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}
 
 
-def _recorded_launch(script: str, args: list[str], tmp_path: Path, env: dict | None = None) -> dict:
-    """The launcher's command line and the NCCL_NVLS_ENABLE it saw."""
+def _run_recipe(script: str, args: list[str], tmp_path: Path, env: dict | None = None,
+                status: int = 0) -> tuple[int, list[dict]]:
+    """The recipe's exit status and every command it ran (fake launchers that record their command lines)."""
     bin_dir, out = tmp_path / "bin", tmp_path / "argv.jsonl"
     bin_dir.mkdir(exist_ok=True)
+    out.unlink(missing_ok=True)
     for name in ("torchrun", "srun", "mpirun", "python", "scontrol"):
         fake = bin_dir / name
         fake.write_text(RECORDER.format(out=str(out)))
         fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = {**{k: v for k, v in os.environ.items() if k != "NCCL_NVLS_ENABLE"}, **(env or {}),
-           "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node1"}
-    subprocess.run(["bash", str(REPO / script), *args], env=env, check=True, timeout=60, cwd=tmp_path)
-    return [json.loads(line) for line in out.read_text().splitlines()][-1]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "SLURM_"))}, **SLURM_JOB,
+           **(env or {}), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(REPO / script), *args], env=env, timeout=60, cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == status, done.stderr[-2000:]
+    return done.returncode, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _recorded_launch(script: str, args: list[str], tmp_path: Path, env: dict | None = None) -> dict:
+    """The launcher's command line and the NCCL settings it saw."""
+    return [c for c in _run_recipe(script, args, tmp_path, env)[1] if "megatron_lc.train" in c["argv"]][-1]
 
 
 def _recorded_train_args(script: str, args: list[str], tmp_path: Path) -> list[str]:
@@ -72,9 +91,70 @@ def test_recipe_turns_nvls_off_unless_the_user_chose(script, leading, world_size
     assert _recorded_launch(script, args, tmp_path, {"NCCL_NVLS_ENABLE": "1"})["nvls"] == "1"
 
 
-@pytest.mark.parametrize("script", ["examples/pretrain_llama_5m.sh", "examples/slurm/pretrain_llama_8m_2nodes.sbatch",
-                                    "examples/mpirun_pretrain.sh"])
-def test_the_nvls_export_says_why_in_one_line(script):
-    lines = (REPO / script).read_text().splitlines()
+@pytest.mark.parametrize("script, leading, world_size", RECIPES)
+def test_long_runs_save_by_time_as_well_as_by_steps(script, leading, world_size, tmp_path):
+    data = tmp_path / "corpus_text_document"
+    args = _recorded_train_args(script, [*leading, str(data), "tokenizer.model", str(tmp_path / "ckpt")], tmp_path)
+    cfg = parse_config(args)
+    assert cfg.checkpoint.save_interval_minutes and cfg.checkpoint.save_interval_minutes <= 240
+
+
+@pytest.mark.parametrize("script, leading, world_size", RECIPES)
+def test_every_launcher_gets_the_same_nccl_settings(script, leading, world_size, tmp_path):
+    """examples/nccl_settings.sh, sourced by every recipe: the plan's channels and buffers, NVLS off, NCCL_DEBUG,
+    and the site's NCCL_SOCKET_IFNAME / NCCL_IB_HCA when given (mpirun forwards each with -x)."""
+    args = [*leading, "corpus", "tokenizer.model", str(tmp_path / "ckpt")]
+    site = {"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0,mlx5_1"}
+    launch = _recorded_launch(script, args, tmp_path, site)
+    assert launch["nccl"] == {"NCCL_MAX_NCHANNELS": "16", "NCCL_BUFFSIZE": "4194304", "NCCL_NVLS_ENABLE": "0",
+                              "NCCL_DEBUG": "WARN", **site}
+    if "mpirun" in script:
+        forwarded = {launch["argv"][i + 1] for i, a in enumerate(launch["argv"]) if a == "-x"}
+        assert set(launch["nccl"]) <= forwarded
+    assert "NCCL_SOCKET_IFNAME" not in _recorded_launch(script, args, tmp_path)["nccl"]  # unset unless given
+
+
+def test_the_nvls_setting_says_why_in_one_line():
+    lines = (REPO / "examples/nccl_settings.sh").read_text().splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("export NCCL_NVLS_ENABLE="))
     assert lines[i - 1].startswith("# NVLS") and "memory plan" in lines[i - 1]
+
+
+@pytest.mark.parametrize("script", ["examples/slurm/pretrain_llama_8m_2nodes.sbatch",
+                                    "examples/slurm/pretrain_llama_8m_2nodes_torchrun.sbatch"])
+def test_sbatch_requests_fit_a_dgx_h100_and_the_job_requeues_itself(script, tmp_path):
+    text = (REPO / script).read_text()
+    per_task = int(re.search(r"#SBATCH --cpus-per-task=(\d+)", text).group(1))
+    tasks = int(re.search(r"#SBATCH --ntasks-per-node=(\d+)", text).group(1))
+    assert per_task * tasks <= 112 and "#SBATCH --requeue" in text and "#SBATCH --mem=0" in text
+    args = ["corpus", "tokenizer.model", str(tmp_path / "ckpt")]
+    (tmp_path / "ckpt").mkdir()
+    stopped = tmp_path / "ckpt" / "stopped_to_resume.json"
+
+    def requeued(commands):
+        return [c["argv"] for c in commands if c["prog"] == "scontrol" and c["argv"][0] == "requeue"]
+
+    _, commands = _run_recipe(script, args, tmp_path, {"FAKE_EXIT_SRUN": "3"}, status=0)  # srun: the tasks' 3
+    assert requeued(commands) == [["requeue", "4242"]]
+    _, commands = _run_recipe(script, args, tmp_path, {"FAKE_EXIT_SRUN": "1", "FAKE_STOPPED": str(stopped)},
+                              status=0)  # torchrun's 1, with the run's word that it stopped to be resumed
+    assert requeued(commands) == [["requeue", "4242"]]
+    stopped.write_text("{}")  # left by an earlier run: removed before the launch, never read for this one
+    _, commands = _run_recipe(script, args, tmp_path, {"FAKE_EXIT_SRUN": "1"}, status=1)
+    assert requeued(commands) == [] and not stopped.exists()
+    _, commands = _run_recipe(script, args, tmp_path, {"FAKE_EXIT_SRUN": "2"}, status=2)  # a configuration error
+    assert requeued(commands) == []
+    _, commands = _run_recipe(script, args, tmp_path)
+    assert requeued(commands) == []
+
+
+def test_the_multi_node_torchrun_recipe_meets_on_the_jobs_first_node(tmp_path):
+    launch = _recorded_launch("examples/slurm/pretrain_llama_8m_2nodes_torchrun.sbatch",
+                              ["corpus", "tokenizer.model", str(tmp_path / "ckpt")], tmp_path)
+    argv = launch["argv"]
+    torchrun = argv[argv.index("torchrun"):]
+    assert argv[:argv.index("torchrun")] == ["--kill-on-bad-exit=1", "--ntasks-per-node=1"]
+    assert torchrun[torchrun.index("--nnodes") + 1] == "2" and torchrun[torchrun.index("--nproc-per-node") + 1] == "8"
+    assert torchrun[torchrun.index("--rdzv-backend") + 1] == "c10d"
+    assert torchrun[torchrun.index("--rdzv-endpoint") + 1] == "node1:29500"
+    assert torchrun[torchrun.index("--rdzv-id") + 1] == "megatron-lc-4242"

@@ -30,11 +30,17 @@ def test_the_extension_recipe_runs_its_stages_on_a_tiny_model(tmp_path):
            "TOKENIZER_TYPE": "ByteTokenizer", "ROPE_FLAGS": "--rotary-base 2000000", "PASSKEY_TRIALS": "1",
            "MEMORY_FLAGS": "--recompute-granularity full --tiled-loss", "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(os.sys.executable).parent}:{os.environ['PATH']}"}
-    out = subprocess.run(["bash", "examples/extend_llama3_8b.sh", str(tmp_path / "hf"), data, "none",
-                          str(tmp_path / "work"), "--device", "cpu"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    recipe = ["bash", "examples/extend_llama3_8b.sh", str(tmp_path / "hf"), data, "none", str(tmp_path / "work"),
+              "--device", "cpu"]
     work = tmp_path / "work"
+    # A stage stopped by its time limit: the script stops with the resume status instead of moving on.
+    stopped = subprocess.run(recipe + ["--exit-duration-in-mins", "1e-9"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert stopped.returncode == 3, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "stage 128 stopped to be resumed at step 0: run this script again to go on" in stopped.stdout
+    assert not (work / "logs" / "stage_256").exists() and not list(work.glob("passkey_*"))
+    out = subprocess.run(recipe, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "rotary_base 500000.0 -> 2000000.0" in out.stdout  # the rope change, said once, at the first stage
     assert "the token stream continues at token" in out.stdout  # the second stage goes on from the first
     meta = checkpointing.read_meta(checkpointing.latest_checkpoint(work / "ckpt"))
@@ -47,3 +53,8 @@ def test_the_extension_recipe_runs_its_stages_on_a_tiny_model(tmp_path):
     assert exported["rope_theta"] == 2e6 and exported["rope_scaling"]["rope_type"] == "llama3"
     assert exported["max_position_embeddings"] == 256
     assert transformers.LlamaForCausalLM.from_pretrained(work / "hf-extended").config.max_position_embeddings == 256
+    # Run again: nothing is converted, trained or tested twice; the export is written again from the same step.
+    again = subprocess.run(recipe, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "step " not in again.stdout and "passkey" not in again.stdout
+    assert checkpointing.read_meta(checkpointing.latest_checkpoint(work / "ckpt"))["step"] == 4

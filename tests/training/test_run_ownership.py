@@ -63,7 +63,7 @@ def test_second_run_on_the_same_save_is_refused_and_the_first_keeps_its_checkpoi
     finally:
         first.send_signal(signal.SIGTERM)
         _, stderr = first.communicate(timeout=120)
-    assert first.returncode == 0, stderr[-3000:]
+    assert first.returncode == 3, stderr[-3000:]  # saved and stopped to be resumed
     saved = sorted((tmp_path / "ckpt").glob("iter_*"))
     assert saved and all(checkpointing.read_meta(p)["train_config"]["logging"]["log_dir"] == "a" for p in saved)
     assert [int(p.name[5:]) for p in saved] == list(range(1, len(saved) + 1))  # every step kept, none replaced
@@ -244,3 +244,78 @@ def test_every_evaluation_is_logged_at_its_step_whatever_the_log_interval(tmp_pa
     events.Reload()
     for tag in ("lm loss validation", "lm loss validation ppl"):
         assert [s.step for s in events.Scalars(tag)] == [2, 4, 6, 8, 10]
+
+
+# --- 5. a lock left behind on another host ---------------------------------------------------------
+
+
+def _killed_lock_holder(ckpt: Path, host: str, job_id: str, restart_count: int) -> int:
+    """A process that took the lock on `ckpt` as rank 0 of Slurm job `job_id` on `host`, then was SIGKILLed."""
+    script = ("import socket, sys, time\n"
+              f"socket.gethostname = lambda: {host!r}\n"
+              "from megatron_lc.training.save_lock import acquire_save_lock\n"
+              f"acquire_save_lock({str(ckpt)!r}, say=lambda _: None)\n"
+              "print('locked', flush=True)\n"
+              "time.sleep(600)\n")
+    env = {**ENV, "SLURM_JOB_ID": job_id, "SLURM_RESTART_COUNT": str(restart_count)}
+    child = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "locked"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    return child.pid
+
+
+def _squeue(stdout: str = "", returncode: int = 0, stderr: str = ""):
+    asked = []
+
+    def run(command):
+        asked.append(command)
+        return subprocess.CompletedProcess(command, returncode, stdout, stderr)
+    run.asked = asked
+    return run
+
+
+def test_the_requeued_job_takes_over_the_lock_its_killed_incarnation_left_on_another_host(tmp_path, monkeypatch):
+    pid = _killed_lock_holder(tmp_path, "node-b", "900", 0)
+    assert json.loads((tmp_path / save_lock.LOCK).read_text())["job_id"] == "900"
+    monkeypatch.setenv("SLURM_JOB_ID", "900")
+    with pytest.raises(ConfigError, match=f"in use by the run of pid {pid} on host node-b in Slurm job 900"):
+        save_lock.acquire_save_lock(tmp_path, say=lambda _: None)  # the same incarnation elsewhere may be alive
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    said = []
+    lock = save_lock.acquire_save_lock(tmp_path, say=said.append, ask_scheduler=_squeue("RUNNING"))
+    assert len(said) == 1 and said[0].startswith(f"--save {tmp_path}: taking over the lock of pid {pid} on host "
+                                                 "node-b in Slurm job 900, started ")
+    assert said[0].endswith(": it is an earlier incarnation of this job, which was requeued")
+    assert lock.holder.job_id == "900" and lock.holder.restart_count == 1
+    lock.release()
+
+
+@pytest.mark.parametrize("answer, taken", [
+    (_squeue(""), True),  # the scheduler no longer lists it
+    (_squeue("COMPLETED\n"), True),
+    (_squeue("PENDING\n"), True),  # requeued and waiting: none of its processes runs
+    (_squeue(returncode=1, stderr="slurm_load_jobs error: Invalid job id specified"), True),  # purged
+    (_squeue("RUNNING\n"), False),
+    (_squeue("SUSPENDED\n"), False),
+    (_squeue(returncode=1, stderr="slurm_load_jobs error: Unable to contact slurm controller"), False),
+])
+def test_another_jobs_lock_from_another_host_is_taken_over_only_when_the_scheduler_says_it_ended(
+        tmp_path, monkeypatch, answer, taken):
+    pid = _killed_lock_holder(tmp_path, "node-c", "901", 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "902")
+    if taken:
+        lock = save_lock.acquire_save_lock(tmp_path, say=lambda _: None, ask_scheduler=answer)
+        assert lock.holder.job_id == "902"
+    else:
+        with pytest.raises(ConfigError, match=f"pid {pid} on host node-c in Slurm job 901.*delete"):
+            save_lock.acquire_save_lock(tmp_path, say=lambda _: None, ask_scheduler=answer)
+    assert answer.asked[-1] == ["squeue", "--noheader", "--jobs", "901", "--format", "%T"]
+
+
+def test_without_squeue_a_lock_from_another_host_is_respected(tmp_path, monkeypatch):
+    _killed_lock_holder(tmp_path, "node-d", "903", 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "904")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    with pytest.raises(ConfigError, match="a lock from another host is taken over only when the scheduler says"):
+        save_lock.acquire_save_lock(tmp_path, say=lambda _: None)

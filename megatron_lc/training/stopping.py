@@ -1,0 +1,168 @@
+"""When a run stops before --train-iters, and how it tells its scheduler to start it again.
+
+A run stops to be resumed (exit status 3, `entry.EXIT_RESUME`, and the file
+`--save/stopped_to_resume.json`) on a signal (--exit-signal-handler), at --exit-interval, or
+when its next step could not finish and be saved before its deadline. The deadline is the
+earlier of --exit-duration-in-mins (from the start of the run) and the scheduler's own time
+limit (Slurm's SLURM_JOB_END_TIME, `scheduler.py`).
+
+Whether a step fits is judged from measured times: the slowest of the last steps of this run
+and the slowest save, each x SAFETY, or before the first of them, the times the resumed
+checkpoint recorded (its `timing`). A run with a deadline and no save time known yet saves
+after its first step to learn it. A fresh run's first step has nothing to be judged by: it is
+started (the checkpoint loaded, if any, stays the one to resume).
+
+The only point at which every rank holds a consistent state to save is a step boundary; a
+signal is acted on there. A step longer than the scheduler's grace time after a signal
+cannot be saved: the run then loses the work since its last save, which --save-interval-minutes
+bounds.
+
+A signal may reach only some ranks, and clocks differ: every rank contributes its flags to one
+all-reduce per step, so all of them save and stop at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_lc.scheduler import Job
+
+SAFETY = 1.2
+"""Margin on measured step and save times when judging whether the next step fits before the deadline."""
+RECENT_STEPS = 5
+"""Steps whose slowest time predicts the next one (the first step of a run, warm-up, is left out once
+others exist)."""
+STOPPED_FILE = "stopped_to_resume.json"
+"""Written into --save when the run stopped to be resumed; removed when a run takes the --save lock. A
+launcher that hides the exit status (torchrun exits 1 when any worker exits non-zero) is read by it."""
+
+
+@dataclass
+class StepTiming:
+    """Measured step and save times of this run, and those the resumed checkpoint recorded."""
+
+    step_times: list[float] = field(default_factory=list)
+    save_times: list[float] = field(default_factory=list)
+    recorded_step_s: float | None = None
+    recorded_save_s: float | None = None
+
+    @classmethod
+    def resumed(cls, recorded: dict | None) -> StepTiming:
+        recorded = recorded or {}
+        return cls(recorded_step_s=recorded.get("step_s"), recorded_save_s=recorded.get("save_s"))
+
+    def step_s(self) -> float | None:
+        """The next step's predicted time, before the margin (None: nothing measured or recorded)."""
+        times = self.step_times[1:] or self.step_times
+        return max(times[-RECENT_STEPS:]) if times else self.recorded_step_s
+
+    def save_s(self) -> float | None:
+        return max(self.save_times) if self.save_times else self.recorded_save_s
+
+    def to_dict(self) -> dict:
+        """What a checkpoint records for the run that resumes it."""
+        return {"step_s": self.step_s(), "save_s": self.save_s()}
+
+
+@dataclass(frozen=True)
+class Deadline:
+    at: float
+    """Unix time."""
+    name: str
+
+
+def deadlines(exit_duration_in_mins: float | None, started: float, job: Job) -> list[Deadline]:
+    found = []
+    if exit_duration_in_mins:
+        found.append(Deadline(started + 60 * exit_duration_in_mins,
+                              f"--exit-duration-in-mins {exit_duration_in_mins:g}"))
+    if job.end_time is not None:
+        found.append(Deadline(job.end_time, f"the time limit of {job.describe()} (SLURM_JOB_END_TIME)"))
+    return sorted(found, key=lambda d: d.at)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What every rank does at a step boundary."""
+
+    stop: str | None = None
+    """Why the run stops here (None: go on)."""
+    save: bool = False
+    """Save at this boundary for time's sake (the deadline, --save-interval-minutes, or to measure a save)."""
+
+
+class StopRequest:
+    """The stop and save-by-time decisions of one run, taken together by every rank at each step boundary."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, handle_signals: bool, deadlines: list[Deadline], save_interval_minutes: float | None,
+                 timing: StepTiming, device: torch.device, clock=time.time):
+        self.handle_signals = handle_signals
+        self.deadline = deadlines[0] if deadlines else None
+        self.save_interval_s = 60 * save_interval_minutes if save_interval_minutes else None
+        self.timing, self.device, self.clock = timing, device, clock
+        self.last_save = clock()
+        self.received: int | None = None
+        self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS} if handle_signals else {}
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signum
+
+    def saved(self) -> None:
+        self.last_save = self.clock()
+
+    def _time_left_too_short(self) -> str | None:
+        """Why the next step cannot finish and be saved before the deadline (None: it can, or nothing says)."""
+        if self.deadline is None:
+            return None
+        left = self.deadline.at - self.clock()
+        step, save = self.timing.step_s(), self.timing.save_s() or 0.0
+        if left <= 0:
+            return f"{self.deadline.name} reached"
+        if step is None or (step + save) * SAFETY <= left:
+            return None
+        return (f"the next step ({step:.0f} s) and its save ({save:.0f} s), x{SAFETY:g}, would pass "
+                f"{self.deadline.name} in {left:.0f} s")
+
+    def decide(self, *, may_save: bool) -> Decision:
+        """This boundary's decision, the same on every rank. `may_save`: a checkpoint can be written (--save)."""
+        if not self.handle_signals and self.deadline is None and self.save_interval_s is None:
+            return Decision()
+        late = self._time_left_too_short()
+        measure = may_save and self.deadline is not None and self.timing.save_s() is None
+        interval = self.save_interval_s is not None and self.clock() - self.last_save >= self.save_interval_s
+        flags = torch.tensor([self.received is not None, late is not None, measure or interval],
+                             dtype=torch.int32, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, timed_out, save = flags.tolist()
+        if signalled:
+            name = signal.Signals(self.received).name if self.received else "on another rank"
+            return Decision(f"signal {name}", True)
+        if timed_out:
+            return Decision(late or "the deadline of another rank", True)
+        return Decision(None, bool(save))
+
+    def close(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def mark_stopped(save_dir: str | os.PathLike, step: int, reason: str) -> Path:
+    """Record in --save that the run stopped at `step` to be resumed (read by recipes under torchrun)."""
+    path = Path(save_dir) / STOPPED_FILE
+    path.write_text(json.dumps({"step": step, "reason": reason, "time": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    return path
+
+
+def clear_stopped(save_dir: str | os.PathLike) -> None:
+    (Path(save_dir) / STOPPED_FILE).unlink(missing_ok=True)

@@ -1,0 +1,227 @@
+"""A run stopped by its scheduler saves, says "resume me" (exit 3), and the next run continues exactly:
+deadlines from --exit-duration-in-mins and Slurm's SLURM_JOB_END_TIME, saves by time, signals mid-step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lc.arguments import parse_config
+from megatron_lc.errors import ConfigError
+from megatron_lc.scheduler import current_job
+from megatron_lc.training import checkpointing
+from megatron_lc.training.stopping import STOPPED_FILE, Decision, StepTiming, StopRequest, deadlines
+from megatron_lc.training.trainer import train
+from tests.helpers import free_port
+
+BASE = ["--mock-data", "--seq-length", "32", "--lr", "3e-3", "--adam-eps", "1e-4", "--device", "cpu"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+CPU = torch.device("cpu")
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _request(clock: Clock, timing: StepTiming, *, end_in: float | None = None, minutes: float | None = None,
+             save_minutes: float | None = None, signals: bool = False) -> StopRequest:
+    env = {"SLURM_JOB_ID": "4242"} | ({"SLURM_JOB_END_TIME": str(int(clock.now + end_in))} if end_in else {})
+    return StopRequest(signals, deadlines(minutes, clock.now, current_job(env)), save_minutes, timing, CPU,
+                       clock=clock)
+
+
+# --- the decision at a step boundary ----------------------------------------------------------------
+
+
+def test_a_step_that_could_not_finish_and_save_before_slurms_end_time_is_not_started():
+    clock = Clock()
+    timing = StepTiming(step_times=[30.0, 10.0, 12.0], save_times=[5.0])  # the first step (warm-up) left out
+    stop = _request(clock, timing, end_in=100)
+    assert stop.decide(may_save=True).stop is None
+    clock.now += 100 - 21  # 21 s left: (12 + 5) x 1.2 = 20.4 fits
+    assert stop.decide(may_save=True).stop is None
+    clock.now += 1  # 20 s left: it does not
+    decision = stop.decide(may_save=True)
+    assert decision.save and decision.stop == ("the next step (12 s) and its save (5 s), x1.2, would pass the time "
+                                               "limit of Slurm job 4242 (SLURM_JOB_END_TIME) in 20 s")
+
+
+def test_the_earlier_of_exit_duration_and_the_job_end_is_the_deadline():
+    clock = Clock()
+    timing = StepTiming(step_times=[1.0], save_times=[1.0])
+    assert "--exit-duration-in-mins 1" in _request(clock, timing, end_in=3600, minutes=1).deadline.name
+    assert "SLURM_JOB_END_TIME" in _request(clock, timing, end_in=30, minutes=1).deadline.name
+    stop = _request(clock, timing, minutes=1)
+    clock.now += 60
+    assert stop.decide(may_save=True).stop == "--exit-duration-in-mins 1 reached"
+
+
+def test_before_the_first_step_the_resumed_checkpoints_times_judge_and_a_fresh_run_starts():
+    clock = Clock()
+    recorded = StepTiming.resumed({"step_s": 50.0, "save_s": 10.0})
+    assert _request(clock, recorded, end_in=60).decide(may_save=False).stop.startswith("the next step (50 s)")
+    assert _request(clock, recorded, end_in=100).decide(may_save=False).stop is None
+    assert _request(clock, StepTiming(), end_in=1).decide(may_save=False).stop is None  # nothing to judge by
+
+
+def test_a_deadline_without_a_known_save_time_saves_once_to_measure_it():
+    clock = Clock()
+    timing = StepTiming(step_times=[1.0])
+    stop = _request(clock, timing, end_in=3600)
+    assert stop.decide(may_save=True) == Decision(None, save=True)
+    assert not stop.decide(may_save=False).save  # no --save: nothing to measure
+    timing.save_times.append(2.0)
+    assert not stop.decide(may_save=True).save
+
+
+def test_saves_by_time_every_interval_since_the_last_save():
+    clock = Clock()
+    stop = _request(clock, StepTiming(step_times=[1.0]), save_minutes=10)
+    assert not stop.decide(may_save=True).save
+    clock.now += 600
+    assert stop.decide(may_save=True).save
+    stop.saved()
+    clock.now += 599
+    assert not stop.decide(may_save=True).save
+
+
+def test_save_interval_minutes_without_save_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"--save-interval-minutes 5 saves checkpoints: give --save DIR"):
+        train(parse_config(BASE + ["--save-interval-minutes", "5", "--log-dir", str(tmp_path)]))
+
+
+# --- whole runs ---------------------------------------------------------------------------------------
+
+
+def _losses(history) -> dict[int, tuple[float, float]]:
+    return {m["step"]: (m["loss"], m["grad_norm"]) for m in history}
+
+
+def test_a_run_stops_before_slurms_end_time_saved_and_resumes_exactly(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 12))  # start-up and some steps
+    ckpt = tmp_path / "ckpt"
+    flags = BASE + ["--train-iters", "100000", "--save", str(ckpt)]
+    first = train(parse_config(flags + ["--log-dir", str(tmp_path / "a")]))
+    assert first.stopped and "SLURM_JOB_END_TIME" in first.stopped and 1 < len(first) < 100000
+    stopped_at = first[-1]["step"]
+    assert time.time() < int(os.environ["SLURM_JOB_END_TIME"])  # saved and stopped before the limit
+    meta = checkpointing.read_meta(checkpointing.latest_checkpoint(ckpt))
+    assert meta["step"] == stopped_at and meta["timing"]["step_s"] > 0 and meta["timing"]["save_s"] > 0
+    assert json.loads((ckpt / STOPPED_FILE).read_text())["step"] == stopped_at
+    assert checkpointing.checkpoint_dir(ckpt, 1).exists()  # the save after step 1 measured the save time
+
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued, with a new time limit
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 3600))
+    resumed = train(parse_config(flags + ["--load", str(ckpt), "--exit-interval", str(stopped_at + 3),
+                                          "--log-dir", str(tmp_path / "b")]))
+    assert [m["step"] for m in resumed] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
+    assert resumed.stopped is None and not (ckpt / STOPPED_FILE).exists()
+
+    monkeypatch.delenv("SLURM_JOB_END_TIME")
+    reference = train(parse_config(BASE + ["--train-iters", "100000", "--exit-interval", str(stopped_at + 3),
+                                           "--log-dir", str(tmp_path / "ref")]))
+    expected = _losses(reference)
+    for step, (loss, norm) in (_losses(first) | _losses(resumed)).items():
+        assert loss == pytest.approx(expected[step][0], rel=1e-5) and norm == pytest.approx(expected[step][1], rel=1e-4)
+
+
+def test_a_resumed_run_whose_recorded_step_does_not_fit_stops_before_it(tmp_path, monkeypatch, capsys):
+    ckpt = tmp_path / "ckpt"
+    train(parse_config(BASE + ["--train-iters", "10", "--exit-interval", "2", "--save", str(ckpt),
+                               "--log-dir", str(tmp_path / "a")]))
+    meta_path = checkpointing.checkpoint_dir(ckpt, 2) / checkpointing.META
+    meta = json.loads(meta_path.read_text())
+    meta["timing"] = {"step_s": 7200.0, "save_s": 60.0}  # as an hours-long step would have recorded
+    meta_path.write_text(json.dumps(meta))
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 3600))
+    history = train(parse_config(BASE + ["--train-iters", "10", "--save", str(ckpt), "--load", str(ckpt),
+                                         "--log-dir", str(tmp_path / "b")]))
+    assert history == [] and history.stopped.startswith("stopping before step 3: the next step (7200 s)")
+    assert "(the checkpoint loaded is the one to resume)" in capsys.readouterr().out
+    assert json.loads((ckpt / STOPPED_FILE).read_text())["step"] == 2
+
+
+def test_save_interval_minutes_saves_by_time(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train(parse_config(BASE + ["--train-iters", "3", "--save", str(ckpt), "--save-interval-minutes", "1e-9",
+                               "--log-dir", str(tmp_path / "a")]))
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000001", "iter_0000002", "iter_0000003"]
+    train(parse_config(BASE + ["--train-iters", "3", "--save", str(tmp_path / "c2"), "--save-interval-minutes", "60",
+                               "--log-dir", str(tmp_path / "b")]))
+    assert sorted(p.name for p in (tmp_path / "c2").glob("iter_*")) == ["iter_0000003"]  # the end only
+
+
+# --- a torchrun group of two gloo ranks, signalled mid-step -----------------------------------------------
+
+
+def _torchrun(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+            "-m", "megatron_lc.train", *args]
+
+
+def _metrics(log_dir: Path) -> list[dict]:
+    path = log_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _worker_pids(launcher_pid: int) -> list[int]:
+    return [int(pid) for pid in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()]
+
+
+@pytest.mark.parametrize("target", ["one worker", "torchrun"])
+def test_sigterm_mid_step_saves_exits_with_the_resume_status_and_the_resume_is_exact(tmp_path, target):
+    """Slurm's preemption signal may reach one worker first, or torchrun, which forwards SIGTERM to every
+    worker; all ranks stop together at the step boundary, save, and exit 3."""
+    args = BASE + ["--train-iters", "2000", "--save", "ckpt", "--exit-signal-handler"]
+    proc = subprocess.Popen(_torchrun(args + ["--log-dir", "a"]), env=ENV, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_metrics(tmp_path / "a")) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its third step"
+        time.sleep(0.05)
+    os.kill(_worker_pids(proc.pid)[-1] if target == "one worker" else proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and stderr.count("Traceback") == 1, stderr[-3000:]  # torchrun's own, none of ours
+    if target == "one worker":
+        assert "exitcode  : 3" in stderr and "ChildFailedError" in stderr  # torchrun's summary of the workers
+    else:  # torchrun forwards SIGTERM and waits --shutdown-timeout (30 s) for the workers, which leave in time
+        assert "Received 15 death signal" in stderr and "SIGKILL" not in stderr
+    stopped = json.loads((tmp_path / "ckpt" / STOPPED_FILE).read_text())
+    step = stopped["step"]
+    assert stopped["reason"].startswith(f"stopping after step {step}: signal") and 3 <= step < 2000
+    assert checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "ckpt"))["step"] == step
+
+    until = ["--exit-interval", str(step + 2)]
+    resumed = subprocess.run(_torchrun(args + ["--load", "ckpt", "--log-dir", "b", *until]), env=ENV, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    reference = subprocess.run(_torchrun(BASE + ["--train-iters", "2000", "--log-dir", "ref", *until]), env=ENV,
+                               cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = {m["step"]: m["loss"] for m in _metrics(tmp_path / "ref")}
+    got = {m["step"]: m["loss"] for m in _metrics(tmp_path / "a") + _metrics(tmp_path / "b")}
+    assert sorted(got) == list(range(1, step + 3))
+    for s, loss in got.items():
+        assert loss == pytest.approx(expected[s], rel=1e-5), s
+
+
+def test_the_resume_status_leaves_the_entry_point_as_3(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_lc.train", *BASE, "--train-iters", "100",
+                          "--exit-duration-in-mins", "1e-9", "--save", "ckpt", "--log-dir", "a"], env=ENV, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "stopping before step 1: --exit-duration-in-mins 1e-09 reached" in out.stdout
