@@ -176,6 +176,10 @@ class BlendedSamples(SampleSource):
         source, sample = self.locate(index)
         return self.sources[source].read_tokens(sample, start, stop)
 
+    def read_loss_mask(self, index: int, start: int, stop: int) -> np.ndarray | None:
+        source, sample = self.locate(index)
+        return self.sources[source].read_loss_mask(sample, start, stop)  # None from a plain-text member
+
     def cu_seqlens(self, index: int) -> tuple[int, ...]:
         source, sample = self.locate(index)
         return self.sources[source].cu_seqlens(sample)

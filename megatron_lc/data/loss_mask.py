@@ -28,3 +28,19 @@ def loss_mask_prefix(path_prefix: PathLike) -> str:
 def has_loss_mask(path_prefix: PathLike) -> bool:
     """Whether the dataset at `path_prefix` carries a loss mask."""
     return IndexedDataset.exists(loss_mask_prefix(path_prefix))
+
+
+def open_loss_mask(ids: IndexedDataset) -> IndexedDataset | None:
+    """The loss mask of the dataset `ids`, checked against it (same sequence lengths and document indices,
+    uint8), or None when it has none. A mask that does not match its ids is refused in one line."""
+    prefix = loss_mask_prefix(ids.path_prefix)
+    if not IndexedDataset.exists(prefix):
+        return None
+    mask = IndexedDataset(prefix)
+    if mask.dtype != LOSS_MASK_DTYPE:
+        raise ValueError(f"{prefix}: a loss mask is uint8, this one is {mask.dtype}")
+    if (not np.array_equal(mask.sequence_lengths, ids.sequence_lengths)
+            or not np.array_equal(mask.document_indices, ids.document_indices)):
+        raise ValueError(f"{prefix}: the loss mask's sequence lengths or document indices differ from "
+                         f"{ids.path_prefix}'s: rewrite both with the same preprocessing run")
+    return mask

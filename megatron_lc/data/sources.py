@@ -26,6 +26,7 @@ import numpy as np
 from megatron_lc.data.blending import BlendedSamples, normalize
 from megatron_lc.data.index_cache import IndexCache, dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset, bin_path, idx_path
+from megatron_lc.data.loss_mask import open_loss_mask
 from megatron_lc.data.samples import LongSequenceSamples, SampleSource
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -278,7 +279,8 @@ def _part_source(
     sources = []
     for _, prefix, document_range in part.members:
         documents = None if document_range is None else np.arange(*document_range, dtype=np.int64)
-        sources.append(LongSequenceSamples(datasets[prefix], seq_length, seed, shuffle, documents, cache))
+        sources.append(LongSequenceSamples(datasets[prefix], seq_length, seed, shuffle, documents, cache,
+                                           loss_mask=open_loss_mask(datasets[prefix])))
     if len(sources) == 1:
         return sources[0]
     weights, size = blend_weights_and_size([m[0] for m in part.members], [len(s) for s in sources], num_samples)

@@ -259,8 +259,8 @@ def train_one_step(run: Run, step: int) -> dict:
     tokens = len(micro_batches) * run.cfg.data.micro_batch_size * run.cfg.data.seq_length * run.pstate.dp_size
     flops_per_gpu = step_flops(run.model.config, tokens, run.cfg.data.seq_length) / elapsed / run.launch.world_size
     mfu = model_flops_utilization(run.devices, flops_per_gpu)
-    metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / elapsed,
-               "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(run)}
+    metrics = {"step": step, "loss": loss, "loss_tokens": int(result.num_valid_tokens.item()), "lr": lr,
+               "grad_norm": norm, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(run)}
     if weight_decay is not None and run.schedule.wd_incr_style != "constant":
         metrics["weight_decay"] = weight_decay
     if mfu is not None:
