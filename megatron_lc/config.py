@@ -23,6 +23,7 @@ from megatron_lc.cli import ArgumentParser
 from megatron_lc.attention.context_parallel import CP_IMPLS, ContextParallel
 from megatron_lc.attention.ring import RING_KV_GRADS
 from megatron_lc.attention.untied_ulysses import BACKWARD_MEMORY
+from megatron_lc.data.packing import PackingArgs, check_packing
 from megatron_lc.data.sources import validate_data_flags
 from megatron_lc.attention.rotary import ROPE_TYPES
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
@@ -263,7 +264,7 @@ class LoggingArgs:
 
 
 SECTIONS = {
-    "model": ModelArgs, "parallel": ParallelArgs, "memory": MemoryArgs, "data": DataArgs,
+    "model": ModelArgs, "parallel": ParallelArgs, "memory": MemoryArgs, "data": DataArgs, "packing": PackingArgs,
     "optim": OptimArgs, "train": TrainArgs, "checkpoint": CheckpointArgs, "logging": LoggingArgs,
 }
 
@@ -274,6 +275,7 @@ class TrainConfig:
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     memory: MemoryArgs = field(default_factory=MemoryArgs)
     data: DataArgs = field(default_factory=DataArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -477,6 +479,7 @@ class TrainConfig:
         validate_data_flags(d.data_path, d.split, d.train_data_path, d.valid_data_path, d.test_data_path)
         if d.num_workers < 0:
             raise ConfigError(f"--num-workers {d.num_workers} must be >= 0 (0 reads in the training process)")
+        check_packing(self.packing, d.mock_data and not d.data_path and not d.train_data_path)
 
     def _check_parallel(self, world_size: int) -> None:
         p, d = self.parallel, self.data

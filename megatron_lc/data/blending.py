@@ -176,6 +176,11 @@ class BlendedSamples(SampleSource):
         source, sample = self.locate(index)
         return self.sources[source].read_tokens(sample, start, stop)
 
+    def get(self, index: int, *args, **kwargs):
+        """The sample as its source gives it (a packed source lays its samples out itself)."""
+        source, sample = self.locate(index)
+        return self.sources[source].get(sample, *args, **kwargs)
+
     def read_loss_mask(self, index: int, start: int, stop: int) -> np.ndarray | None:
         source, sample = self.locate(index)
         return self.sources[source].read_loss_mask(sample, start, stop)  # None from a plain-text member

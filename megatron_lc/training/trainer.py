@@ -22,6 +22,7 @@ from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
 from megatron_lc.training.preflight import activate_flash, preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
+from megatron_lc.data.packing import PackingSpec
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
 from megatron_lc.devices import Devices, resolve_devices, set_cuda_allocator_settings
@@ -110,7 +111,8 @@ def build_sample_sources(
         sources = build_datasets(
             d.data_path, d.seq_length, cfg.train.seed, split=split, train_data_path=d.train_data_path,
             valid_data_path=d.valid_data_path, test_data_path=d.test_data_path, cache_path=d.data_cache_path,
-            num_samples=data_sizes(cfg, dp_size), shuffle=not d.no_shuffle, vocab_size=vocab_size)
+            num_samples=data_sizes(cfg, dp_size), shuffle=not d.no_shuffle, vocab_size=vocab_size,
+            packing=PackingSpec.of(cfg.packing))
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if rank == 0:
@@ -129,7 +131,8 @@ def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) ->
     d = cfg.data
     loader = MicroBatchLoader(source, d.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
                               pstate.cp_size, reset_position_ids=d.reset_position_ids,
-                              reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
+                              reset_attention_mask=d.reset_attention_mask or PackingSpec.of(cfg.packing).whole_documents,
+                              eod_mask_loss=d.eod_mask_loss,
                               eod_token=eod, cp_ring=pstate.context_layout.ring_size)
     return WorkerLoader(loader, d.num_workers) if d.num_workers > 0 else loader
 
