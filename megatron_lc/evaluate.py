@@ -32,6 +32,7 @@ from megatron_lc.config import config_from_values
 from megatron_lc.context_layout import CP_COMM_TYPES
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import SampleSource
+from megatron_lc.data.packing import LONG_DOCUMENTS, PACKINGS, PackingSpec
 from megatron_lc.data.sources import SPLIT_NAMES, build_datasets
 from megatron_lc.devices import resolve_devices, set_cuda_allocator_settings
 from megatron_lc.entry import run_entry_point
@@ -61,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reset-attention-mask", action=argparse.BooleanOptionalAction, default=None,
                    help="attend within each document only (default: as the checkpoint's training; Megatron-LM's "
                         "default attends across end-of-document tokens)")
+    p.add_argument("--packing", default=None, choices=PACKINGS,
+                   help="how samples are cut, as for megatron_lc.train (default: as the checkpoint was trained)")
+    p.add_argument("--long-documents", default=None, choices=LONG_DOCUMENTS,
+                   help="--packing documents: documents longer than --seq-length stop, are truncated or dropped "
+                        "(default: as the checkpoint was trained)")
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-replicate", type=int, default=1,
                    help="HSDP replicas, as in training (the rest of the data-parallel ranks shard the model)")
@@ -102,6 +108,11 @@ def evaluate(args) -> dict:
     for name in ("reset_position_ids", "reset_attention_mask"):  # the contexts training saw, unless told
         if getattr(args, name) is None:
             setattr(args, name, bool(trained.get(name, False)))
+    packed = meta.get("train_config", {}).get("packing", {})  # the samples training cut, unless told
+    args.packing = args.packing or packed.get("packing", "stream")
+    args.long_documents = args.long_documents or packed.get("long_documents", "stop")
+    if args.packing == "documents":
+        args.reset_attention_mask = True  # each document attends to itself
     if args.data_path is None and not args.passkey:
         raise ConfigError("give --data-path (the loss on a dataset) or --passkey (the passkey test)")
     tokenizer = _passkey_tokenizer(args, meta) if args.passkey else None
@@ -121,7 +132,9 @@ def evaluate(args) -> dict:
                               "cp_comm_type": args.cp_comm_type,
                               "hierarchical_context_parallel_sizes": args.hierarchical_context_parallel_sizes or [],
                               "seq_length": args.seq_length, "data_path": args.data_path or [],
-                              "mock_data": args.passkey, "split": args.split})
+                              "mock_data": args.passkey, "split": args.split,
+                              "packing": "stream" if args.passkey else args.packing,
+                              "long_documents": "stop" if args.passkey else args.long_documents})
     cfg.validate(launch.world_size)
     for length in lengths if args.passkey else ():
         try:
@@ -202,7 +215,7 @@ def evaluation_source(args, vocab_size: int | None = None) -> SampleSource:
     try:
         parts = build_datasets(args.data_path, args.seq_length, seed=0, split=args.split, shuffle=False,
                                num_samples={name: args.num_samples for name in SPLIT_NAMES if args.num_samples},
-                               vocab_size=vocab_size)
+                               vocab_size=vocab_size, packing=PackingSpec(args.packing, args.long_documents))
     except (OSError, ValueError) as e:
         raise ConfigError(f"--data-path {' '.join(args.data_path)}: {e}") from e
     part = args.split_part if args.split is not None else "train"  # without --split every document is "train"

@@ -259,40 +259,51 @@ class PackedDocumentSamples(SampleSource):
         ends = np.cumsum(lengths).tolist()
         return tuple(dict.fromkeys([0, *ends, self.seq_length]))  # padding, if any, one segment at the end
 
-    def _read(self, dataset: IndexedDataset, index: int, fill: int) -> np.ndarray:
+    def _read(self, dataset: IndexedDataset, index: int, start: int, stop: int, fill: int) -> np.ndarray:
+        """Elements `[start, stop)` of sample `index` from `dataset` (ids or loss mask), `fill` past its documents:
+        only the documents those positions hold are read."""
         chosen, lengths = self._sample_documents(index)
-        out = np.full(self.seq_length, fill, dtype=np.int64)
-        at = 0
-        for position, length in zip(self._bin_starts[chosen].tolist(), lengths.tolist()):
-            out[at:at + length] = dataset.read_span(position, length)
-            at += length
+        ends = np.cumsum(lengths)
+        out = np.full(stop - start, fill, dtype=np.int64)
+        first = int(np.searchsorted(ends, start, side="right"))
+        for d in range(first, len(chosen)):
+            doc_start = int(ends[d] - lengths[d])
+            if doc_start >= stop:
+                break
+            low, high = max(start, doc_start), min(stop, int(ends[d]))
+            out[low - start:high - start] = dataset.read_span(int(self._bin_starts[chosen[d]]) + low - doc_start,
+                                                              high - low)
         return out
 
     def read_tokens(self, index: int, start: int, stop: int) -> np.ndarray:
-        return self._read(self.dataset, index, PAD_TOKEN)[start:stop]
+        return self._read(self.dataset, index, start, stop, PAD_TOKEN)
 
     def read_loss_mask(self, index: int, start: int, stop: int) -> np.ndarray | None:
-        return None if self.loss_mask is None else self._read(self.loss_mask, index, 0)[start:stop]
+        return None if self.loss_mask is None else self._read(self.loss_mask, index, start, stop, 0)
 
     def get(self, index: int, cp_rank: int = 0, cp_size: int = 1, reset_position_ids: bool = False,
             eod_mask_loss: bool = False, eod_token: int | None = None, cp_ring: int = 1) -> Sample:
-        """Positions always restart at each document (and padding), whatever `reset_position_ids`."""
+        """This rank's rows only (host memory O(S/cp)); positions always restart at each document (and padding),
+        whatever `reset_position_ids`."""
+        if eod_mask_loss and eod_token is None:
+            raise ValueError("eod_mask_loss needs eod_token (the tokenizer's EOD id)")
         cu = self.cu_seqlens(index)
-        tokens = self._read(self.dataset, index, PAD_TOKEN)
-        labels = np.full(self.seq_length, IGNORE_INDEX, dtype=np.int64)
-        labels[:-1] = tokens[1:]
-        labels[np.asarray(cu[1:], dtype=np.int64) - 1] = IGNORE_INDEX  # each document's last token, padding's
-        _, lengths = self._sample_documents(index)
-        labels[int(lengths.sum()):] = IGNORE_INDEX  # padding
-        if self.loss_mask is not None:
-            mask = self._read(self.loss_mask, index, 0)
-            labels[:-1][mask[1:] == 0] = IGNORE_INDEX
-        if eod_mask_loss:
-            if eod_token is None:
-                raise ValueError("eod_mask_loss needs eod_token (the tokenizer's EOD id)")
-            labels[tokens == eod_token] = IGNORE_INDEX
         boundaries = np.asarray(cu, dtype=np.int64)
-        positions_all = np.arange(self.seq_length, dtype=np.int64)
-        positions_all -= boundaries[np.searchsorted(boundaries, positions_all, side="right") - 1]
-        rows = np.concatenate([np.arange(a, b) for a, b in cp_ranges(self.seq_length, cp_rank, cp_size, cp_ring)])
-        return Sample(input_ids=tokens[rows], labels=labels[rows], position_ids=positions_all[rows], cu_seqlens=cu)
+        used = int(np.sum(self._sample_documents(index)[1]))
+        pieces = []
+        for start, stop in cp_ranges(self.seq_length, cp_rank, cp_size, cp_ring):
+            end = min(stop + 1, self.seq_length)  # the next token: the label of the range's last row
+            tokens = self.read_tokens(index, start, end)
+            labels = np.full(stop - start, IGNORE_INDEX, dtype=np.int64)
+            labels[:end - start - 1] = tokens[1:]
+            rows = np.arange(start, stop, dtype=np.int64)
+            segment = np.searchsorted(boundaries, rows, side="right") - 1
+            labels[(rows + 1 == boundaries[segment + 1]) | (rows >= used)] = IGNORE_INDEX  # last of each, padding
+            if self.loss_mask is not None:
+                mask = self.read_loss_mask(index, start, end)
+                labels[:end - start - 1][mask[1:] == 0] = IGNORE_INDEX
+            if eod_mask_loss:
+                labels[tokens[:stop - start] == eod_token] = IGNORE_INDEX
+            pieces.append((tokens[:stop - start], labels, rows - boundaries[segment]))
+        inputs, labels, positions = (np.concatenate(column) for column in zip(*pieces))
+        return Sample(input_ids=inputs, labels=labels, position_ids=positions, cu_seqlens=cu)

@@ -1,0 +1,66 @@
+"""Fine-tuning on packed, masked documents: the run says how it packed, logs its loss tokens, and
+megatron_lc.evaluate gives its validation loss on the same part."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_lc.config import parse_config
+from megatron_lc.data.packing import PackingSpec
+from megatron_lc.data.sources import build_datasets
+from megatron_lc.errors import ConfigError
+from megatron_lc.training.trainer import train
+from tests.helpers import write_masked_dataset
+
+S = 64
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    work = tmp_path_factory.mktemp("packed")
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 500, size=n).tolist() for n in rng.integers(4, 50, size=60)]
+    masks = [(np.arange(len(d)) >= len(d) // 3).astype(int).tolist() for d in docs]  # a prompt, then the answer
+    return work, write_masked_dataset(work / "chat", docs, masks)
+
+
+def test_training_reports_packing_and_its_validation_loss_is_what_evaluate_gives(chat, capsys):
+    work, prefix = chat
+    history = train(parse_config(["--data-path", prefix, "--split", "70,30,0", "--seq-length", str(S),
+                                  "--packing", "documents", "--train-iters", "2", "--eval-interval", "2",
+                                  "--full-validation", "--device", "cpu", "--save", str(work / "ckpt"),
+                                  "--log-dir", str(work / "log")]))
+    out = capsys.readouterr().out
+    assert f"--packing documents: train part of {prefix}: 42 documents in " in out and "% padding" in out
+    parts = build_datasets([prefix], S, seed=1234, split="70,30,0", packing=PackingSpec("documents"))
+    train_source = parts.train
+    cfg = parse_config(["--data-path", prefix])
+    want = [sum(int((train_source.get(i).labels != -100).sum()) for i in range(s, s + 1)) for s in range(2)]
+    assert cfg.train.seed == 1234 and [m["loss_tokens"] for m in history] == want
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "megatron_lc.evaluate", "--load", str(work / "ckpt"), "--data-path", prefix,
+         "--seq-length", str(S), "--split", "70,30,0", "--split-part", "valid", "--device", "cpu"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    result = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    valid = parts.valid
+    assert result["samples"] == len(valid)
+    assert result["valid_tokens"] == sum(int((valid.get(i).labels != -100).sum()) for i in range(len(valid)))
+    assert result["loss"] == pytest.approx(history[-1]["val_loss"], rel=1e-5)
+
+
+def test_packing_flags_that_cannot_act_are_refused_in_one_line(chat):
+    _, prefix = chat
+    with pytest.raises(ConfigError, match="--packing documents packs the documents of --data-path"):
+        parse_config(["--mock-data", "--packing", "documents"]).validate(1)
+    with pytest.raises(ConfigError, match="--long-documents drop acts with --packing documents only"):
+        parse_config(["--data-path", prefix, "--long-documents", "drop"]).validate(1)
+    with pytest.raises(ConfigError, match="documents are longer than --seq-length 16"):
+        train(parse_config(["--data-path", prefix, "--split", "100,0,0", "--seq-length", "16", "--packing",
+                            "documents", "--train-iters", "1", "--device", "cpu"]))
