@@ -101,7 +101,8 @@ def evaluate(args) -> dict:
     launch = detect_launch()
     found = checkpointing.newest_intact_checkpoint(args.load)
     if found is None:
-        raise ConfigError(f"--load {args.load}: no intact checkpoint there")
+        raise ConfigError(f"--load {args.load}: no intact checkpoint there "
+                          f"({checkpointing.missing_checkpoint_hint(args.load)})")
     path, meta = found
     config = config_from_meta(meta)
     trained = meta.get("train_config", {}).get("data", {})
