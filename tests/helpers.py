@@ -63,6 +63,16 @@ def write_masked_dataset(prefix, documents, masks=None) -> str:
     return str(prefix)
 
 
+def hf_model_files(path) -> str:
+    """A directory with a Hugging Face model's files (config.json, safetensors weights), empty: what a checkpoint
+    check should recognise as one. Returns its path."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"")
+    return str(path)
+
+
 CP_FIELDS = {"cp_impl": "impl", "heads_per_stage": "heads_per_stage", "untied_overlap": "overlap",
              "untied_backward": "untied_backward", "ring_kv_grads": "ring_kv_grads", "attention_kernel": "kernel"}
 """The tests' flat names of `ContextParallel`'s fields."""

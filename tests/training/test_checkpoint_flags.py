@@ -62,13 +62,12 @@ def test_finetune_from_a_load_with_no_checkpoint_is_refused_naming_a_hugging_fac
 
     with pytest.raises(ConfigError, match=r"^--finetune: --load .*typo holds no checkpoint .*a typo in the path"):
         preflight(parse_config(BASE + ["--load", str(tmp_path / "typo"), "--finetune"]))
-    hf = tmp_path / "Llama-3.1-8B-Instruct"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (hf / "model.safetensors").write_bytes(b"")
+    from tests.helpers import hf_model_files
+
+    hf = hf_model_files(tmp_path / "Llama-3.1-8B-Instruct")
     with pytest.raises(ConfigError, match=r"it is a Hugging Face model: convert it with python "
                                           r"tools/checkpoint/convert_from_hf.py --load .*Instruct --save CKPT"):
-        preflight(parse_config(BASE + ["--load", str(hf), "--finetune"]))
+        preflight(parse_config(BASE + ["--load", hf, "--finetune"]))
     out = subprocess.run([sys.executable, "-m", "megatron_lc.train", *BASE, "--load", str(tmp_path / "typo"),
                           "--finetune"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "--finetune: --load" in out.stderr

@@ -69,11 +69,10 @@ def test_packing_flags_that_cannot_act_are_refused_in_one_line(chat):
 def test_evaluating_a_hugging_face_directory_says_how_to_convert_it(chat, tmp_path):
     from megatron_lc.evaluate import build_parser, evaluate
 
+    from tests.helpers import hf_model_files
+
     _, prefix = chat
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (hf / "model.safetensors").write_bytes(b"")
+    hf = hf_model_files(tmp_path / "hf")
     with pytest.raises(ConfigError, match=r"--load .*hf: no intact checkpoint there \(it is a Hugging Face model: "
                                           r"convert it with python tools/checkpoint/convert_from_hf.py"):
-        evaluate(build_parser().parse_args(["--load", str(hf), "--data-path", prefix, "--seq-length", "64"]))
+        evaluate(build_parser().parse_args(["--load", hf, "--data-path", prefix, "--seq-length", "64"]))
