@@ -479,7 +479,7 @@ class TrainConfig:
         validate_data_flags(d.data_path, d.split, d.train_data_path, d.valid_data_path, d.test_data_path)
         if d.num_workers < 0:
             raise ConfigError(f"--num-workers {d.num_workers} must be >= 0 (0 reads in the training process)")
-        check_packing(self.packing, d.mock_data and not d.data_path and not d.train_data_path)
+        check_packing(self.packing)
 
     def _check_parallel(self, world_size: int) -> None:
         p, d = self.parallel, self.data

@@ -67,14 +67,13 @@ class PackingSpec:
         return cls(args.packing, args.long_documents)
 
 
-def check_packing(args: PackingArgs, mock_data: bool) -> None:
-    """The packing flags' rules, one line each (ValueError)."""
+def check_packing(args: PackingArgs) -> None:
+    """The packing flags' rules, one line each (ValueError). (Mock data, which has no documents to pack, is
+    refused where it is built: the planner traces any run on mock data.)"""
     if args.packing not in PACKINGS:
         raise ValueError(f"--packing {args.packing}: expected one of {', '.join(PACKINGS)}")
     if args.long_documents not in LONG_DOCUMENTS:
         raise ValueError(f"--long-documents {args.long_documents}: expected one of {', '.join(LONG_DOCUMENTS)}")
-    if args.packing == "documents" and mock_data:
-        raise ValueError("--packing documents packs the documents of --data-path; mock data has none")
     if args.packing == "stream" and args.long_documents != "stop":
         raise ValueError(f"--long-documents {args.long_documents} acts with --packing documents only (the stream "
                          "cuts every document where a sample ends)")

@@ -101,6 +101,8 @@ def build_sample_sources(
         if cfg.logging.eval_interval:
             raise ConfigError("--eval-interval with --mock-data: mock data has no validation part; give "
                               "--data-path with --split or --valid-data-path")
+        if PackingSpec.of(cfg.packing).whole_documents:
+            raise ConfigError("--packing documents packs the documents of --data-path; mock data has none")
         return MockSamples(vocab_size, d.seq_length, cfg.train.seed), None, None
     split = d.split
     if split is None and d.data_path:

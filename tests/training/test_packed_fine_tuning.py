@@ -58,7 +58,7 @@ def test_training_reports_packing_and_its_validation_loss_is_what_evaluate_gives
 def test_packing_flags_that_cannot_act_are_refused_in_one_line(chat):
     _, prefix = chat
     with pytest.raises(ConfigError, match="--packing documents packs the documents of --data-path"):
-        parse_config(["--mock-data", "--packing", "documents"]).validate(1)
+        train(parse_config(["--mock-data", "--packing", "documents", "--train-iters", "1", "--device", "cpu"]))
     with pytest.raises(ConfigError, match="--long-documents drop acts with --packing documents only"):
         parse_config(["--data-path", prefix, "--long-documents", "drop"]).validate(1)
     with pytest.raises(ConfigError, match="documents are longer than --seq-length 16"):
