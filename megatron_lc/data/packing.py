@@ -239,6 +239,12 @@ class PackedDocumentSamples(SampleSource):
             return (epoch + 1, 0, 0)
         return (epoch, pointer, ahead)
 
+    def continues_at(self, position: tuple[int, ...]) -> str:
+        epoch, pointer, ahead = (int(x) for x in position)
+        pulled = f" ({bin(ahead).count('1')} after it already trained)" if ahead else ""
+        return (f"packing continues in epoch {epoch} at document {pointer:,} of its order{pulled}, the first not yet "
+                "trained")
+
     def continued(self, position: tuple[int, ...]) -> PackedDocumentSamples:
         epoch, pointer, ahead = (int(x) for x in position)
         return PackedDocumentSamples(self.dataset, self.seq_length, self.seed, self.shuffle, self.all_documents,

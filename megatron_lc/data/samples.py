@@ -84,6 +84,10 @@ class SampleSource(ABC):
         input). None for a source that is no token stream (mock data)."""
         return None
 
+    def continues_at(self, position: tuple[int, ...]) -> str:
+        """Where a run continued at `position` goes on, in words."""
+        return f"the token stream continues at token {', '.join(f'{p:,}' for p in position)}, the first not yet trained"
+
     def continued(self, position: tuple[int, ...]) -> SampleSource:
         """This source with its sample 0 at `position` (a `stream_position`): the same streams, at any
         `seq_length`, neither skipping nor repeating a token."""

@@ -76,3 +76,20 @@ def test_evaluating_a_hugging_face_directory_says_how_to_convert_it(chat, tmp_pa
     with pytest.raises(ConfigError, match=r"--load .*hf: no intact checkpoint there \(it is a Hugging Face model: "
                                           r"convert it with python tools/checkpoint/convert_from_hf.py"):
         evaluate(build_parser().parse_args(["--load", hf, "--data-path", prefix, "--seq-length", "64"]))
+
+
+def test_a_packed_run_resumes_at_a_longer_seq_length_where_its_packing_stood(chat, tmp_path, capsys):
+    """A checkpoint of a packed run, resumed at another --seq-length: the packing goes on from the first
+    document not yet trained (the data side's exactness: tests/data/test_packing_documents.py)."""
+    _, prefix = chat
+    flags = ["--data-path", prefix, "--split", "100,0,0", "--packing", "documents", "--device", "cpu",
+             "--save", str(tmp_path / "ckpt")]
+    train(parse_config(flags + ["--seq-length", str(S), "--train-iters", "2", "--log-dir", str(tmp_path / "a")]))
+    source = build_datasets([prefix], S, seed=1234, split="100,0,0", packing=PackingSpec("documents")).train
+    epoch, pointer, _ = source.stream_position(2)
+    capsys.readouterr()
+    history = train(parse_config(flags + ["--seq-length", str(2 * S), "--train-iters", "3", "--load",
+                                          str(tmp_path / "ckpt"), "--override-opt_param-scheduler",
+                                          "--log-dir", str(tmp_path / "b")]))
+    assert [m["step"] for m in history] == [3]
+    assert f"packing continues in epoch {epoch} at document {pointer:,} of its order" in capsys.readouterr().out
