@@ -93,3 +93,65 @@ def test_a_packed_run_resumes_at_a_longer_seq_length_where_its_packing_stood(cha
                                           "--log-dir", str(tmp_path / "b")]))
     assert [m["step"] for m in history] == [3]
     assert f"packing continues in epoch {epoch} at document {pointer:,} of its order" in capsys.readouterr().out
+
+
+def test_fine_tuned_under_cp_2_ring_it_evaluates_as_transformers_assistant_loss_of_each_conversation_alone(
+        chat, tmp_path):
+    """A transformers Llama, converted, fine-tuned on packed masked data under cp 2 with ring attention, then
+    evaluated under cp 2 with Untied Ulysses and with ring: its loss is exactly transformers' loss over the kept
+    targets of each conversation run alone, on the exported weights."""
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_lc.data.indexed_dataset import IndexedDataset
+    from megatron_lc.data.loss_mask import open_loss_mask
+    from megatron_lc.training.hf_conversion import checkpoint_to_hf, hf_to_checkpoint
+    from tests.helpers import free_port
+
+    transformers = pytest.importorskip("transformers")
+    _, prefix = chat
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    hf_to_checkpoint(str(tmp_path / "hf"), str(tmp_path / "converted"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(module, *args):
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                              f"--master-port={free_port()}", "-m", module, "--device", "cpu", "--data-path", prefix,
+                              "--seq-length", str(S), "--packing", "documents", "--context-parallel-size", "2", *args],
+                             env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    launch("megatron_lc.train", "--load", str(tmp_path / "converted"), "--use-checkpoint-args", "--finetune",
+           "--cp-comm-type", "p2p", "--split", "100,0,0", "--train-iters", "2", "--lr", "1e-3",
+           "--save", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "log"))
+    results = [json.loads(launch("megatron_lc.evaluate", "--load", str(tmp_path / "ckpt"), *layout)
+                          .strip().splitlines()[-1]) for layout in (["--cp-impl", "untied_ulysses"],
+                                                                    ["--cp-comm-type", "p2p"])]
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf-tuned"), dtype=torch.float32),
+        torch_dtype=torch.float32).eval()
+    dataset = IndexedDataset(prefix)
+    mask = open_loss_mask(dataset)
+
+    def assistant_loss(model) -> tuple[float, int]:
+        """transformers' loss over the kept targets of each conversation run alone, and their count."""
+        total, count = 0.0, 0
+        for d in range(len(dataset)):
+            ids, keep = torch.from_numpy(dataset[d].astype("int64")), torch.from_numpy(mask[d].astype(bool))
+            with torch.no_grad():
+                logits = model(ids[None]).logits[0, :-1]
+            total += F.cross_entropy(logits[keep[1:]], ids[1:][keep[1:]], reduction="sum").item()
+            count += int(keep[1:].sum())
+        return total / count, count
+
+    loss, count = assistant_loss(hf)
+    for result in results:
+        assert result["valid_tokens"] == count
+        assert result["loss"] == pytest.approx(loss, rel=1e-5)
+    before, _ = assistant_loss(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval())
+    assert abs(before - loss) > 1e-3 * loss, "the fine-tuned weights were evaluated, not the converted ones"
