@@ -10,10 +10,9 @@ import pytest
 from megatron_lc.data.index_cache import IndexCache
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loss_mask import open_loss_mask
-from megatron_lc.data.packing import LOOKAHEAD, LongDocumentsError, PackedDocumentSamples, pack_epoch
+from megatron_lc.data.packing import LongDocumentsError, PackedDocumentSamples, PackingSpec, pack_epoch
 from megatron_lc.data.samples import IGNORE_INDEX, cp_ranges
 from megatron_lc.data.sources import build_datasets
-from megatron_lc.data.packing import PackingSpec
 from tests.helpers import write_masked_dataset
 
 
@@ -145,10 +144,6 @@ def test_padding_is_under_5_percent_on_a_realistic_length_mix():
         padding = 1 - packed["used"][:-1].sum() / ((len(packed["used"]) - 1) * S)  # the epoch's last sample aside
         assert padding <= 0.05, (S, padding)
         assert sorted(packed["documents"].tolist()) == list(range(len(lengths)))
-
-
-def test_lookahead_bits_fit_a_position():
-    assert LOOKAHEAD < 64
 
 
 def test_blends_and_split_parts_pack_their_own_documents(tmp_path):
