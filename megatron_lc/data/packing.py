@@ -226,7 +226,8 @@ class PackedDocumentSamples(SampleSource):
                 f"in {len(self):,} samples of {self.seq_length:,} tokens, {self.padding_fraction():.2%} padding")
         if self.long_count:
             done = "truncated to --seq-length" if self.long_documents == "truncate" else "dropped"
-            line += f"; {self.long_count:,} documents longer than a sample {done} (--long-documents {self.long_documents})"
+            line += (f"; {self.long_count:,} documents longer than a sample {done} "
+                     f"(--long-documents {self.long_documents})")
         return line
 
     def stream_position(self, consumed: int) -> tuple[int, ...]:

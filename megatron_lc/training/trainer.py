@@ -130,10 +130,10 @@ def build_sample_sources(
 
 def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) -> MicroBatchLoader | WorkerLoader:
     """This rank's micro-batches of `source`; read ahead by --num-workers worker processes when it is > 0."""
-    d = cfg.data
+    d, whole_documents = cfg.data, PackingSpec.of(cfg.packing).whole_documents  # each document attends to itself
     loader = MicroBatchLoader(source, d.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
                               pstate.cp_size, reset_position_ids=d.reset_position_ids,
-                              reset_attention_mask=d.reset_attention_mask or PackingSpec.of(cfg.packing).whole_documents,
+                              reset_attention_mask=d.reset_attention_mask or whole_documents,
                               eod_mask_loss=d.eod_mask_loss,
                               eod_token=eod, cp_ring=pstate.context_layout.ring_size)
     return WorkerLoader(loader, d.num_workers) if d.num_workers > 0 else loader
@@ -265,7 +265,8 @@ def train_one_step(run: Run, step: int) -> dict:
     flops_per_gpu = step_flops(run.model.config, tokens, run.cfg.data.seq_length) / elapsed / run.launch.world_size
     mfu = model_flops_utilization(run.devices, flops_per_gpu)
     metrics = {"step": step, "loss": loss, "loss_tokens": int(result.num_valid_tokens.item()), "lr": lr,
-               "grad_norm": norm, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(run)}
+               "grad_norm": norm, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+               "peak_memory_gib": _peak_memory_gib(run)}
     if weight_decay is not None and run.schedule.wd_incr_style != "constant":
         metrics["weight_decay"] = weight_decay
     if mfu is not None:
