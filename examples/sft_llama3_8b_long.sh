@@ -7,12 +7,15 @@
 #   bash examples/sft_llama3_8b_long.sh HF_DIR CHAT_JSONL WORK_DIR [extra training flags...]
 #
 # CHAT_JSONL: one {"messages": [{"role": ..., "content": ...}, ...]} per line (docs/sft.md for the other formats).
-# The stack is the planner's for 1M tokens (docs/sft.md, and the command auto-fit prints):
+# The stack: cp 8 Untied Ulysses, full recompute with block inputs offloaded, tiled MLP and loss, bf16. Predicted
+# per GPU of a DGX H100 (planner, not yet measured on a GPU): 28.30 GiB GPU, 248 GiB host per node, 489 s per step
+# at FA2's kernel rates (286 s at FA3's), 1,048,576 tokens a step:
+#   python tools/estimate_memory.py --model llama3-8b --bf16 --context-parallel-size 8 --cp-impl untied_ulysses \
+#       --recompute-granularity full --offload-mode prefetch --tiled-mlp --tiled-loss --num-gpus 8 \
+#       --seq-length 1048576 --packing documents
+# The planner's auto-fit plans packed runs too and prints --packing documents in the command it recommends:
 #   python tools/estimate_memory.py --model llama3-8b --bf16 --num-gpus 8 --seq-length 1048576 \
 #       --packing documents --data-path DATA --auto-fit
-# cp 8 Untied Ulysses, full recompute with block inputs offloaded, tiled MLP and loss, bf16: 28.30 GiB per GPU
-# and 248 GiB host per node predicted by the planner (not yet measured on a GPU; examples/extend_llama3_8b.sh
-# runs the same stack at 1M).
 # Environment variables for another run: SEQ_LENGTH, STEPS, GPUS_PER_NODE, CP, LAUNCH ("torchrun" or "python"),
 # MEMORY_FLAGS, LONG_DOCUMENTS (stop, truncate or drop: conversations longer than a sample), WORKERS.
 set -euo pipefail
