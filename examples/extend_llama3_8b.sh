@@ -72,7 +72,7 @@ for S in "${LENGTHS[@]}"; do
         status=0
         run megatron_lc.train "${MODEL[@]}" "${FROM[@]}" --use-checkpoint-args "${ROPE[@]}" \
             --data-path "$DATA_PATH" --split 99,1,0 --tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL" \
-            --reset-attention-mask --seq-length "$S" --micro-batch-size 1 --context-parallel-size "$CP" \
+            --reset-attention-mask --reset-position-ids --seq-length "$S" --micro-batch-size 1 --context-parallel-size "$CP" \
             "${MEMORY[@]}" --train-iters "$TOTAL" --lr 2e-5 --min-lr 2e-6 --lr-warmup-fraction 0.05 \
             --exit-interval "$STEPS" --save "$WORK/ckpt" --exit-signal-handler --log-dir "$WORK/logs/stage_$S" "$@" \
             || status=$?

@@ -27,10 +27,11 @@ from megatron_lc.models.llama.zoo import (FLAVOURS, ModelArgs, config_from_dict,
                                           rope_scaling_from_flags)
 from megatron_lc.parallel_state import ParallelDims
 from megatron_lc.training.args import CheckpointArgs, LoggingArgs, OptimArgs, TrainArgs
+from megatron_lc.data.packing import PackingArgs, check_packing
 
 
 SECTIONS = {
-    "model": ModelArgs, "parallel": ParallelArgs, "memory": MemoryArgs, "data": DataArgs,
+    "model": ModelArgs, "parallel": ParallelArgs, "memory": MemoryArgs, "data": DataArgs, "packing": PackingArgs,
     "optim": OptimArgs, "train": TrainArgs, "checkpoint": CheckpointArgs, "logging": LoggingArgs,
 }
 
@@ -56,6 +57,7 @@ class TrainConfig:
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     memory: MemoryArgs = field(default_factory=MemoryArgs)
     data: DataArgs = field(default_factory=DataArgs)
+    packing: PackingArgs = field(default_factory=PackingArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -259,6 +261,7 @@ class TrainConfig:
         validate_data_flags(d.data_path, d.split, d.train_data_path, d.valid_data_path, d.test_data_path)
         if d.num_workers < 0:
             raise ConfigError(f"--num-workers {d.num_workers} must be >= 0 (0 reads in the training process)")
+        check_packing(self.packing)
 
     def _check_parallel(self, world_size: int) -> None:
         p, d = self.parallel, self.data

@@ -31,6 +31,7 @@ from megatron_lc.errors import ConfigError
 from megatron_lc.arguments import add_section_flag, config_from_values
 from megatron_lc.data.loader import MicroBatchLoader
 from megatron_lc.data.samples import SampleSource
+from megatron_lc.data.packing import PackingSpec
 from megatron_lc.data.sources import SPLIT_NAMES, build_datasets
 from megatron_lc.entry import run_entry_point
 from megatron_lc.training.hf_conversion import config_from_meta
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reset-attention-mask", action=argparse.BooleanOptionalAction, default=None,
                    help="attend within each document only (default: as the checkpoint's training; Megatron-LM's "
                         "default attends across end-of-document tokens)")
+    add_section_flag(p, "packing", default=None,
+                     help="how samples are cut, as for megatron_lc.train (default: as the checkpoint was trained)")
+    add_section_flag(p, "long_documents", default=None,
+                     help="--packing documents: documents longer than --seq-length stop, are truncated or dropped "
+                          "(default: as the checkpoint was trained)")
     for name in ("context_parallel_size", "data_parallel_replicate", "cp_impl", "cp_comm_type",
                  "hierarchical_context_parallel_sizes"):
         add_section_flag(p, name)
@@ -88,13 +94,19 @@ def evaluate(args) -> dict:
     launch = require_launcher()
     found = checkpointing.newest_intact_checkpoint(args.load)
     if found is None:
-        raise ConfigError(f"--load {args.load}: no intact checkpoint there")
+        raise ConfigError(f"--load {args.load}: no intact checkpoint there "
+                          f"({checkpointing.missing_checkpoint_hint(args.load)})")
     path, meta = found
     config = config_from_meta(meta)
     trained = meta.get("train_config", {}).get("data", {})
     for name in ("reset_position_ids", "reset_attention_mask"):  # the contexts training saw, unless told
         if getattr(args, name) is None:
             setattr(args, name, bool(trained.get(name, False)))
+    packed = meta.get("train_config", {}).get("packing", {})  # the samples training cut, unless told
+    args.packing = args.packing or packed.get("packing", "stream")
+    args.long_documents = args.long_documents or packed.get("long_documents", "stop")
+    if args.packing == "documents":
+        args.reset_attention_mask = True  # each document attends to itself
     if not args.data_path and not args.passkey:
         raise ConfigError("give --data-path (the loss on a dataset) or --passkey (the passkey test)")
     tokenizer = _passkey_tokenizer(args, meta) if args.passkey else None
@@ -114,7 +126,9 @@ def evaluate(args) -> dict:
                               "cp_comm_type": args.cp_comm_type,
                               "hierarchical_context_parallel_sizes": args.hierarchical_context_parallel_sizes or [],
                               "seq_length": args.seq_length, "data_path": args.data_path or [],
-                              "mock_data": args.passkey, "split": args.split, "device": args.device})
+                              "mock_data": args.passkey, "split": args.split, "device": args.device,
+                              "packing": "stream" if args.passkey else args.packing,
+                              "long_documents": "stop" if args.passkey else args.long_documents})
     cfg.validate(launch.world_size)
     for length in lengths if args.passkey else ():
         try:
@@ -189,7 +203,7 @@ def evaluation_source(args, vocab_size: int | None = None) -> SampleSource:
     try:
         parts = build_datasets(args.data_path, args.seq_length, seed=0, split=args.split, shuffle=False,
                                num_samples={name: args.num_samples for name in SPLIT_NAMES if args.num_samples},
-                               vocab_size=vocab_size)
+                               vocab_size=vocab_size, packing=PackingSpec(args.packing, args.long_documents))
     except (OSError, ValueError) as e:
         raise ConfigError(f"--data-path {' '.join(args.data_path)}: {e}") from e
     part = args.split_part if args.split is not None else "train"  # without --split every document is "train"

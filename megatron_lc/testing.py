@@ -69,8 +69,11 @@ class Batch:
 
 
 def make_batch(num_samples: int, seq_length: int, vocab: int, *, seed: int = 0, num_docs: int = 3,
-               ignore_fraction: float = 0.0) -> tuple[Batch, list[tuple]]:
+               ignore_fraction: float = 0.0, masked_spans: bool = False) -> tuple[Batch, list[tuple]]:
     """Random tokens with packed documents of uneven lengths and unevenly ignored labels.
+
+    `masked_spans`: targets ignored as a chat loss mask ignores them, in spans (the prompts), a different
+    share in each sample, and sample 1 ignored whole (a micro-batch or rank with no loss token).
 
     Returns the full batch and each sample's own cu_seqlens (needed to re-flatten a subset).
     """
@@ -79,6 +82,13 @@ def make_batch(num_samples: int, seq_length: int, vocab: int, *, seed: int = 0, 
     labels = tokens[:, 1:].clone()
     if ignore_fraction:  # ignore a prefix of the first sample only: ranks hold different valid counts
         labels[0, : int(seq_length * ignore_fraction)] = -100
+    if masked_spans:
+        for b in range(num_samples):
+            edges = sorted(torch.randperm(seq_length - 1, generator=g)[: 2 * (b % 3 + 1)].add(1).tolist())
+            for start, stop in zip(edges[::2], edges[1::2]):
+                labels[b, start:stop] = -100
+        if num_samples > 1:
+            labels[1] = -100
     per_sample = []
     for _ in range(num_samples):
         cuts = sorted(torch.randperm(seq_length - 1, generator=g)[: num_docs - 1].add(1).tolist())

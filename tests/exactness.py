@@ -50,9 +50,10 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def check_against_reference(rank, world, config, cp, opts, batch_args, steps=2, cp_ring=1):
+def check_against_reference(rank, world, config, cp, opts, batch_args, steps=2, cp_ring=1, micro_batches=1):
     """Each step's loss (1e-5), gradient norm and every full gradient (1e-4) equal the reference's
-    (`cp_ring`: ring degree of the cp group; the rest is all-to-all).
+    (`cp_ring`: ring degree of the cp group; the rest is all-to-all). The reference takes the global batch
+    as one micro-batch; each data-parallel rank takes its samples in `micro_batches` micro-batches.
 
     Steps after the first check the AdamW update of sharded parameters through their effect
     on the next step's loss and gradients."""
@@ -64,9 +65,10 @@ def check_against_reference(rank, world, config, cp, opts, batch_args, steps=2, 
     opts = dataclasses.replace(opts, seq_length=batch_args["seq_length"])
     model = build_parallel_model(config, pstate, opts, build_model(config, device="cpu", seed=0).state_dict())
     opt = build_optimizer(model, lr=LR, eps=ADAM_EPS)
-    local = shard_batch(batch, per_sample, pstate.dp_rank, pstate.dp_size, pstate.cp_rank, cp, pstate.context_layout)
+    local = [shard_batch(batch, per_sample, pstate.dp_rank * micro_batches + m, pstate.dp_size * micro_batches,
+                         pstate.cp_rank, cp, pstate.context_layout) for m in range(micro_batches)]
     for step in range(steps):
-        result = forward_backward(model, [local], pstate, CPU.accelerator)
+        result = forward_backward(model, local, pstate, CPU.accelerator)
         torch.testing.assert_close(result.loss, ref_losses[step], rtol=1e-5, atol=0)
         for n, p in model.named_parameters():
             torch.testing.assert_close(full(p.grad), ref_grads[step][n], rtol=1e-4, atol=1e-6,

@@ -47,6 +47,32 @@ def write_random_dataset(prefix, *, documents: int, lengths: tuple[int, int], vo
     return str(prefix)
 
 
+def write_masked_dataset(prefix, documents, masks=None) -> str:
+    """`PREFIX.bin/.idx` of `documents` (lists of ids) and, with `masks` (one 0/1 list per document), its loss
+    mask at `PREFIX_loss_mask` as the builder writes any indexed dataset; returns the prefix."""
+    from megatron_lc.data.loss_mask import LOSS_MASK_DTYPE, loss_mask_prefix
+
+    for path, rows, dtype in [(str(prefix), documents, np.uint16), (loss_mask_prefix(prefix), masks, LOSS_MASK_DTYPE)]:
+        if rows is None:
+            continue
+        with IndexedDatasetBuilder(f"{path}.bin", dtype=dtype) as builder:
+            for row in rows:
+                builder.add_item(np.asarray(row, dtype=dtype))
+                builder.end_document()
+            builder.finalize(f"{path}.idx")
+    return str(prefix)
+
+
+def hf_model_files(path) -> str:
+    """A directory with a Hugging Face model's files (config.json, safetensors weights), empty: what a checkpoint
+    check should recognise as one. Returns its path."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"")
+    return str(path)
+
+
 CP_FIELDS = {"cp_impl": "impl", "heads_per_stage": "heads_per_stage", "untied_overlap": "overlap",
              "untied_backward": "untied_backward", "ring_kv_grads": "ring_kv_grads", "attention_kernel": "kernel"}
 """The tests' flat names of `ContextParallel`'s fields."""

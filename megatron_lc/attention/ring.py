@@ -16,7 +16,9 @@ arrives); `"in_place"` rotates the pair in place after each step, a chunk at a t
 through a small staging buffer, and adds each share as the kernel makes it: one fp32
 pair held, for a rotation nothing hides. The arithmetic and its order are the same,
 so the results are bit for bit the same. The kernels are this package's local kernels, called with the merged
-out and lse (`kernels` module contract), so every kernel works in a ring.
+out and lse (`kernels` module contract), so every kernel works in a ring. Each call's state is kept
+as that call returned it (a kernel may split one call into several of its own, each with its state,
+as the memory-efficient kernel does by segments) and handed back to that call's backward.
 
 `RingAttention` is itself a `Kernel` (same forward/backward contract, `cu_seqlens` the
 boundaries of the whole micro-batch, `(0, ..., B*S)`), so it stands wherever a local
@@ -196,6 +198,24 @@ class _Transfer:
         return self.received
 
 
+def _flatten_states(states: list[tuple], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each kernel call's state, in call order, after a header that says how many tensors it holds: an empty
+    tensor of shape [0, count] (no memory, and its count is a shape, read without a device sync or a value that
+    fake tensors lack). A kernel's count per call varies: the memory-efficient kernel splits one call into
+    several by its segments, each with its own state."""
+    return tuple(t for s in states for t in (like.new_empty((0, len(s))), *s))
+
+
+def _unflatten_states(state: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """The per-call states `_flatten_states` laid out."""
+    calls, i = [], 0
+    while i < len(state):
+        count = state[i].shape[1]
+        calls.append(tuple(state[i + 1:i + 1 + count]))
+        i += 1 + count
+    return calls
+
+
 def _merge(acc: torch.Tensor, lse: torch.Tensor, rows: tuple[int, int], out: torch.Tensor,
            out_lse: torch.Tensor) -> None:
     """Fold a partial result (out [n, H, d], lse [H, n]) into the running fp32 accumulators, in place."""
@@ -267,13 +287,16 @@ class RingAttention:
                 states.append(s)
             if transfer is not None:
                 kv = transfer.wait()
-        return acc.to(q.dtype), lse, tuple(t for s in states for t in s)
+        return acc.to(q.dtype), lse, _flatten_states(states, q)
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
         schedule = self._schedule(q, cu_seqlens)
         steps = [schedule.cross_pairs(self._kv_rank(step)) for step in range(self.ring.size)]
-        per_call = len(state) // (1 + sum(map(len, steps)))
-        states = iter(zip(*[iter(state)] * per_call)) if per_call else iter(lambda: (), None)
+        calls = _unflatten_states(state)
+        if len(calls) != 1 + sum(map(len, steps)):
+            raise ValueError(f"ring attention's state holds {len(calls)} kernel calls; this schedule makes "
+                             f"{1 + sum(map(len, steps))}")
+        states = iter(calls)
         own = schedule.own_block()
         if self.kv_grads == "in_place":
             return self._backward_in_place(dout, q, k, v, out, lse, scale, own, steps, states)

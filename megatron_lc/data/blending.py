@@ -160,6 +160,16 @@ class BlendedSamples(SampleSource):
         positions = [source.stream_position(count) for source, count in zip(self.sources, drawn)]
         return None if any(p is None for p in positions) else tuple(t for p in positions for t in p)
 
+    def continues_at(self, position: tuple[int, ...]) -> str:
+        if all(type(s).continues_at is SampleSource.continues_at for s in self.sources):
+            return super().continues_at(position)  # token streams, one position each
+        parts, at = [], 0
+        for source in self.sources:
+            width = len(source.stream_position(0))
+            parts.append(source.continues_at(tuple(position[at:at + width])))
+            at += width
+        return "; ".join(parts)
+
     def continued(self, position: tuple[int, ...]) -> BlendedSamples:
         """The blend of each source continued at its own position, with the same weights (the blending index
         starts again: each source's stream goes on where it stood)."""
@@ -175,6 +185,15 @@ class BlendedSamples(SampleSource):
     def read_tokens(self, index: int, start: int, stop: int) -> np.ndarray:
         source, sample = self.locate(index)
         return self.sources[source].read_tokens(sample, start, stop)
+
+    def get(self, index: int, *args, **kwargs):
+        """The sample as its source gives it (a packed source lays its samples out itself)."""
+        source, sample = self.locate(index)
+        return self.sources[source].get(sample, *args, **kwargs)
+
+    def read_loss_mask(self, index: int, start: int, stop: int) -> np.ndarray | None:
+        source, sample = self.locate(index)
+        return self.sources[source].read_loss_mask(sample, start, stop)  # None from a plain-text member
 
     def cu_seqlens(self, index: int) -> tuple[int, ...]:
         source, sample = self.locate(index)

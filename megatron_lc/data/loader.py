@@ -157,8 +157,7 @@ class MicroBatchLoader:
         self.samples = self.samples.continued(tuple(position))
         self.consumed_samples = 0
         return (f"--seq-length {self.samples.seq_length} x {self.samples_per_step} samples per step (the checkpoint "
-                f"read {saved_length} x {saved_step}): the token stream continues at token "
-                f"{', '.join(f'{p:,}' for p in position)}, the first not yet trained")
+                f"read {saved_length} x {saved_step}): {self.samples.continues_at(tuple(position))}")
 
 
 def _listed(position: tuple[int, ...] | None) -> list[int] | None:

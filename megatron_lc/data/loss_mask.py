@@ -74,3 +74,15 @@ def merge_with_loss_masks(input_prefixes: Sequence[PathLike], output_prefix: Pat
         remove_dataset_files(loss_mask_prefix(output_prefix))
     merge_datasets(input_prefixes, output_prefix)
     return bool(masked)
+
+
+def open_loss_mask(ids: IndexedDataset) -> IndexedDataset | None:
+    """The loss mask of the dataset `ids`, checked against it (same sequence lengths and document indices,
+    uint8), or None when it has none. A mask that does not match its ids is refused in one line."""
+    prefix = loss_mask_prefix(ids.path_prefix)
+    if not IndexedDataset.exists(prefix):
+        return None
+    mismatch = loss_mask_mismatch(ids.path_prefix)
+    if mismatch:
+        raise ValueError(f"{mismatch}: rewrite both with the same preprocessing run")
+    return IndexedDataset(prefix)

@@ -73,11 +73,20 @@ class SampleSource(ABC):
     def cu_seqlens(self, index: int) -> tuple[int, ...]:
         """Document boundaries of sample `index`'s `S` inputs: 0, ..., S."""
 
+    def read_loss_mask(self, index: int, start: int, stop: int) -> np.ndarray | None:
+        """The loss mask of tokens `[start, stop)` of sample `index` (1: trained on as a target), or None when
+        every token is (plain text)."""
+        return None
+
     def stream_position(self, consumed: int) -> tuple[int, ...] | None:
         """Where each document stream under this source stands after its first `consumed` samples: the tokens
         read from the stream's beginning (every sample's `S` inputs; its last label is the next one's first
         input). None for a source that is no token stream (mock data)."""
         return None
+
+    def continues_at(self, position: tuple[int, ...]) -> str:
+        """Where a run continued at `position` goes on, in words."""
+        return f"the token stream continues at token {', '.join(f'{p:,}' for p in position)}, the first not yet trained"
 
     def continued(self, position: tuple[int, ...]) -> SampleSource:
         """This source with its sample 0 at `position` (a `stream_position`): the same streams, at any
@@ -101,8 +110,11 @@ class SampleSource(ABC):
         pieces = []
         for start, stop in cp_ranges(self.seq_length, cp_rank, cp_size, cp_ring):
             tokens = self.read_tokens(index, start, stop + 1).astype(np.int64)
-            pieces.append((tokens[:-1], labels_for(tokens, eod_mask_loss, eod_token),
-                           position_ids_for(start, stop, cu_seqlens, reset_position_ids)))
+            labels = labels_for(tokens, eod_mask_loss, eod_token)
+            mask = self.read_loss_mask(index, start, stop + 1)
+            if mask is not None:  # label t is token t + 1: its mask entry, read past the slice's edge as the token
+                labels[mask[1:] == 0] = IGNORE_INDEX
+            pieces.append((tokens[:-1], labels, position_ids_for(start, stop, cu_seqlens, reset_position_ids)))
         inputs, labels, positions = (np.concatenate(column) if len(pieces) > 1 else column[0]
                                      for column in zip(*pieces))
         return Sample(input_ids=inputs, labels=labels, position_ids=positions, cu_seqlens=cu_seqlens)
@@ -120,7 +132,8 @@ class LongSequenceSamples(SampleSource):
     """Samples of `seq_length + 1` tokens from an indexed dataset; one sequence = one document.
 
     `documents` (sequence indices) restricts the stream to a subset, such as one
-    `--split` part; by default it is every sequence. Any index is valid: samples past
+    `--split` part; by default it is every sequence. `loss_mask` (the dataset's, see
+    `loss_mask`) is read beside the tokens, over the same documents. Any index is valid: samples past
     the first epoch continue into later epochs. `len()` is the number of samples that
     lie entirely within the first epoch. With a `cache`, epoch layouts are built once
     and read back memory-mapped (see `index_cache`).
@@ -137,6 +150,7 @@ class LongSequenceSamples(SampleSource):
         documents: np.ndarray | None = None,
         cache: IndexCache | None = None,
         token_offset: int = 0,
+        loss_mask: IndexedDataset | None = None,
     ) -> None:
         if seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
@@ -157,6 +171,7 @@ class LongSequenceSamples(SampleSource):
             raise ValueError(f"token_offset must be >= 0, got {token_offset}")
         self.token_offset = token_offset
         """Stream tokens before sample 0 (a run that continues another at a new length starts there)."""
+        self.loss_mask = loss_mask
 
     def stream_position(self, consumed: int) -> tuple[int, ...]:
         return (self.token_offset + consumed * self.seq_length,)
@@ -164,7 +179,7 @@ class LongSequenceSamples(SampleSource):
     def continued(self, position: tuple[int, ...]) -> LongSequenceSamples:
         (offset,) = position
         return LongSequenceSamples(self.dataset, self.seq_length, self.seed, self.shuffle, self.documents,
-                                   self._cache, token_offset=int(offset))
+                                   self._cache, token_offset=int(offset), loss_mask=self.loss_mask)
 
     def __len__(self) -> int:
         return (self.tokens_per_epoch - 1) // self.seq_length
@@ -209,17 +224,25 @@ class LongSequenceSamples(SampleSource):
         }
 
     def read_tokens(self, index: int, start: int, stop: int) -> np.ndarray:
+        return self._read(self.dataset, index, start, stop)
+
+    def read_loss_mask(self, index: int, start: int, stop: int) -> np.ndarray | None:
+        return None if self.loss_mask is None else self._read(self.loss_mask, index, start, stop)
+
+    def _read(self, dataset: IndexedDataset, index: int, start: int, stop: int) -> np.ndarray:
+        """Stream elements `[start, stop)` of sample `index` from `dataset` (the ids, or their loss mask: the
+        same sequence lengths, so the same element positions)."""
         first = self.token_offset + index * self.seq_length + start
-        out = np.empty(stop - start, dtype=self.dataset.dtype)
+        out = np.empty(stop - start, dtype=dataset.dtype)
         filled = 0
         while filled < len(out):
             epoch, offset = divmod(first + filled, self.tokens_per_epoch)
             count = min(len(out) - filled, self.tokens_per_epoch - offset)
-            self._read_epoch_span(epoch, offset, out[filled : filled + count])
+            self._read_epoch_span(dataset, epoch, offset, out[filled : filled + count])
             filled += count
         return out
 
-    def _read_epoch_span(self, epoch: int, offset: int, out: np.ndarray) -> None:
+    def _read_epoch_span(self, dataset: IndexedDataset, epoch: int, offset: int, out: np.ndarray) -> None:
         """Fill `out` with epoch tokens from `offset`, one read per run of documents
         that lie back to back in the `.bin` (a single read when not shuffled)."""
         layout = self._layout(epoch)
@@ -236,7 +259,7 @@ class LongSequenceSamples(SampleSource):
         run_counts = np.add.reduceat(counts, run_starts)
         filled = 0
         for position, count in zip(bin_positions[run_starts].tolist(), run_counts.tolist(), strict=True):
-            out[filled : filled + count] = self.dataset.read_span(position, count)
+            out[filled : filled + count] = dataset.read_span(position, count)
             filled += count
 
     def cu_seqlens(self, index: int) -> tuple[int, ...]:

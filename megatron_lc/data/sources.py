@@ -27,6 +27,8 @@ import numpy as np
 from megatron_lc.data.blending import BlendedSamples, normalize
 from megatron_lc.data.index_cache import IndexCache, dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset, bin_path, idx_path
+from megatron_lc.data.loss_mask import open_loss_mask
+from megatron_lc.data.packing import PackedDocumentSamples, PackingSpec
 from megatron_lc.data.samples import LongSequenceSamples, SampleSource
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 from megatron_lc.errors import ConfigError
@@ -226,6 +228,7 @@ def build_datasets(
     num_samples: dict[str, int] | None = None,
     shuffle: bool = True,
     vocab_size: int | None = None,
+    packing: PackingSpec = PackingSpec(),
 ) -> DataSources:
     """Train, validation and test sources from Megatron's data flags.
 
@@ -242,7 +245,11 @@ def build_datasets(
     parts, notes = _parts(data_path, split, explicit, datasets)
     for part in parts:
         sources[part.name] = _part_source(part, datasets, seq_length, seed, shuffle and part.name == "train",
-                                          cache, (num_samples or {}).get(part.name))
+                                          cache, (num_samples or {}).get(part.name), packing)
+        source = sources[part.name]
+        for member in getattr(source, "sources", [source]):
+            if isinstance(member, PackedDocumentSamples):
+                notes.append(member.note(part.name))
     return DataSources(**sources, notes=tuple(notes))
 
 
@@ -275,6 +282,7 @@ def _part_source(
     shuffle: bool,
     cache: IndexCache,
     num_samples: int | None,
+    packing: PackingSpec = PackingSpec(),
 ) -> SampleSource | None:
     """One part's source: a single dataset's samples, or their blend."""
     if not part.members:
@@ -282,7 +290,13 @@ def _part_source(
     sources = []
     for _, prefix, document_range in part.members:
         documents = None if document_range is None else np.arange(*document_range, dtype=np.int64)
-        sources.append(LongSequenceSamples(datasets[prefix], seq_length, seed, shuffle, documents, cache))
+        mask = open_loss_mask(datasets[prefix])
+        if packing.whole_documents:
+            sources.append(PackedDocumentSamples(datasets[prefix], seq_length, seed, shuffle, documents, cache, mask,
+                                                 packing.long_documents))
+        else:
+            sources.append(LongSequenceSamples(datasets[prefix], seq_length, seed, shuffle, documents, cache,
+                                               loss_mask=mask))
     if len(sources) == 1:
         return sources[0]
     weights, size = blend_weights_and_size([m[0] for m in part.members], [len(s) for s in sources], num_samples)

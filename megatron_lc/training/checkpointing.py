@@ -185,6 +185,17 @@ def checkpoint_to_load(root: str | Path, step: int | None = None, required: bool
     return found
 
 
+def missing_checkpoint_hint(root: str | Path) -> str:
+    """Why a directory with no checkpoint was given, as far as its files say: a Hugging Face model (and how to
+    convert it), or likely a typo."""
+    root = Path(root)
+    weights = any(root.glob("*.safetensors")) or any(root.glob("pytorch_model*.bin"))
+    if (root / "config.json").is_file() and weights:
+        return (f"it is a Hugging Face model: convert it with python tools/checkpoint/convert_from_hf.py --load {root} "
+                "--save CKPT, then give --load CKPT")
+    return "a typo in the path?" if not root.exists() else "no iter_* checkpoint in it"
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The path of `newest_intact_checkpoint(root)`, or None."""
     found = newest_intact_checkpoint(root)

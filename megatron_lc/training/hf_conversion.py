@@ -34,10 +34,16 @@ def resolve_checkpoint(load: str, iteration: int | None) -> Path:
     return Path(path)
 
 
-def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype=torch.bfloat16,
+def training_dtype(meta: dict) -> torch.dtype:
+    """The precision a checkpoint was trained in: bf16 compute with --bf16, else fp32."""
+    return torch.bfloat16 if meta.get("train_config", {}).get("train", {}).get("bf16") else torch.float32
+
+
+def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype: torch.dtype | None = None,
                      tokenizer_model: str | None = None, max_shard_bytes: int = 5 * 10**9,
                      tokenizer_type: str | None = None) -> Path:
-    """Write safetensors shards (+ index), config.json, generation_config.json (and tokenizer files) to `save`.
+    """Write safetensors shards (+ index), config.json, generation_config.json (and tokenizer files) to `save`,
+    in `dtype` (default: the training's precision, `training_dtype`).
 
     bos/eos/pad come from the tokenizer (by default the one the checkpoint was trained with), so
     generate() stops at the training's end-of-document; without one they are left unset.
@@ -48,6 +54,7 @@ def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype=t
     path = resolve_checkpoint(load, iteration)
     meta = checkpointing.read_meta(path)
     config = config_from_meta(meta)
+    dtype = dtype or training_dtype(meta)
     if tokenizer_model is None and tokenizer_type is None:  # the training's own, when it recorded one
         data = meta.get("train_config", {}).get("data", {})
         tokenizer_type, tokenizer_model = data.get("tokenizer_type"), data.get("tokenizer_model")

@@ -127,6 +127,8 @@ class MetricsLogger:
 
     def _progress_line(self, m: dict) -> str:
         parts = [f"step {m['step']:>5}/{self.total_steps}", f"loss {m['loss']:.4f}"]
+        if "loss_tokens" in m:  # the tokens the loss is the mean over (masked targets and padding left out)
+            parts.append(f"{m['loss_tokens']:,} loss tokens")
         if "val_loss" in m:
             parts.append(f"val {m['val_loss']:.4f}")
         parts += [f"lr {m['lr']:.2e}", f"grad_norm {m['grad_norm']:.3f}", f"{m['tokens_per_s']:,.0f} tok/s"]

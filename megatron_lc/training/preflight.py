@@ -20,7 +20,7 @@ from megatron_lc.attention.kernels import FlashImplRefused, activate_flash_impl
 from megatron_lc.cli import check_writable
 from megatron_lc.config import TrainConfig
 from megatron_lc.errors import ConfigError
-from megatron_lc.training.checkpointing import check_save_directory, checkpoint_to_load
+from megatron_lc.training.checkpointing import check_save_directory, checkpoint_to_load, missing_checkpoint_hint
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -52,6 +52,9 @@ def _check_checkpoint_dirs(cfg: TrainConfig) -> None:
     c = cfg.checkpoint
     if c.load and (c.ckpt_step is not None or c.exit_on_missing_checkpoint):
         checkpoint_to_load(c.load, c.ckpt_step, c.exit_on_missing_checkpoint)  # refuses a missing one
+    if c.load and c.finetune and checkpoint_to_load(c.load, c.ckpt_step) is None:  # else: random weights
+        raise ConfigError(f"--finetune: --load {c.load} holds no checkpoint to fine-tune from "
+                          f"({missing_checkpoint_hint(c.load)})")
     if c.save:
         check_save_directory(c.save)
         check_writable(c.save, "--save")

@@ -42,7 +42,8 @@ def forward_backward(model, micro_batches: Sequence, pstate: ParallelState, devi
     """Accumulate gradients of the global mean loss over `micro_batches` (objects with
     input_ids, labels, position_ids [B, S_local] and cu_seqlens)."""
     local_valid = sum((mb.labels != IGNORE_INDEX).sum() for mb in micro_batches)
-    num_valid = _sum_over(torch.as_tensor(local_valid, dtype=torch.float32, device=device), pstate.loss_group)
+    # Counted in int64: a float32 count is inexact past 2**24 tokens, a step's worth at a million tokens a sample.
+    num_valid = _sum_over(torch.as_tensor(local_valid, dtype=torch.int64, device=device), pstate.loss_group)
     scale = pstate.grad_averaging_size / num_valid.clamp(min=1)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     for mb in micro_batches:

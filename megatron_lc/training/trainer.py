@@ -20,6 +20,7 @@ from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
 from megatron_lc.training.preflight import check_host_memory, preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
+from megatron_lc.data.packing import PackingSpec
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
 from megatron_lc.models.llama import count_parameters
@@ -65,6 +66,8 @@ def build_sample_sources(
         if cfg.logging.eval_interval:
             raise ConfigError("--eval-interval with --mock-data: mock data has no validation part; give "
                               "--data-path with --split or --valid-data-path")
+        if PackingSpec.of(cfg.packing).whole_documents:
+            raise ConfigError("--packing documents packs the documents of --data-path; mock data has none")
         return MockSamples(vocab_size, d.seq_length, cfg.train.seed), None, None
     split = d.split
     if split is None and d.data_path:
@@ -75,7 +78,8 @@ def build_sample_sources(
         sources = build_datasets(
             d.data_path, d.seq_length, cfg.train.seed, split=split, train_data_path=d.train_data_path,
             valid_data_path=d.valid_data_path, test_data_path=d.test_data_path, cache_path=d.data_cache_path,
-            num_samples=data_sizes(cfg, dp_size), shuffle=not d.no_shuffle, vocab_size=vocab_size)
+            num_samples=data_sizes(cfg, dp_size), shuffle=not d.no_shuffle, vocab_size=vocab_size,
+            packing=PackingSpec.of(cfg.packing))
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if rank == 0:
@@ -91,10 +95,11 @@ def build_sample_sources(
 
 def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) -> MicroBatchLoader | WorkerLoader:
     """This rank's micro-batches of `source`; read ahead by --num-workers worker processes when it is > 0."""
-    d = cfg.data
+    d, whole_documents = cfg.data, PackingSpec.of(cfg.packing).whole_documents  # each document attends to itself
     loader = MicroBatchLoader(source, d.micro_batch_size, pstate.dp_rank, pstate.dp_size, pstate.cp_rank,
                               pstate.cp_size, reset_position_ids=d.reset_position_ids,
-                              reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
+                              reset_attention_mask=d.reset_attention_mask or whole_documents,
+                              eod_mask_loss=d.eod_mask_loss,
                               eod_token=eod, cp_ring=pstate.context_layout.ring_size)
     return WorkerLoader(loader, d.num_workers) if d.num_workers > 0 else loader
 
@@ -240,8 +245,8 @@ def train_one_step(run: Run, step: int) -> dict:
     tokens = len(micro_batches) * run.cfg.data.micro_batch_size * run.cfg.data.seq_length * run.pstate.dp_size
     flops_per_gpu = step_flops(run.model.config, tokens, run.cfg.data.seq_length) / elapsed / run.launch.world_size
     mfu = model_flops_utilization(run.devices, flops_per_gpu)
-    metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / elapsed,
-               "step_time_s": elapsed, **step_peak_memory(run)}
+    metrics = {"step": step, "loss": loss, "loss_tokens": int(result.num_valid_tokens.item()), "lr": lr,
+               "grad_norm": norm, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, **step_peak_memory(run)}
     if weight_decay is not None and run.schedule.wd_incr_style != "constant":
         metrics["weight_decay"] = weight_decay
     if mfu is not None:

@@ -208,3 +208,59 @@ def _against_naive(kernel, dtype, tol):
     want = _naive_grads(dout, q, k, v, 1 / 4)
     for got, ref in [(out, want_out), (q.grad, want[0]), (k.grad, want[1]), (v.grad, want[2])]:
         torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+
+
+class EfficientOpsOnAnySegments:
+    """Stand-ins for the memory-efficient operators on any segmentation (fp32 CPU math by the reference kernel),
+    for the kernel's calls as a caller makes them: `ops` goes to `sdpa_efficient_forward/_backward`.
+
+    Each forward call returns philox tensors of its own; each backward call must be handed the philox tensors
+    of the forward call over the same rows and segments, and each forward's exactly once (`check_all_used`)."""
+
+    def __init__(self):
+        self.forwards: list[dict] = []
+        self.used: list[int] = []
+        self.ops = {"efficient_forward": self.forward, "efficient_backward": self.backward}
+
+    @staticmethod
+    def _call(op, args, kwargs):
+        """The checked arguments, q, k, v of the call, its boundaries and whether it is causal."""
+        a = _check_schema(op, args, kwargs)
+        _efficient_contract(a, backward=op is torch.ops.aten._efficient_attention_backward.default)
+        cu_q, cu_k = tuple(a["cu_seqlens_q"].tolist()), tuple(a["cu_seqlens_k"].tolist())
+        return a, a["query"][0], a["key"][0], a["value"][0], cu_q, cu_k, a["custom_mask_type"] == 1
+
+    def forward(self, *args, **kwargs):
+        from megatron_lc.attention.kernels import reference_forward
+
+        a, q, k, v, cu_q, cu_k, causal = self._call(torch.ops.aten._efficient_attention_forward.default, args, kwargs)
+        assert a["max_seqlen_q"] == max(y - x for x, y in zip(cu_q, cu_q[1:]))
+        out, lse, _ = reference_forward(q, k, v, cu_q, a["scale"], cu_seqlens_k=None if causal else cu_k,
+                                        causal=causal)
+        padded = math.ceil(a["max_seqlen_q"] / 32) * 32
+        native = torch.full((len(cu_q) - 1, q.shape[1], padded), math.inf)
+        for i, (s, e) in enumerate(zip(cu_q[:-1], cu_q[1:])):
+            native[i, :, : e - s] = lse[:, s:e]
+        seed, offset = torch.tensor(len(self.forwards)), torch.tensor(-len(self.forwards))
+        self.forwards.append(dict(seed=seed, offset=offset, cu_q=cu_q, cu_k=cu_k, causal=causal, rows=q.shape[0]))
+        return out[None], native, seed, offset, a["max_seqlen_q"], a["max_seqlen_k"]
+
+    def backward(self, *args, **kwargs):
+        from megatron_lc.attention.kernels import reference_backward
+
+        a, q, k, v, cu_q, cu_k, causal = self._call(torch.ops.aten._efficient_attention_backward.default, args, kwargs)
+        matches = [i for i, f in enumerate(self.forwards) if _same(a["philox_seed"], f["seed"])
+                   and _same(a["philox_offset"], f["offset"])]
+        assert len(matches) == 1, "philox tensors that no forward call returned"
+        f = self.forwards[matches[0]]
+        assert (f["cu_q"], f["cu_k"], f["causal"], f["rows"]) == (cu_q, cu_k, causal, q.shape[0]), \
+            "the philox tensors of another call's forward"
+        self.used.append(matches[0])
+        native = a["logsumexp"]
+        lse = torch.cat([native[i, :, : e - s] for i, (s, e) in enumerate(zip(cu_q[:-1], cu_q[1:]))], dim=1)
+        dq, dk, dv = reference_backward(a["grad_out_"][0], q, k, v, a["out"][0], lse, cu_q, a["scale"],
+                                        cu_seqlens_k=None if causal else cu_k, causal=causal)
+        return dq[None], dk[None], dv[None], torch.empty(0)
+
+    def check_all_used(self) -> None:
+        assert sorted(self.used) == list(range(len(self.forwards))), "every forward call's state used exactly once"

@@ -167,3 +167,60 @@ def test_column_blocks_of_one_buffer_travel_as_that_buffer():
     assert _side_by_side((k.contiguous(), v.contiguous())) is None, "contiguous tensors travel as they are"
     wide = torch.zeros(12, 10)
     assert _side_by_side((wide[:, :4].view(12, 1, 4), wide[:, 4:8].view(12, 1, 4))) is None, "columns left over"
+
+
+def _check_split_kernel_state_in_ring(rank, world, S, documents, splitting_ranks):
+    """The memory-efficient kernel (stand-in operators, its state contract: one philox pair per call, and one
+    block's call split into several by its segments) in the ring, against full-sequence attention: each call's
+    backward gets its own forward's state."""
+    import functools
+
+    from megatron_lc.attention.kernels import Kernel, sdpa_efficient_backward, sdpa_efficient_forward
+    from tests.attention.kernel_contracts import EfficientOpsOnAnySegments
+
+    torch.manual_seed(0)
+    B, H, Hkv, d = len(documents), 2, 1, 8
+    layout = ContextLayout(1, world)
+    pstate = ParallelState(ParallelDims(world, cp=world, cp_ring=world))
+    standin = EfficientOpsOnAnySegments()
+    efficient = Kernel("sdpa_efficient", functools.partial(sdpa_efficient_forward, ops=standin.ops),
+                       functools.partial(sdpa_efficient_backward, ops=standin.ops))
+    ring = RingAttention(efficient, pstate.ring_group, layout, S)
+    cu = [0]
+    for b, lengths in enumerate(documents):
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        assert cu[-1] == (b + 1) * S
+    cu = tuple(cu)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B * S, h, d, generator=g) for h in (H, Hkv, Hkv))
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    out = attention(*full, cu, KERNELS["reference"])
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    idx = torch.tensor([b * S + p for b in range(B) for a, e in layout.token_ranges(S, pstate.cp_rank)
+                        for p in range(a, e)])
+    local = [t[idx].clone().requires_grad_() for t in (q, k, v)]
+    got = attention(*local, cu, ring.as_kernel())
+    got.backward(dout[idx].float())
+    schedule = RingSchedule(layout, S, cu, pstate.cp_rank)
+    ring_calls = 1 + sum(len(schedule.cross_pairs(r)) for r in range(world))
+    assert (len(standin.forwards) > ring_calls) == (rank in splitting_ranks), "which ranks split a call"
+    standin.check_all_used()
+    torch.testing.assert_close(got.double(), out[idx].detach(), rtol=1e-5, atol=1e-5)
+    for mine, ref in zip(local, full):
+        torch.testing.assert_close(mine.grad.double(), ref.grad[idx], rtol=1e-4, atol=1e-5)
+
+
+def test_a_kernel_that_splits_a_block_into_calls_gets_each_calls_state_back():
+    """Uneven documents: one long, then many of one token (more segments than one memory-efficient call takes),
+    then one crossing chunks; a second sample of two documents."""
+    S = 512
+    run_distributed(_check_split_kernel_state_in_ring, 2, S, [[40] + [1] * 200 + [S - 240], [300, S - 300]], (0, 1))
+
+
+def test_documents_of_the_reported_ring_crash_train_exactly():
+    """The reported case: documents [7000, 10 x 100, rest] at 32K on 2 ranks under the memory-efficient kernel
+    (the own block of 7000 + 10 x 100 + 192 and 8192 rows splits into two calls)."""
+    S = 32768
+    run_distributed(_check_split_kernel_state_in_ring, 2, S, [[7000] + [100] * 10 + [S - 8000]], (0,))

@@ -1,4 +1,4 @@
-"""--no-save-optim, --no-save-rng, --exit-on-missing-checkpoint and --ckpt-step, through the trainer."""
+"""--no-save-optim, --no-save-rng, --exit-on-missing-checkpoint, --ckpt-step and --finetune, through the trainer."""
 
 import json
 
@@ -51,3 +51,24 @@ def test_ckpt_step_loads_that_step_not_the_newest(tmp_path):
     assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in whole[2:]], rel=1e-6)
     with pytest.raises(ConfigError, match=r"^--ckpt-step 3: no checkpoint of step 3 in --load"):
         preflight(parse_config(BASE + ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "3"]))
+
+
+def test_finetune_from_a_load_with_no_checkpoint_is_refused_naming_a_hugging_face_directory(tmp_path):
+    """A mistyped --load would fine-tune random weights: refused before any work, exit 2 through the entry point;
+    a Hugging Face model there is named with the command that converts it."""
+    import subprocess
+    import sys
+
+    with pytest.raises(ConfigError, match=r"^--finetune: --load .*typo holds no checkpoint .*a typo in the path"):
+        preflight(parse_config(BASE + ["--load", str(tmp_path / "typo"), "--finetune"]))
+    from tests.helpers import hf_model_files
+
+    hf = hf_model_files(tmp_path / "Llama-3.1-8B-Instruct")
+    with pytest.raises(ConfigError, match=r"it is a Hugging Face model: convert it with python "
+                                          r"tools/checkpoint/convert_from_hf.py --load .*Instruct --save CKPT"):
+        preflight(parse_config(BASE + ["--load", hf, "--finetune"]))
+    out = subprocess.run([sys.executable, "-m", "megatron_lc.train", *BASE, "--load", str(tmp_path / "typo"),
+                          "--finetune"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "--finetune: --load" in out.stderr
+    _run(tmp_path, "a", "--save", str(tmp_path / "ckpt"), "--train-iters", "1")
+    preflight(parse_config(BASE + ["--load", str(tmp_path / "ckpt"), "--finetune"]))  # a checkpoint: accepted

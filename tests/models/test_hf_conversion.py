@@ -51,7 +51,7 @@ def test_sharded_round_trip_is_exact_and_transformers_gives_our_logits(tmp_path,
 
 def test_bf16_export_is_one_file_when_it_fits(tmp_path):
     _trained_checkpoint(tmp_path)
-    hf_dir = checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    hf_dir = checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype=torch.bfloat16)
     assert (hf_dir / "model.safetensors").exists() and not (hf_dir / "model.safetensors.index.json").exists()
     theirs = transformers.LlamaForCausalLM.from_pretrained(hf_dir)
     assert theirs.dtype == torch.bfloat16
@@ -62,18 +62,25 @@ def test_shards_hold_consecutive_tensors_within_the_limit():
 
 
 def test_command_line_tools_convert_both_ways(tmp_path):
+    """convert_to_hf.py writes the training's precision unless --dtype says otherwise, and says so."""
     _trained_checkpoint(tmp_path)
     for tool, args in (("convert_to_hf.py", ["--load", "ckpt", "--save", "hf", "--max-shard-size", "100KB"]),
                        ("convert_from_hf.py", ["--load", "hf", "--save", "back"])):
         out = subprocess.run([sys.executable, str(REPO / "tools" / "checkpoint" / tool), *args], cwd=tmp_path,
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
+        if tool == "convert_to_hf.py":  # an fp32 run: fp32 weights, not a silent bf16 rounding
+            assert "(float32, the checkpoint training precision; --dtype to change)" in out.stdout
+            assert transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").dtype == torch.float32
+    helped = subprocess.run([sys.executable, str(REPO / "tools" / "checkpoint" / "convert_to_hf.py"), "--help"],
+                            capture_output=True, text=True, timeout=300)
+    assert "default: the checkpoint's training precision" in " ".join(helped.stdout.split())
     assert checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "back"))["weights_only"]
 
 
 def test_export_into_a_used_directory_replaces_the_earlier_weights(tmp_path):
     _trained_checkpoint(tmp_path)
-    checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))  # one file, bf16
+    checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype=torch.bfloat16)  # one file
     hf_dir = checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype=torch.float32,
                               max_shard_bytes=200_000)
     assert not (hf_dir / "model.safetensors").exists()

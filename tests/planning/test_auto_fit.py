@@ -534,3 +534,16 @@ def test_auto_fit_searches_layouts_when_the_default_one_does_not_validate():
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         assert estimate_memory.main([*argv[:5], "4096", *argv[6:]]) == 2  # 4096 tokens do not split 3 ways
     assert "no parallel layout of 3 GPUs validates" in err.getvalue() and len(err.getvalue().splitlines()) == 1
+
+
+def test_the_recommended_command_keeps_packing_and_plans_it_on_mock_data():
+    """--packing documents (a fine-tuning run) is planned like any run, and the command auto-fit prints keeps it."""
+    from megatron_lc.planning import autofit
+    from megatron_lc.planning.cli import launch_command, parse
+
+    training = ["--model", "debug", "--seq-length", "2048", "--packing", "documents", "--long-documents", "drop",
+                "--tiled-mlp", "--data-path", "sft_messages_document"]
+    _, cfg = parse(training)
+    assert cfg.packing.packing == "documents"
+    command = launch_command(Machine(num_gpus=8), autofit.strip_memory_flags(training))
+    assert " ".join(command).endswith("--packing documents --long-documents drop --data-path sft_messages_document")

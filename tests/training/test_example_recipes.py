@@ -158,3 +158,58 @@ def test_the_multi_node_torchrun_recipe_meets_on_the_jobs_first_node(tmp_path):
     assert torchrun[torchrun.index("--rdzv-backend") + 1] == "c10d"
     assert torchrun[torchrun.index("--rdzv-endpoint") + 1] == "node1:29500"
     assert torchrun[torchrun.index("--rdzv-id") + 1] == "megatron-lc-4242"
+
+
+def _recorded_launches(script: str, args: list[str], tmp_path: Path, env: dict | None = None) -> list[list[str]]:
+    """Every command line the recipe launched, in order."""
+    _recorded_launch(script, args, tmp_path, env)
+    return [json.loads(line)["argv"] for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
+
+
+def _module_args(launches: list[list[str]], module: str) -> list[list[str]]:
+    return [argv[argv.index(module) + 1:] for argv in launches if module in argv]
+
+
+def _validated(args: list[str], world_size: int, data: Path):
+    cfg = parse_config([a if a != "DATA" else str(data) for a in args])
+    cfg.data.tokenizer_type = None  # the model's tokenizer is not here; its vocabulary is the checkpoint's
+    cfg.checkpoint.use_checkpoint_args = False  # no converted checkpoint to read the shape from
+    cfg.validate(world_size)
+    return cfg
+
+
+def test_the_extension_recipe_resets_positions_with_attention_at_every_stage(tmp_path):
+    data = tmp_path / "corpus"
+    for suffix in (".bin", ".idx"):
+        Path(f"{data}{suffix}").write_bytes(b"")
+    (tmp_path / "w").mkdir()  # the recipe's outputs (the recorded launchers write none)
+    launches = _recorded_launches("examples/extend_llama3_8b.sh", ["hf", str(data), "tok", str(tmp_path / "w")],
+                                  tmp_path)
+    stages = _module_args(launches, "megatron_lc.train")
+    assert len(stages) == 3
+    for args in stages:  # each document attends to itself from position 0, as the model was pretrained
+        assert "--reset-attention-mask" in args and "--reset-position-ids" in args
+        _validated(args + ["--model", "llama3-8b"], 8, data)
+
+
+def test_the_chat_fine_tuning_recipe_packs_1m_token_samples_and_evaluates_the_same_part(tmp_path):
+    work = tmp_path / "w"
+    (work / "data").mkdir(parents=True)
+    data = work / "data" / "sft_messages_document"
+    for suffix in (".bin", ".idx"):
+        Path(f"{data}{suffix}").write_bytes(b"")
+    launches = _recorded_launches("examples/sft_llama3_8b_long.sh", ["Llama-3.1-8B-Instruct", "chat.jsonl", str(work)],
+                                  tmp_path)
+    preprocess = next(argv for argv in launches if argv[0].endswith("preprocess_data.py"))
+    assert preprocess[preprocess.index("--json-keys") + 1] == "messages" and "--chat-template" in preprocess
+    (train,) = _module_args(launches, "megatron_lc.train")
+    cfg = _validated(train + ["--model", "llama3-8b"], 8, data)
+    assert cfg.packing.packing == "documents" and cfg.data.seq_length == 1_048_576 and cfg.checkpoint.finetune
+    assert cfg.parallel.context_parallel_size == 8 and cfg.train.bf16 and cfg.checkpoint.save
+    (evaluate,) = _module_args(launches, "megatron_lc.evaluate")
+    from megatron_lc.evaluate import build_parser
+
+    evaluated = build_parser().parse_args(evaluate)
+    assert (evaluated.packing, evaluated.split, evaluated.split_part, evaluated.seq_length) == \
+        ("documents", cfg.data.split, "valid", cfg.data.seq_length)
+    assert launches[-1][0].endswith("convert_to_hf.py")

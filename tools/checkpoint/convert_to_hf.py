@@ -7,6 +7,7 @@ model.safetensors.index.json when there are several): host memory is about one s
 """
 
 import argparse
+import json
 
 import torch
 
@@ -37,7 +38,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
                    help="type of --tokenizer-model (default: a directory or .json is HuggingFaceTokenizer, a "
                    "SentencePiece model SentencePieceTokenizer, else TikTokenizer)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                   help="weights' precision (default: the checkpoint's training precision: bfloat16 for a --bf16 "
+                   "run, float32 otherwise)")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB",
                    help="largest safetensors shard, e.g. 5GB or 500MB (default 5GB, as transformers)")
     return p
@@ -46,11 +49,14 @@ def build_parser() -> ArgumentParser:
 def convert(argv) -> None:
     args = build_parser().parse_args(argv)
     try:
-        out = checkpoint_to_hf(args.load, args.save, args.iteration, getattr(torch, args.dtype), args.tokenizer_model,
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        out = checkpoint_to_hf(args.load, args.save, args.iteration, dtype, args.tokenizer_model,
                                max_shard_bytes=args.max_shard_size, tokenizer_type=args.tokenizer_type)
     except FileNotFoundError as e:  # no checkpoint in --load, no --tokenizer-model: named by the conversion
         raise ConfigError(str(e)) from e
-    print(f"wrote {out}")
+    config = json.loads((out / "config.json").read_text())
+    written = config.get("torch_dtype") or config.get("dtype")  # transformers' key, by its version
+    print(f"wrote {out} ({written}{'' if args.dtype else ', the checkpoint training precision; --dtype to change'})")
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Fine-tune Llama-3.1-8B-Instruct on chat data in 1M-token packed samples on one 8xH100 node: tokenize the
+# conversations with the model's own chat template (a loss mask beside the ids: only the assistant's tokens are
+# trained on), convert the model, fine-tune on whole conversations packed into samples (--packing documents),
+# evaluate the validation part with the same loss, export back to Hugging Face.
+#
+#   bash examples/sft_llama3_8b_long.sh HF_DIR CHAT_JSONL WORK_DIR [extra training flags...]
+#
+# CHAT_JSONL: one {"messages": [{"role": ..., "content": ...}, ...]} per line (docs/sft.md for the other formats).
+# The stack: cp 8 Untied Ulysses, full recompute with block inputs offloaded, tiled MLP and loss, bf16. Predicted
+# per GPU of a DGX H100 (planner, not yet measured on a GPU): 28.30 GiB GPU, 248 GiB host per node, 489 s per step
+# at FA2's kernel rates (286 s at FA3's), 1,048,576 tokens a step:
+#   python tools/estimate_memory.py --model llama3-8b --bf16 --context-parallel-size 8 --cp-impl untied_ulysses \
+#       --recompute-granularity full --offload-mode prefetch --tiled-mlp --tiled-loss --num-gpus 8 \
+#       --seq-length 1048576 --packing documents
+# The planner's auto-fit plans packed runs too and prints --packing documents in the command it recommends:
+#   python tools/estimate_memory.py --model llama3-8b --bf16 --num-gpus 8 --seq-length 1048576 \
+#       --packing documents --data-path DATA --auto-fit
+# Environment variables for another run: SEQ_LENGTH, STEPS, GPUS_PER_NODE, CP, LAUNCH ("torchrun" or "python"),
+# MEMORY_FLAGS, LONG_DOCUMENTS (stop, truncate or drop: conversations longer than a sample), WORKERS.
+set -euo pipefail
+HF_DIR=${1:?Hugging Face model directory (e.g. a download of meta-llama/Llama-3.1-8B-Instruct)}
+CHAT=${2:?chat data: JSONL, one messages list per line}
+WORK=${3:?work directory (data, checkpoints, logs, the export)}
+shift 3
+SEQ_LENGTH=${SEQ_LENGTH:-1048576}
+STEPS=${STEPS:-500}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+CP=${CP:-8}
+LAUNCH=${LAUNCH:-torchrun}
+LONG_DOCUMENTS=${LONG_DOCUMENTS:-stop}
+WORKERS=${WORKERS:-16}
+read -r -a MEMORY <<< "${MEMORY_FLAGS:---cp-impl untied_ulysses --recompute-granularity full --offload-mode prefetch --tiled-mlp --tiled-loss --bf16}"
+
+run() {  # one process per GPU under torchrun, or a single process
+    if [ "$LAUNCH" = torchrun ]; then
+        torchrun --nproc-per-node "$GPUS_PER_NODE" -m "$@"
+    else
+        python -m "$@"
+    fi
+}
+
+mkdir -p "$WORK/data"
+# Each conversation's ids are exactly the tokenizer's apply_chat_template(messages); the loss mask beside them
+# (DATA_loss_mask) keeps the assistant's turns only.
+python tools/preprocess_data.py --input "$CHAT" --output-prefix "$WORK/data/sft" --json-keys messages \
+    --chat-template hf --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_DIR" --workers "$WORKERS"
+DATA="$WORK/data/sft_messages_document"
+python tools/checkpoint/convert_from_hf.py --load "$HF_DIR" --save "$WORK/converted"
+
+COMMON=(--data-path "$DATA" --split 98,2,0 --seq-length "$SEQ_LENGTH" --packing documents
+        --long-documents "$LONG_DOCUMENTS" --context-parallel-size "$CP")
+run megatron_lc.train --load "$WORK/converted" --use-checkpoint-args --finetune "${COMMON[@]}" \
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_DIR" --micro-batch-size 1 "${MEMORY[@]}" \
+    --train-iters "$STEPS" --lr 1e-5 --min-lr 1e-6 --lr-warmup-fraction 0.03 --weight-decay 0.0 --clip-grad 1.0 \
+    --eval-interval 100 --eval-iters 10 --save "$WORK/ckpt" --save-interval 100 --exit-signal-handler \
+    --data-cache-path "$WORK/data/cache" --log-dir "$WORK/logs" "$@"
+# The validation part's assistant-only loss, as training computed it (one JSON line).
+run megatron_lc.evaluate --load "$WORK/ckpt" "${COMMON[@]}" --split-part valid --cp-impl untied_ulysses \
+    | tee "$WORK/eval_valid.json"
+python tools/checkpoint/convert_to_hf.py --load "$WORK/ckpt" --save "$WORK/hf-sft" --tokenizer-model "$HF_DIR"
