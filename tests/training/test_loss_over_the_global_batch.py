@@ -84,7 +84,7 @@ def test_each_step_logs_its_loss_tokens_in_metrics_and_on_the_console(tmp_path, 
 
     import numpy as np
 
-    from megatron_lc.config import parse_config
+    from megatron_lc.arguments import parse_config
     from megatron_lc.data.sources import build_datasets
     from megatron_lc.training.trainer import train
     from tests.helpers import write_masked_dataset

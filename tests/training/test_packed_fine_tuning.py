@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.data.packing import PackingSpec
 from megatron_lc.data.sources import build_datasets
 from megatron_lc.errors import ConfigError
