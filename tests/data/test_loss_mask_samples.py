@@ -84,5 +84,5 @@ def test_a_mask_that_does_not_match_its_ids_is_refused(tmp_path):
     docs, masks = _documents(10)
     masks[3] = masks[3][:-1]
     prefix = write_masked_dataset(tmp_path / "chat", docs, masks)
-    with pytest.raises(ValueError, match="chat_loss_mask: the loss mask's sequence lengths"):
+    with pytest.raises(ValueError, match=r"chat_loss_mask.idx: its sequence lengths or document indices differ from .*chat.idx's"):
         open_loss_mask(IndexedDataset(prefix))
