@@ -71,6 +71,10 @@ SINGLE = {"one-rank": {}, "one-rank-full-stack": dict(FULL_STACK),
                                                                          offload_every_k_layers=2,
                                                                          keep_attention_output=True,
                                                                          replay_kept_attention=True),
+          # The same over 6 layers with only the first 2 keeping theirs: the others' replays compute attention.
+          "one-rank-full-stack-sparse-k2-replaying-kept-attention-first-2-of-6": dict(
+              FULL_STACK, num_layers=6, offload_every_k_layers=2, keep_attention_output=True,
+              keep_attention_output_layers=2, replay_kept_attention=True),
           # The first 2 of 6 blocks keep theirs: the planner traces all keeping (its GPU peak bounds this one's)
           # and takes the other offloaded blocks' arenas off the host.
           "one-rank-full-stack-kept-attention-first-2-of-6": dict(FULL_STACK, num_layers=6, keep_attention_output=True,
