@@ -36,6 +36,13 @@ CONFIGS = {
                                           "--untied-heads-per-stage", "2", *STACK]),
     "cp2 ring": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
     "cp4 Ulysses full recompute": (4, ["--context-parallel-size", "4", "--recompute-granularity", "full"]),
+    # Sparse offload over 6 layers (5 offloaded: segments of 3 and 2, 4 replays), every block's attention kept; its
+    # replays computing their attention, or reading the kept one.
+    "cp1 full stack, 6 layers, k=3, kept attention": (1, ["--num-layers", "6", *STACK, "--offload-every-k-layers",
+                                                          "3", "--keep-attention-output"]),
+    "cp1 full stack, 6 layers, k=3, kept attention read by the replays": (
+        1, ["--num-layers", "6", *STACK, "--offload-every-k-layers", "3", "--keep-attention-output",
+            "--replay-kept-attention"]),
 }
 
 

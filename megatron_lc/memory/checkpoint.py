@@ -49,7 +49,10 @@ Kept attention (``keep_attention``, ``--keep-attention-output``): the block's fo
 ``KeptAttention`` store active, in which its attention op keeps its output and log-sum-exp (offloaded
 with the block input when the layer offloads); the recompute runs with the same store replaying, so
 the attention op takes them back instead of running its forward kernel (`memory/kept_attention.py`).
-A sparse segment's replays run outside any store: they compute attention as the forward did.
+A sparse segment's replays run outside any store: they compute attention as the forward did; with
+``--replay-kept-attention`` each replayed block reads its own store without consuming it
+(``kept_attention.peeking``), so the input of block l+1 is rebuilt from block l's input and kept attention
+output by the projections, norms and MLP alone, and attention runs once forward and once backward per block.
 
 RNG state is not saved or restored: LLaMA blocks have no dropout or other randomness,
 so the recompute is deterministic. A block that draws random numbers would recompute
@@ -205,7 +208,8 @@ class _Segment:
 
     def __init__(self, first: int, handle) -> None:
         self.first, self.handle = first, handle
-        self.replays: list[Callable[[torch.Tensor, bool], torch.Tensor]] = []
+        self.replays: list[tuple[Callable[[torch.Tensor, bool], torch.Tensor], KeptAttention | None]] = []
+        """Per layer: how to run it again, and the kept attention store its replay reads (None: it computes)."""
 
 
 _OPEN_SEGMENTS: "weakref.WeakKeyDictionary[OffloadScheduler, _Segment]" = weakref.WeakKeyDictionary()
@@ -240,7 +244,7 @@ def _keep_input(ctx, x: torch.Tensor, offload: OffloadScheduler | None, layer_id
         if segment is None or segment.first + len(segment.replays) != layer_idx:
             raise RuntimeError(f"checkpoint_block: sparse offload needs the layers of a segment in order; layer "
                                f"{layer_idx} ran without layer {offload.segment_start(layer_idx)} before it")
-        segment.replays.append(replay)
+        segment.replays.append((replay, ctx.kept if offload.replay_kept_attention else None))
         ctx.segment = segment
         if layer_idx + 1 == offload.segment_end(layer_idx):
             del _OPEN_SEGMENTS[offload]  # complete: only its layers' backward holds it now
@@ -279,10 +283,11 @@ def _recompute_input(ctx) -> torch.Tensor:
         ctx.segment = None
         return x
     replays = segment.replays[:ctx.layer_idx - segment.first]
-    with torch.no_grad(), contextlib.ExitStack() as stack, kept_attention.outside():
+    with torch.no_grad(), contextlib.ExitStack() as stack:
         _replay_autocast(ctx.autocast, stack)
-        for i, replay in enumerate(replays):
-            x = replay(x, i == len(replays) - 1)  # the previous input is dropped here
+        for i, (replay, kept) in enumerate(replays):
+            with kept_attention.peeking(kept):  # None: attention computed, whatever the enclosing context
+                x = replay(x, i == len(replays) - 1)  # the previous input is dropped here
     return x
 
 

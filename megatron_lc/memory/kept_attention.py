@@ -15,7 +15,9 @@ output and lse go there too, through the same ``OffloadScheduler`` (an arena per
 slot per offloaded layer, copied on the side stream, prefetched with the layer's input);
 otherwise they stay on the accelerator. Under sparse offload every offloaded layer keeps its
 own (the layers that keep no input too); the blocks a sparse segment replays to rebuild an input
-compute their attention as before.
+compute their attention as before, or with ``--replay-kept-attention`` read their kept results
+(``peeking(store)``: the entries stay, a host copy is fetched and kept on the host), so that a replay
+runs no attention forward either.
 
 Exact by construction: the kept tensors are those the forward computed; the recompute of a
 deterministic kernel would give the same ones bit for bit.
@@ -54,6 +56,9 @@ class KeptAttention:
     def __init__(self, offload: OffloadScheduler | None, layer_idx: int) -> None:
         self.offload, self.layer_idx = offload, layer_idx
         self.replay = False
+        self.peek = False
+        """With replay: read the entries in order without consuming them (a sparse offload replay)."""
+        self._cursor = 0
         self._entries: deque = deque()
 
     def put(self, tensors, to_host, meta=None) -> None:
@@ -70,11 +75,16 @@ class KeptAttention:
 
     def take(self):
         """The oldest kept (tensors, meta), back on the accelerator."""
-        if not self._entries:
+        if len(self._entries) <= (self._cursor if self.peek else 0):
             raise RuntimeError(f"layer {self.layer_idx}: its recompute ran more attention calls than its forward "
                                "kept (retain_graph and double backward are unsupported with --keep-attention-output)")
-        items, meta = self._entries.popleft()
-        return [item if isinstance(item, torch.Tensor) else self.offload.fetch(item) for item in items], meta
+        if self.peek:
+            items, meta = self._entries[self._cursor]
+            self._cursor += 1
+        else:
+            items, meta = self._entries.popleft()
+        return [item if isinstance(item, torch.Tensor) else self.offload.fetch(item, keep=self.peek)
+                for item in items], meta
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -86,10 +96,10 @@ def active() -> KeptAttention | None:
 
 
 @contextlib.contextmanager
-def _using(kept: KeptAttention | None, replay: bool):
+def _using(kept: KeptAttention | None, replay: bool, peek: bool = False):
     previous = active()
     if kept is not None:
-        kept.replay = replay
+        kept.replay, kept.peek, kept._cursor = replay, peek, 0
     _STATE.kept = kept
     try:
         yield kept
@@ -107,6 +117,7 @@ def replaying(kept: KeptAttention | None):
     return _using(kept, True) if kept is not None else contextlib.nullcontext()
 
 
-def outside():
-    """Attention computed as usual, whatever the enclosing context (sparse offload's replays)."""
-    return _using(None, False)
+def peeking(kept: KeptAttention | None):
+    """Attention ops in this context read their results from `kept` and leave them there, for the block's own
+    recompute later (None: attention computed as usual, whatever the enclosing context)."""
+    return _using(kept, True, peek=True)

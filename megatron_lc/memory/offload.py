@@ -203,6 +203,9 @@ class OffloadScheduler:
         page_locked: page-lock the arenas (default: when the accelerator is cuda and the host cpu).
         every_k: keep the input of every k-th offloaded layer only (the first of each segment of k);
             the others are recomputed from it in backward (1: every offloaded layer keeps its input).
+        attention_layers: the offloaded layers that keep their attention output (the first ones; None: all).
+        replay_kept_attention: with every_k > 1, the layers a segment replays to rebuild its inputs read their
+            kept attention output instead of computing it (`memory/checkpoint.py`).
     """
 
     def __init__(
@@ -218,6 +221,7 @@ class OffloadScheduler:
         page_locked: bool | None = None,
         every_k: int = 1,
         attention_layers: int | None = None,
+        replay_kept_attention: bool = False,
     ) -> None:
         if every_k < 1:
             raise ValueError(f"every_k must be >= 1, got {every_k}")
@@ -228,6 +232,7 @@ class OffloadScheduler:
         self.num_layers, self.keep_last, self.keep_first = num_layers, keep_last, keep_first
         self.every_k = every_k
         self._attention_layers = attention_layers
+        self.replay_kept_attention = replay_kept_attention
         if prefetch_early and not prefetch:
             raise ValueError("prefetch_early needs prefetch")
         self.prefetch_enabled, self.prefetch_early = prefetch, prefetch_early

@@ -64,6 +64,9 @@ class MemoryStack:
     attention forward."""
     keep_attention_layers: int | None = None
     """With keep_attention_output: only the first this many checkpointed blocks keep theirs (None: all)."""
+    replay_kept_attention: bool = False
+    """Sparse offload with keep_attention_output: the blocks a segment replays to rebuild its inputs take their
+    kept attention output and lse instead of running the attention forward."""
     mlp_tiles: int | None = None
     """Sequence tiles of the MLP; None: untiled."""
     loss_tiles: int | None = None
@@ -99,6 +102,11 @@ class MemoryStack:
         if self.keep_attention_layers is not None and (not self.keep_attention_output or self.keep_attention_layers < 1):
             raise ConfigError(f"--keep-attention-output-layers {self.keep_attention_layers}: a block count >= 1 of "
                               "--keep-attention-output")
+        if self.replay_kept_attention and not (self.keep_attention_output and self.offloads
+                                               and self.offload_every_k_layers > 1):
+            raise ConfigError("--replay-kept-attention rebuilds sparse offload's block inputs from the kept attention "
+                              "outputs: it needs --keep-attention-output and --offload-every-k-layers > 1 with "
+                              "--offload-mode")
         for name, tiles in (("--tiled-mlp-tiles", self.mlp_tiles), ("--tiled-loss-tiles", self.loss_tiles)):
             if tiles is not None and tiles < 1:
                 raise ConfigError(f"{name} {tiles} must be >= 1")
@@ -134,6 +142,13 @@ class MemoryStack:
         """Kept inputs, replayed forwards and extra all-gathers of the offloaded layers in segments of k."""
         return sparse_offload_counts(self.offloaded_layers(num_layers), self.offload_every_k_layers)
 
+    def replayed_attention_forwards(self, num_layers: int) -> int:
+        """Attention forwards sparse offload's replays run: one per replayed block, but none for a block that keeps
+        its attention output under --replay-kept-attention (its kept one is read instead)."""
+        replays = replays_per_layer(self.offloaded_layers(num_layers), self.offload_every_k_layers)
+        reading = self.kept_attention_layers(num_layers) if self.replay_kept_attention else 0
+        return sum(replays[reading:])
+
     def host_slots(self, num_layers: int) -> int:
         """Block inputs on the host at once (one per segment of offloaded layers)."""
         return self.sparse_offload(num_layers).kept_inputs
@@ -148,7 +163,8 @@ class MemoryStack:
         return OffloadScheduler(checkpointed, keep_last=self.offload_keep_last, accelerator=devices.accelerator,
                                 host=devices.host, prefetch=self.offload_mode != "on_demand",
                                 prefetch_early=self.offload_mode == "early", every_k=self.offload_every_k_layers,
-                                attention_layers=self.kept_attention_layers(num_layers))
+                                attention_layers=self.kept_attention_layers(num_layers),
+                                replay_kept_attention=self.replay_kept_attention)
 
     def apply(self, model, devices, bounds: TileBounds = tile_bounds,
               fp32_out_gemm: bool | None = None) -> OffloadScheduler | None:
@@ -176,6 +192,13 @@ def sparse_offload_counts(offloaded: int, k: int) -> SparseOffloadCounts:
     sizes = [k] * full + ([rest] if rest else [])
     return SparseOffloadCounts(len(sizes), sum(r * (r - 1) // 2 for r in sizes),
                                sum((r - 1) * (r - 2) // 2 for r in sizes if r > 1))
+
+
+def replays_per_layer(offloaded: int, k: int) -> list[int]:
+    """How often sparse offload replays each of the `offloaded` layers in backward: in a segment of r layers the
+    one at position p is replayed by the r - 1 - p layers after it."""
+    return [min(k, offloaded - s) - 1 - (i - s) for s in range(0, offloaded, k)
+            for i in range(s, min(s + k, offloaded))]
 
 
 # --- the flags ---------------------------------------------------------------------------
@@ -212,6 +235,11 @@ class MemoryArgs:
     keep_attention_output_layers: int | None = flag(None, "with --keep-attention-output: only the first N "
                                                     "checkpointed blocks keep theirs (default: all): the kept bytes "
                                                     "of N blocks, N attention forwards less")
+    replay_kept_attention: bool = flag(False, "with --offload-every-k-layers > 1 and --keep-attention-output: the "
+                                       "blocks a segment replays in backward to rebuild the inputs it did not keep "
+                                       "read their kept attention output and log-sum-exp (copied back from the "
+                                       "host) instead of running the attention forward again: the replays are "
+                                       "projections, norms and MLP only")
     tiled_mlp: bool = flag(False, "compute the MLP over sequence tiles, recomputed in backward")
     tiled_mlp_tiles: int | None = flag(None, "with --tiled-mlp: MLP tiles (default: about hidden-size tokens per tile)")
     tiled_loss: bool = flag(False, "fuse output projection and cross-entropy over sequence tiles")
@@ -265,6 +293,7 @@ class MemoryArgs:
             offload_keep_last=1 if self.offload_keep_last is None else self.offload_keep_last,
             offload_every_k_layers=self.offload_every_k_layers, keep_attention_output=self.keep_attention_output,
             keep_attention_layers=self.keep_attention_output_layers if self.keep_attention_output else None,
+            replay_kept_attention=self.replay_kept_attention,
             mlp_tiles=tiles(self.tiled_mlp, self.tiled_mlp_tiles, chunks and chunks.mlp_tiles),
             loss_tiles=tiles(self.tiled_loss, self.tiled_loss_tiles, chunks and chunks.loss_tiles))
 

@@ -87,6 +87,12 @@ def time_lines(cfg: TrainConfig, e: Estimate) -> list[str]:
     lines.append(f"  {'step':<34}" + "".join(f"{t.step_s:>10.2f} s" for _, t in columns))
     lines.append(f"  {'tokens/s':<34}" + "".join(f"{t.tokens_per_s:>12,.0f}" for _, t in columns))
     lines.append(f"  {'MFU':<34}" + "".join(f"{100 * t.mfu:>11.1f}%" for _, t in columns))
+    lines.append(f"  {'floor (every FLOP once)':<34}"
+                 + "".join(f"{t.floor_s:>10.2f} s" for _, t in columns))
+    lines.append(f"  {'step / floor':<34}" + "".join(f"{t.step_s / t.floor_s:>11.3f}x" for _, t in columns))
+    lines.append("  what separates the step from its floor:")
+    for cause in e.time.gap_s:
+        lines.append(f"    {cause:<38}" + "".join(f"{t.gap_s[cause]:>8.2f} s" for _, t in columns))
     costs = layer_costs(cfg, m.num_gpus, model.rates, model.gpus_per_node, model.family)
     if costs:
         lines.append("  what each memory layer costs (this step against it without that layer):")

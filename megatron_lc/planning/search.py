@@ -181,8 +181,8 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
                  ring_kv_grads="overlapped",
                  hierarchical_context_parallel_sizes=[], recompute_granularity="none", recompute_method=None,
                  recompute_num_layers=None, offload_mode="none", offload_keep_last=None, offload_every_k_layers=1,
-                 keep_attention_output=False, tiled_mlp=False, tiled_mlp_tiles=None, tiled_loss=False,
-                 tiled_loss_tiles=None)
+                 keep_attention_output=False, replay_kept_attention=False, tiled_mlp=False, tiled_mlp_tiles=None,
+                 tiled_loss=False, tiled_loss_tiles=None)
     cp = default_cp(cfg, num_gpus)
     ulysses = with_(fsdp, context_parallel_size=cp, cp_comm_type=p.cp_comm_type,  # the configured layout
                     hierarchical_context_parallel_sizes=p.hierarchical_context_parallel_sizes)

@@ -38,7 +38,10 @@ moves to the host and back. Each item's time is work over the machine's rate for
 - kept attention (`--keep-attention-output`): the recompute of a checkpointed block runs no
   attention forward (its ring exchange neither; under Untied Ulysses no stage at all: no q/k/v
   projection or forward all-to-all either); an offloaded layer's attention output and fp32 lse go to
-  the host with its input (what exceeds the next block's forward is exposed) and come back exposed.
+  the host with its input (what exceeds the next block's forward is exposed) and come back exposed;
+  with `--replay-kept-attention` sparse offload's replays of the blocks that keep theirs run no attention
+  forward (nor ring exchange; under Untied Ulysses no stage at all) and copy the kept output and lse back
+  instead, exposed (the replay waits for it).
 
 Every seconds figure is a prediction. Rates from publications are labelled with their
 source; the efficiency factors applied to peak figures are assumptions until a GPU run
@@ -65,6 +68,13 @@ CAUSES = ("attention forward", "attention recompute", "attention backward", "GEM
           "elementwise (memory-bound)", "offload stalls", "exposed communication", "tiling and stage overhead",
           "optimizer")
 """The causes a step's time is split into, in report order."""
+
+GAP_CAUSES = ("recompute", "exposed transfers", "exposed communication", "kernel efficiency",
+              "memory-bound ops, launches, optimizer")
+"""What separates a predicted step from its floor, in report order: recomputed FLOPs (attention and the rest);
+offload copies nothing hides; exchanges nothing hides; causal attention below the kernel's full-tile rate; and the
+work the floor leaves out (norms, rotary, residual adds, the loss's softmax, tile and stage launches, the optimizer
+step)."""
 
 FA2_BACKWARD_WORK = 2.5
 """Attention backward FLOPs over forward FLOPs: five matmuls against two (flash-attention 2 and 3)."""
@@ -202,6 +212,8 @@ class Work:
     kept_attention_bytes_per_layer: float = 0.0
     """--keep-attention-output: the attention output and lse an offloaded layer that keeps them copies to the host
     and back."""
+    kept_attention_reads: float = 0.0
+    """--replay-kept-attention: replayed blocks that copy their kept attention output and lse back (exposed)."""
     attention_keeping_offloaded: int | None = None
     """Offloaded layers that keep their attention output (the first ones); None: every offloaded layer."""
     attention_keeping_kept_inputs: int | None = None
@@ -301,19 +313,23 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     offloaded = stack.offloaded_layers(L)
     sparse = stack.sparse_offload(L)
     kept, replayed, replay_gathers = sparse.kept_inputs, sparse.replayed_forwards, sparse.replay_gathers
+    replay_attention = stack.replayed_attention_forwards(L)  # replays that compute attention
+    reading = replayed - replay_attention  # replays that read their block's kept attention instead
     loss_tiles = stack.loss_tiles or 0
     stages = (H // cp_spec.stage_heads) if untied else (1 if cp_spec.all_to_all else 0)
     passes = 3 if full else 2
     launches = L * ((mlp_tiles or 0) * passes + stages * passes) - (K * stages if untied else 0) + loss_tiles
     launches += L * 2 * stages if kv_returns > 1 else 0  # a backward stage's dK/dV in two exchanges of their own
-    # Sparse offload's replayed forwards: each a block forward (the recompute of a kept-input layer, again).
-    recompute += replayed * layer_gemm
-    a2a += replayed * _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
-    launches += replayed * ((mlp_tiles or 0) + stages)
+    # Sparse offload's replayed forwards: each a block forward (the recompute of a kept-input layer, again); under
+    # Untied Ulysses a replay that reads its kept attention runs no stage (no q/k/v projection, no exchange).
+    staged = replay_attention if untied else replayed
+    recompute += replayed * layer_gemm - (reading * qkv if untied else 0)
+    a2a += staged * _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
+    launches += replayed * (mlp_tiles or 0) + staged * stages
     pipelined = ()
     if untied and cp_spec.overlap:
         q, kv, o = _a2a_parts(T, H, Hkv, d, item, layout.a2a_size)
-        forwards = L + attention_recomputed + replayed  # passes that run the stages forward
+        forwards = L + attention_recomputed + staged  # passes that run the stages forward
         pipelined = (PipelinedExchange("fwd", forwards * (q + kv + o), forwards * attention, stages, forwards * o / stages),
                      PipelinedExchange("bwd", L * (2 * q + (1 + kv_returns) * kv + 2 * o),
                                        L * attention * FA2_BACKWARD_WORK, stages, 0.0))
@@ -331,13 +347,14 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
         elementwise += (L + (R if full else 0) + replayed) * T * h * 4 * (2 * stages + 2)
     return Work(
         gemm_fwd=L * layer_gemm + head_gemm, gemm_recompute=recompute, attention_fwd=L * attention,
-        attention_recompute=attention_recomputed * attention + replayed * attention,
+        attention_recompute=(attention_recomputed + replay_attention) * attention,
         attention_bwd=L * attention * FA2_BACKWARD_WORK, a2a_bytes=a2a,
-        ring_bytes_fwd=ring_fwd * (L + attention_recomputed + replayed), ring_bytes_bwd=ring_bwd * L,
+        ring_bytes_fwd=ring_fwd * (L + attention_recomputed + replay_attention), ring_bytes_bwd=ring_bwd * L,
         fsdp_bytes_per_layer=fsdp, offload_bytes_per_layer=T * h * item, offloaded_layers=offloaded, layers=L,
         launches=launches, elementwise_bytes=elementwise, optimizer_bytes=28 * total_params / max(shards, 1),
         model_flops=3 * (L * layer_gemm + head_gemm + L * attention), kept_inputs=kept, replayed_blocks=replayed,
         replay_gathers=replay_gathers, kept_attention_bytes_per_layer=kept_attention_bytes_per_gpu(cfg) if keep else 0.0,
+        kept_attention_reads=reading,
         attention_keeping_offloaded=min(K, offloaded),
         attention_keeping_kept_inputs=min(kept, -(-min(K, offloaded) // stack.offload_every_k_layers)),
         prefetch_early=stack.offload_mode == "early" and offloaded > 0, pipelined_a2a=pipelined,
@@ -378,6 +395,12 @@ class StepTime:
     peak_flops: float
     rates: str
     attention_kernel: str
+    floor_s: float = 0.0
+    """The step's floor: every FLOP of the model once (GEMMs forward and backward, attention forward and backward)
+    at the machine's kernel rates, attention at the kernel's full-tile (non-causal) rate; nothing recomputed,
+    exposed or memory-bound."""
+    gap_s: dict = field(default_factory=dict)
+    """What separates the step from the floor, by cause (`GAP_CAUSES`): floor_s + sum(gap_s) = step_s."""
 
     @property
     def step_s(self) -> float:
@@ -394,7 +417,9 @@ class StepTime:
     def to_json(self) -> dict:
         return {"step_s": round(self.step_s, 6), "tokens_per_s": round(self.tokens_per_s, 3),
                 "mfu": round(self.mfu, 4), "rates": self.rates, "attention_kernel": self.attention_kernel,
-                "by_cause_s": {k: round(v, 6) for k, v in self.seconds.items()}}
+                "by_cause_s": {k: round(v, 6) for k, v in self.seconds.items()}, "floor_s": round(self.floor_s, 6),
+                "over_floor": round(self.step_s / self.floor_s, 4) if self.floor_s else None,
+                "gap_to_floor_s": {k: round(v, 6) for k, v in self.gap_s.items()}}
 
 
 def attention_family(cfg: TrainConfig, flash_attn: bool, flash_impl: str = "default") -> str:
@@ -448,6 +473,7 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
     to_host = (both * max(0.0, copy + att - block_fwd) + (kept - both) * max(0.0, copy - block_fwd)
                + (keeping - both) * max(0.0, att - block_fwd))
     stalls = to_host + keeping * back(copy + att) + (w.offloaded_layers - keeping) * back(copy)
+    stalls += w.kept_attention_reads * att
     seconds = dict.fromkeys(CAUSES, 0.0)
     seconds.update({"attention forward": a_fwd, "attention recompute": a_re, "attention backward": a_bwd,
                     "GEMMs": gemm, "recompute of the rest": w.gemm_recompute / rates.gemm_flops,
@@ -457,7 +483,15 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
     seconds = {k: v * micro for k, v in seconds.items()}
     seconds["optimizer"] = w.optimizer_bytes / rates.hbm_bytes
     tokens = micro * mbs * dp * cfg.data.seq_length
-    return StepTime(seconds, tokens, micro * w.model_flops, rates.peak_flops, rates.name, family)
+    full_fwd = w.attention_fwd / rates.attention_fwd_flops[family]
+    full_bwd = w.attention_bwd / rates.attention_bwd_flops[family]
+    floor = micro * (gemm + full_fwd + full_bwd)
+    gap = {"recompute": seconds["attention recompute"] + seconds["recompute of the rest"],
+           "exposed transfers": seconds["offload stalls"], "exposed communication": seconds["exposed communication"],
+           "kernel efficiency": micro * (a_fwd - full_fwd + a_bwd - full_bwd),
+           "memory-bound ops, launches, optimizer": seconds["elementwise (memory-bound)"]
+           + seconds["tiling and stage overhead"] + seconds["optimizer"]}
+    return StepTime(seconds, tokens, micro * w.model_flops, rates.peak_flops, rates.name, family, floor, gap)
 
 
 @dataclass(frozen=True)
@@ -491,21 +525,25 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
     mem, par = cfg.memory, cfg.parallel
     stack = cfg.memory_stack()
     without = []
+    if stack.replay_kept_attention:
+        without.append(("replays reading kept attention (against computing it)", dataclasses.replace(
+            cfg, memory=dataclasses.replace(mem, replay_kept_attention=False))))
     if stack.offloads and stack.offload_every_k_layers > 1:
         without.append((f"sparse offload (k={stack.offload_every_k_layers}, against k=1)", dataclasses.replace(
-            cfg, memory=dataclasses.replace(mem, offload_every_k_layers=1))))
+            cfg, memory=dataclasses.replace(mem, offload_every_k_layers=1, replay_kept_attention=False))))
     if stack.keep_attention_output:
         without.append(("kept attention output (against recomputing it)", dataclasses.replace(
-            cfg, memory=dataclasses.replace(mem, keep_attention_output=False))))
+            cfg, memory=dataclasses.replace(mem, keep_attention_output=False, replay_kept_attention=False))))
     if stack.offload_mode == "early":
         without.append(("early prefetch (against prefetch at the end of a backward)", dataclasses.replace(
             cfg, memory=dataclasses.replace(mem, offload_mode="prefetch"))))
     if stack.offloads:
         without.append(("offload", dataclasses.replace(cfg, memory=dataclasses.replace(
-            mem, offload_mode="none", offload_every_k_layers=1, offload_keep_last=None))))
+            mem, offload_mode="none", offload_every_k_layers=1, offload_keep_last=None, replay_kept_attention=False))))
     if stack.recompute_granularity != "none":
         m = dataclasses.replace(mem, recompute_granularity="none", offload_mode="none", offload_every_k_layers=1,
-                                offload_keep_last=None, keep_attention_output=False, recompute_method=None,
+                                offload_keep_last=None, keep_attention_output=False, replay_kept_attention=False,
+                                recompute_method=None,
                                 recompute_num_layers=None)
         without.append((f"{stack.recompute_granularity} recompute (and offload)", dataclasses.replace(cfg, memory=m)))
     if mem.tiled_mlp:

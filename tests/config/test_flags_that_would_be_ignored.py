@@ -39,6 +39,9 @@ REFUSED = {  # flags: words the one line must hold
     "two offload modes": (["--recompute-granularity", "full", "--offload-activations", "--no-offload-prefetch",
                            "--offload-prefetch-early"], "contradict each other"),
     "offload without full recompute": (["--offload-mode", "prefetch"], "--offload-mode prefetch offloads"),
+    "replays reading kept attention without sparse offload": (
+        ["--recompute-granularity", "full", "--offload-mode", "prefetch", "--keep-attention-output",
+         "--replay-kept-attention"], "--replay-kept-attention rebuilds sparse offload's block inputs"),
 }
 
 

@@ -228,3 +228,128 @@ def test_kept_attention_with_fsdp_and_every_context_parallel_backend_matches_sin
     Untied Ulysses (norm and o_proj folded into it) offloaded, ring with the attention kept on the GPU; tiled MLP
     and loss; two optimizer steps each. Every block's recompute takes its kept attention."""
     run_distributed(_keep_cases, 2)
+
+
+# --- kept attention read by sparse offload's replays: inputs rebuilt by projections, norms and MLP only --------
+
+def _replaying(k, **more):
+    return _keep(offload_every_k_layers=k, replay_kept_attention=True, **more)
+
+
+REPLAY_STACKS = {  # 4 layers, 3 offloaded: k = 3 makes one segment {0, 1, 2}, k = 2 makes {0, 1}, {2}
+    "k3-everything": _replaying(3, mlp_tiles=3, loss_tiles=5),
+    "k2-on-demand": _replaying(2, offload_mode="on_demand"),
+    "k3-early": _replaying(3, offload_mode="early", loss_tiles=5),
+    # Only block 0 keeps its attention: its replays read it, block 1's replay computes it.
+    "k3-first-1-of-4": _replaying(3, keep_attention_layers=1, mlp_tiles=3),
+}
+
+
+@pytest.mark.parametrize("stack", sorted(REPLAY_STACKS))
+def test_replays_reading_kept_attention_are_bit_identical_and_run_no_attention_forward(stack, monkeypatch):
+    opts = REPLAY_STACKS[stack]
+    calls = _counting_forwards(monkeypatch)
+    ref_loss, ref_grads, _ = _sparse_loss_and_grads(ParallelizeOptions())
+    computing = dataclasses.replace(opts, memory=dataclasses.replace(opts.memory, replay_kept_attention=False))
+    del calls[:]
+    same_loss, same_grads, same = _sparse_loss_and_grads(computing)
+    keeping = opts.memory.kept_attention_layers(4)
+    replays = computing.memory.replayed_attention_forwards(4)
+    assert replays == opts.memory.sparse_offload(4).replayed_forwards > 0
+    assert len(calls) == 4 + (4 - keeping) + replays
+    del calls[:]
+    loss, grads, offload = _sparse_loss_and_grads(opts)
+    reading = replays - opts.memory.replayed_attention_forwards(4)  # replays of blocks that keep theirs
+    assert reading == {"k3-everything": 3, "k3-early": 3, "k2-on-demand": 1, "k3-first-1-of-4": 2}[stack]
+    assert len(calls) == 4 + (4 - keeping) + replays - reading
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert torch.equal(loss, same_loss)  # the kept output is the one the replay would compute: equal
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        assert torch.equal(g, same_grads[n]), n
+    # Reading a kept output leaves its host slot in place: the host holds what it held, and nothing after.
+    assert offload.host_bytes_peak == same.host_bytes_peak and offload.host_bytes_in_use == 0
+
+
+def test_replays_per_layer_count_each_layer_once_per_later_layer_of_its_segment():
+    from megatron_lc.memory.stack import replays_per_layer, sparse_offload_counts
+
+    assert replays_per_layer(7, 3) == [2, 1, 0, 2, 1, 0, 0]
+    assert replays_per_layer(3, 1) == [0, 0, 0] and replays_per_layer(0, 4) == []
+    for n, k in [(31, 3), (31, 4), (8, 8), (5, 2)]:
+        assert sum(replays_per_layer(n, k)) == sparse_offload_counts(n, k).replayed_forwards
+
+
+@pytest.mark.parametrize("more", [dict(offload_every_k_layers=2), dict(keep_attention_output=True),
+                                  dict(keep_attention_output=True, offload_mode="none")])
+def test_replaying_kept_attention_needs_kept_attention_and_sparse_offload(more):
+    more.setdefault("offload_mode", "prefetch")
+    opts = parallelize_options(recompute_granularity="full", replay_kept_attention=True, **more)
+    with pytest.raises(ConfigError, match="--replay-kept-attention .* needs --keep-attention-output and "
+                                          "--offload-every-k-layers > 1"):
+        opts.validate()
+
+
+def _parallel_step(rank, world, config, cp, ring, opts, batch_args):
+    """One step's loss and full gradients of `opts` on this rank's share."""
+    from tests.exactness import build_parallel_model, full
+    from megatron_lc.testing import shard_batch
+
+    batch, per_sample = make_batch(**batch_args)
+    pstate = ParallelState(ParallelDims(world_size=world, cp=cp, cp_ring=ring))
+    opts = dataclasses.replace(opts, seq_length=batch_args["seq_length"])
+    model = build_parallel_model(config, pstate, opts, build_model(config, device="cpu", seed=0).state_dict())
+    local = shard_batch(batch, per_sample, pstate.dp_rank, pstate.dp_size, pstate.cp_rank, cp, pstate.context_layout)
+    result = forward_backward(model, [local], pstate, CPU.accelerator)
+    return result.loss, {n: full(p.grad) for n, p in model.named_parameters()}
+
+
+REPLAY_CASES = {  # name: (cp, cp_ring, options)
+    "ulysses-cp2-k3-everything": (2, 1, _replaying(3, mlp_tiles=3, loss_tiles=5)),
+    "untied-cp2-k3": (2, 1, _replaying(3, cp_impl="untied_ulysses", heads_per_stage=4, mlp_tiles=3)),
+    "untied-lean-cp2-k2-first-2": (2, 1, _replaying(2, cp_impl="untied_ulysses", heads_per_stage=4,
+                                                    untied_backward="lean", keep_attention_layers=2)),
+    "ring-cp2-k3-on-demand": (2, 2, _replaying(3, offload_mode="on_demand", mlp_tiles=3, loss_tiles=5)),
+    "fsdp-dp2-k3": (1, 1, _replaying(3, loss_tiles=5)),
+}
+
+
+def _replay_cases(rank, world, cases):
+    from megatron_lc.memory.kept_attention import KeptAttention
+
+    read, take = [], KeptAttention.take
+    KeptAttention.take = lambda self: (read.append(self.layer_idx) if self.peek else None, take(self))[1]
+    try:
+        for name, (cp, ring, opts) in cases.items():
+            read.clear()
+            _replay_case(rank, world, name, cp, ring, opts)
+            stack = opts.memory
+            replays = stack.sparse_offload(4).replayed_forwards - stack.replayed_attention_forwards(4)
+            assert len(read) == 3 * replays > 0, (name, read)  # the replays of two steps and of one more
+    finally:
+        KeptAttention.take = take
+
+
+def _replay_case(rank, world, name, cp, ring, opts):
+    try:
+        check_against_reference(rank, world, SPARSE_CONFIG, cp, opts, BATCH, 2, ring)
+        computing = dataclasses.replace(opts, memory=dataclasses.replace(opts.memory, replay_kept_attention=False))
+        loss, grads = _parallel_step(rank, world, SPARSE_CONFIG, cp, ring, opts, BATCH)
+        same_loss, same_grads = _parallel_step(rank, world, SPARSE_CONFIG, cp, ring, computing, BATCH)
+        assert torch.equal(loss, same_loss)
+        for n, g in grads.items():
+            assert torch.equal(g, same_grads[n]), n
+    except Exception as e:
+        raise AssertionError(f"case {name}: {e}") from e
+
+
+def test_replays_reading_kept_attention_with_fsdp_and_every_context_parallel_backend_match():
+    """2 ranks, case after case: Ulysses, Untied Ulysses (fast, and lean with only 2 blocks keeping), ring, FSDP
+    alone; tiled MLP and loss; each equal to the reference over two optimizer steps, and bit for bit equal to the
+    same stack whose replays compute their attention."""
+    run_distributed(_replay_cases, 2, REPLAY_CASES)
+
+
+def test_replays_reading_kept_attention_with_all_to_all_inside_a_ring_match():
+    """4 ranks: all-to-all over 2 inside a ring of 2 (a2a+p2p), sparse offload k = 3, tiled MLP and loss."""
+    run_distributed(_replay_cases, 4, {"a2a+p2p-cp4-k3": (4, 2, _replaying(3, mlp_tiles=3, loss_tiles=5))})

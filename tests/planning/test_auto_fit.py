@@ -445,9 +445,11 @@ def test_an_offloading_answer_keeps_the_attention_of_as_many_first_blocks_as_the
     assert not plain.choice.keep_attention and result.cost.step_s < plain.cost.step_s
 
 
-def test_a_sparse_answer_that_keeps_every_attention_output_trades_k_for_the_attention_of_the_first_blocks():
-    """k = 2 with every block keeping fits the host, k = 1 with every block keeping does not: keeping every input
-    (no replays) and the attention of as many first blocks as fit is predicted faster, and is the answer."""
+def test_a_sparse_answer_that_keeps_every_attention_output_reads_it_in_its_replays_and_keeps_its_k():
+    """k = 2 with every block keeping fits the host, k = 1 with every block keeping does not. The k = 2 answer's
+    replays read the kept outputs (--replay-kept-attention): no attention forward anywhere in its backward, so
+    keeping every input (k = 1) and the attention of only the first blocks that fit is predicted slower, and the
+    answer stays."""
     from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 
     cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "4194304", "--context-parallel-size", "8",
@@ -471,9 +473,12 @@ def test_a_sparse_answer_that_keeps_every_attention_output_trades_k_for_the_atte
     machine = Machine(num_gpus=8, reserve_gib=0, host_reserve_gib=0, host_memory_gib=budget / 0.99 / GIB)
     plain = auto_fit(cfg, machine, evaluate=evaluate, space=space, partial_keep=False).choice
     assert (plain.offload_every, plain.keep_attention, plain.keep_attention_layers) == (2, True, None)
+    assert "--replay-kept-attention" in plain.flags() and plain.apply(cfg).memory_stack().replay_kept_attention
     result = auto_fit(cfg, machine, evaluate=evaluate, space=space)
-    c = result.choice
-    assert (c.offload_every, c.keep_attention, c.keep_attention_layers) == (1, True, 21) and result.estimate.fits
+    assert result.choice == plain and result.estimate.fits
+    partial = dataclasses.replace(plain, offload_every=1, keep_attention_layers=21)  # what the host holds at k = 1
+    tm = TimeModel(family="fa3")
+    assert tm.predict(partial.apply(cfg), 8).step_s > tm.predict(plain.apply(cfg), 8).step_s
 
 
 @pytest.mark.parametrize("workers, tolerance", [(1, 0.0), (4, TOLERANCE)])

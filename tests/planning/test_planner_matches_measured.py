@@ -41,6 +41,11 @@ if "untied_ulysses" in CP_IMPLS:
 # Sparse offload, k = 2: the planner traces 6 and 8 layers (congruent to 10 modulo 2) and extrapolates to 10.
 DISTRIBUTED["ulysses-cp4-full-stack-sparse-k2-10-layers"] = dict(context_parallel_size=4, num_layers=10,
                                                                  offload_every_k_layers=2, **FULL_STACK)
+# Sparse offload k = 3 whose replays read the kept attention outputs: the planner traces 8 and 11 layers and
+# extrapolates to 14; every block's output and lse on the host, one input per segment.
+DISTRIBUTED["untied-cp4-full-stack-sparse-k3-replaying-kept-attention-14-layers"] = dict(
+    context_parallel_size=4, cp_impl="untied_ulysses", num_layers=14, offload_every_k_layers=3,
+    keep_attention_output=True, replay_kept_attention=True, **FULL_STACK)
 DISTRIBUTED["ring-p2p-cp4-full-stack"] = dict(context_parallel_size=4, cp_comm_type="p2p", **FULL_STACK)
 # Early prefetch: the previous layer's input resident through each block's backward.
 DISTRIBUTED["ulysses-cp2-full-stack-prefetch-early"] = dict(context_parallel_size=2,
@@ -62,6 +67,14 @@ SINGLE = {"one-rank": {}, "one-rank-full-stack": dict(FULL_STACK),
           # Kept attention outputs and lse: offloaded with the block inputs (host bytes about double), or on the GPU.
           "one-rank-full-stack-kept-attention": dict(FULL_STACK, keep_attention_output=True),
           "one-rank-kept-attention-on-the-gpu": dict(recompute_granularity="full", keep_attention_output=True),
+          "one-rank-full-stack-sparse-k2-replaying-kept-attention": dict(FULL_STACK, num_layers=4,
+                                                                         offload_every_k_layers=2,
+                                                                         keep_attention_output=True,
+                                                                         replay_kept_attention=True),
+          # The same over 6 layers with only the first 2 keeping theirs: the others' replays compute attention.
+          "one-rank-full-stack-sparse-k2-replaying-kept-attention-first-2-of-6": dict(
+              FULL_STACK, num_layers=6, offload_every_k_layers=2, keep_attention_output=True,
+              keep_attention_output_layers=2, replay_kept_attention=True),
           # The first 2 of 6 blocks keep theirs: the planner traces all keeping (its GPU peak bounds this one's)
           # and takes the other offloaded blocks' arenas off the host.
           "one-rank-full-stack-kept-attention-first-2-of-6": dict(FULL_STACK, num_layers=6, keep_attention_output=True,
