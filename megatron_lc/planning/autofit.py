@@ -340,7 +340,7 @@ def search_layouts(cfg: TrainConfig, num_gpus: int, gpus_per_node: int) -> list[
     from megatron_lc.planning.estimate import planning_config
 
     neutral = dataclasses.replace(cfg, memory=MemoryArgs())
-    found = []
+    found, errors = [], []
     for cp in sorted((d for d in range(1, num_gpus + 1) if num_gpus % d == 0), reverse=True):
         options = [Layout(cp, "a2a")] if cp == 1 else [Layout(cp, "p2p")]
         if 1 < cp <= gpus_per_node:
@@ -353,9 +353,12 @@ def search_layouts(cfg: TrainConfig, num_gpus: int, gpus_per_node: int) -> list[
                 continue  # a wider inner all-to-all validated already
             try:
                 planning_config(layout.apply(neutral)).validate(num_gpus)
-            except ValueError:
+            except ValueError as e:
+                errors.append(str(e))
                 continue  # heads that do not divide, a global batch the replicas do not divide
             found.append(layout)
+    if not found and len(set(errors)) == 1:  # every layout refused for one reason: the configuration's own
+        raise ConfigError(errors[0])
     if not found:
         raise ConfigError(f"--auto-fit: no parallel layout of {num_gpus} GPUs validates with this configuration "
                           "(check --global-batch-size and the head counts)")

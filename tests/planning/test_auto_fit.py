@@ -534,3 +534,20 @@ def test_auto_fit_searches_layouts_when_the_default_one_does_not_validate():
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         assert estimate_memory.main([*argv[:5], "4096", *argv[6:]]) == 2  # 4096 tokens do not split 3 ways
     assert "no parallel layout of 3 GPUs validates" in err.getvalue() and len(err.getvalue().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "llama-7t"], "--model 'llama-7t': unknown flavour"),
+    (["--model", "debug", "--num-query-groups", "3"], "divisible by num_query_groups"),
+])
+def test_auto_fit_passes_through_an_error_every_layout_shares(flags, message):
+    """An error of the configuration itself (every layout refused for it) is that error's line, as without
+    --auto-fit, not the layout search's."""
+    argv = [*flags, "--num-gpus", "8", "--seq-length", "4096", "--device", "cpu", "--planner-cache", "off"]
+    lines = []
+    for extra in ([], ["--auto-fit"]):
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            assert estimate_memory.main([*argv, *extra]) == 2
+        lines.append(err.getvalue().strip().splitlines())
+    assert lines[0] == lines[1] and len(lines[1]) == 1 and message in lines[1][0]
