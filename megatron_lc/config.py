@@ -196,6 +196,8 @@ class OptimArgs:
     adam_beta2: float = flag(0.95, "AdamW beta2")
     adam_eps: float = flag(1e-8, "AdamW epsilon")
     clip_grad: float = flag(1.0, "clip gradients to this global L2 norm (0: off)")
+    optimizer_cpu_offload: bool = flag(False, "fp32 master weights, Adam moments and gradients in host memory, the "
+                                       "optimizer step on the host (training/optim.py HostAdamW)")
 
 
 @dataclass
@@ -481,6 +483,9 @@ class TrainConfig:
     def _check_parallel(self, world_size: int) -> None:
         p, d = self.parallel, self.data
         cp = p.context_parallel_size
+        if p.fsdp_cpu_offload and self.optim.optimizer_cpu_offload:
+            raise ConfigError("--optimizer-cpu-offload with --fsdp-cpu-offload: FSDP's offload keeps the whole "
+                              "optimizer on the host already; give one")
         if cp < 1 or world_size % (cp * p.data_parallel_replicate):
             raise ValueError(f"world size {world_size} is not divisible by --context-parallel-size {cp} x "
                              f"--data-parallel-replicate {p.data_parallel_replicate}")

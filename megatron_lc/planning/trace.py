@@ -35,6 +35,7 @@ from megatron_lc.planning.standins import (
 )
 from megatron_lc.planning.tracker import TimelineAnalysis, make_tracker
 from megatron_lc.training.build import build_parallel_model, build_run_optimizer, build_sharded_model
+from megatron_lc.training.optim import HostAdamW
 from megatron_lc.training.step import step_autocast, train_step
 
 PLANNER_DEVICES = Devices(accelerator=torch.device("cpu"), host=torch.device("meta"))
@@ -72,6 +73,8 @@ def initialize_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Op
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
+            if isinstance(optimizer, HostAdamW):  # as a backward hands it a final gradient
+                optimizer.take_gradient(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -93,7 +96,7 @@ def measure_real_step(cfg: TrainConfig, pstate: ParallelState, batch: Batch,
     a probe of its reserved bytes moves it from the accelerator's side to the host's.
     """
     model, offload = build_sharded_model(cfg, cfg.model_config(), pstate, devices)
-    optimizer = build_run_optimizer(model, cfg, fused=False)
+    optimizer = build_run_optimizer(model, cfg, devices, fused=False)
     initialize_optimizer_state(model, optimizer)
     probe = (lambda: offload.host_bytes_reserved) if offload and devices.host == devices.accelerator else None
     tracker = make_tracker(model, optimizer, probe, extra=(batch.input_ids, batch.labels, batch.position_ids))
@@ -125,7 +128,7 @@ def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str =
         model, offload = build_parallel_model(cfg, model_config, pstate, PLANNER_DEVICES, opts)
         with FakeTensorMode(allow_non_fake_inputs=True):
             materialize(model, PLANNER_DEVICES, cfg.train.seed)
-            optimizer = build_run_optimizer(model, cfg, fused=device == "cuda")
+            optimizer = build_run_optimizer(model, cfg, PLANNER_DEVICES, fused=device == "cuda")
             initialize_optimizer_state(model, optimizer)
             count = micro_batches_to_trace(cfg, pstate.dp_size)
             batches = [synthetic_micro_batch(cfg, pstate.cp_size, PLANNER_DEVICES.host) for _ in range(count)]

@@ -159,7 +159,7 @@ def build_run(cfg: TrainConfig) -> Run:
         block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
         offload.reserve((cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size,
                          model_config.hidden_size), block_dtype)
-    optimizer = build_run_optimizer(model, cfg)
+    optimizer = build_run_optimizer(model, cfg, devices)
     train_source, valid_source, test_source = build_sample_sources(cfg, data_vocab, pstate.dp_size, launch.rank)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg, launch.world_size), offload,
