@@ -56,6 +56,7 @@ class HostAdamW:
         self._masters_current = False  # taken from the parameters at the first step: after any checkpoint load
         self._filled = [False] * len(params)
         self._grad_buffers: list[torch.Tensor | None] = [None] * len(params)
+        self._foreach = host.type != "meta"  # the planner's fake host has no foreach clipping
         self.inner = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                        foreach=True)
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -81,6 +82,17 @@ class HostAdamW:
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The host buffers the gradients are moved into (allocated at a parameter's first gradient)."""
+        return [b for b in self._grad_buffers if b is not None]
+
+    def host_bytes(self) -> int:
+        """Bytes this optimizer holds on the host between steps: master weights, gradient buffers and AdamW's
+        state."""
+        tensors = [*self.masters, *(b for b in self._grad_buffers if b is not None),
+                   *(t for state in self.inner.state.values() for t in state.values() if torch.is_tensor(t))]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def clip_grad_norm(self, max_norm: float | None, device: torch.device) -> torch.Tensor:
         """The global L2 norm of the host gradients (on `device`), computed as `clip_grad_norm` computes it over
         sharded gradients (each parameter's norm: its shards' norms squared, summed over the shard ranks, rooted;
@@ -97,7 +109,7 @@ class HostAdamW:
             norms = norms ** (1.0 / 2.0)
         total = torch.linalg.vector_norm(norms, 2.0)
         if max_norm is not None and max_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total.to(self.host), foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total.to(self.host), foreach=self._foreach)
         return total
 
     def step(self) -> None:

@@ -26,6 +26,7 @@ RECIPES = [
     ("examples/pretrain_llama_3m.sh", [], 8),
     ("examples/pretrain_llama_7m.sh", [], 8),
     ("examples/slurm/pretrain_llama_8m_2nodes.sbatch", [], 16),
+    ("examples/pretrain_llama_70b.sh", [], 32),
     ("examples/mpirun_pretrain.sh", ["hosts"], 8),
 ]
 
@@ -73,8 +74,16 @@ def test_recipe_turns_nvls_off_unless_the_user_chose(script, leading, world_size
 
 
 @pytest.mark.parametrize("script", ["examples/pretrain_llama_5m.sh", "examples/slurm/pretrain_llama_8m_2nodes.sbatch",
-                                    "examples/mpirun_pretrain.sh"])
+                                    "examples/mpirun_pretrain.sh", "examples/pretrain_llama_70b.sh"])
 def test_the_nvls_export_says_why_in_one_line(script):
     lines = (REPO / script).read_text().splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("export NCCL_NVLS_ENABLE="))
     assert lines[i - 1].startswith("# NVLS") and "memory plan" in lines[i - 1]
+
+
+def test_70b_recipe_launches_4_nodes_of_8_with_a_rendezvous(tmp_path):
+    argv = _recorded_launch("examples/pretrain_llama_70b.sh", ["corpus", "tokenizer.model", str(tmp_path / "c")],
+                            tmp_path, {"MASTER_ADDR": "node0"})["argv"]
+    launcher = argv[:argv.index("-m")]
+    assert launcher[launcher.index("--nnodes") + 1] == "4" and launcher[launcher.index("--nproc-per-node") + 1] == "8"
+    assert launcher[launcher.index("--rdzv-endpoint") + 1] == "node0:29500"
