@@ -33,6 +33,11 @@ def clip_grad_norm(parameters, max_norm: float | None) -> torch.Tensor:
     return total
 
 
+HOST_STATE_BYTES_PER_PARAMETER = 16
+"""What the host holds per parameter with the optimizer there (--optimizer-cpu-offload: fp32 master weight, gradient
+buffer and two moments) or with FSDP's CPU offload (fp32 sharded parameter, gradient and two moments)."""
+
+
 class HostAdamW:
     """AdamW with its fp32 master weights, moments and gradients in host memory and its step there
     (--optimizer-cpu-offload, as Megatron-LM's): the accelerator keeps only the (sharded) fp32 parameters the

@@ -139,7 +139,7 @@ def build_run(cfg: TrainConfig) -> Run:
     launch = detect_launch()
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
     cfg = cfg.resolved(launch.world_size)  # --train-samples, --data-args-path, ... filled in
-    preflight(cfg)  # what the run needs of this machine's disks, packages and devices
+    preflight(cfg, launch.world_size)  # what the run needs of this machine's disks, packages, devices and host memory
     set_allocator_defaults()
     devices = resolve_devices(cfg.train.device, launch.local_rank)
     if devices.is_cuda:

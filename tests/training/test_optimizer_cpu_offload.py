@@ -81,3 +81,24 @@ def test_a_checkpoint_resumes_with_or_without_offload_on_another_world_size(tmp_
 def test_fsdp_cpu_offload_with_it_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="--optimizer-cpu-offload with --fsdp-cpu-offload"):
         parse_config(TRAIN_FLAGS + OFFLOAD + ["--fsdp-cpu-offload"]).validate(world_size=2)
+
+
+def test_a_host_share_beyond_the_nodes_available_memory_is_refused_in_one_line_with_the_numbers(tmp_path):
+    """llama3-70b's model states in one process (16 B x 70.6B parameters, 1,051.3 GiB) are more than this machine
+    has; the same run with the optimizer on the GPU keeps nothing on the host and passes this check."""
+    import subprocess
+    import sys
+
+    from megatron_lc.training.preflight import _available_host_bytes, host_share_bytes, preflight
+
+    flags = ["--mock-data", "--model", "llama3-70b", "--seq-length", "64", "--device", "cpu"]
+    assert host_share_bytes(parse_config(flags + OFFLOAD), 1) == (0, 70_553_706_496 * 16)
+    assert host_share_bytes(parse_config(flags + OFFLOAD), 8)[1] == 70_553_706_496 // 8 * 16
+    assert _available_host_bytes() < 1051 * 2**30  # this test needs a machine of less
+    preflight(parse_config(flags), 1)
+    out = subprocess.run([sys.executable, "-m", "megatron_lc.train", *flags, *OFFLOAD, "--log-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "host memory: 1 process(es) on this node keep 1,051.3 GiB" in lines[0]
+    assert "0.0 GiB of offloaded block inputs + 1,051.3 GiB of model states" in lines[0]
