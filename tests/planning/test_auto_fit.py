@@ -551,3 +551,22 @@ def test_auto_fit_passes_through_an_error_every_layout_shares(flags, message):
             assert estimate_memory.main([*argv, *extra]) == 2
         lines.append(err.getvalue().strip().splitlines())
     assert lines[0] == lines[1] and len(lines[1]) == 1 and message in lines[1][0]
+
+
+def test_auto_fit_moves_the_optimizer_to_the_host_only_where_nothing_fits_with_it_on_the_gpu():
+    """A model whose states outweigh its activations: no stack fits with AdamW on the GPU, and the answer is the
+    fastest stack with it on the host (here none: its flag alone)."""
+    cfg = parse_config(["--model", "debug", "--seq-length", "512", "--hidden-size", "512", "--ffn-hidden-size", "2048",
+                        "--num-attention-heads", "8", "--num-query-groups", "2", "--kv-channels", "64",
+                        "--vocab-size", "16384", "--num-layers", "2", "--device", "cpu", "--mock-data"])
+    space = search_space(cfg)
+    saving = Candidate("full", "on_demand", space.mlp_tiles[-1], space.loss_tiles[-1], None, None)
+    plain_on_host = dataclasses.replace(Candidate("none", "none", None, None, None, None), optimizer_on_host=True)
+    budget = estimate(plain_on_host.apply(cfg), _machine(100 * GIB)).gpu_peak_bytes * 1.01
+    assert estimate(saving.apply(cfg), _machine(100 * GIB)).gpu_peak_bytes > budget  # nothing fits on the GPU
+    result = auto_fit(cfg, _machine(budget), max_traces=40)
+    assert result.choice == plain_on_host and result.estimate.fits
+    assert result.choice.flags() == ["--optimizer-cpu-offload"]
+    assert any(not t.candidate.optimizer_on_host for t in result.traced)  # the GPU's search came first
+    roomy = auto_fit(cfg, _machine(100 * GIB), max_traces=40)
+    assert roomy.choice is not None and not roomy.choice.optimizer_on_host
