@@ -396,7 +396,10 @@ def test_layout_search_answers_the_fastest_layout_and_stack_that_fit(tolerance):
             assert chosen <= min(fitting) * (1 + tolerance) * (1 + 1e-12), budget
             assert result.layout in layouts and len(result.verdicts) == len(layouts)
         # The lean backward is an attention kind of its own per implementation: up to 80 traces with the tolerance.
-        assert len(calls) <= (80 if tolerance else 100) and not result.capped, (budget, len(calls))
+        # Where nothing fits with the optimizer on the GPU, the same search with it on the host gets the traces left.
+        on_gpu = [a for a in calls if not a[0].optim.optimizer_cpu_offload]
+        assert len(on_gpu) <= (80 if tolerance else 100), (budget, len(on_gpu))
+        assert not result.capped or (result.choice is None and len(on_gpu) < len(calls)), (budget, len(calls))
 
 
 def test_auto_fit_without_layout_flags_searches_the_layout_and_prints_it():
