@@ -266,6 +266,9 @@ class TrainConfig:
     def _check_parallel(self, world_size: int) -> None:
         p, d = self.parallel, self.data
         cp = p.context_parallel_size
+        if p.fsdp_cpu_offload and self.optim.optimizer_cpu_offload:
+            raise ConfigError("--optimizer-cpu-offload with --fsdp-cpu-offload: FSDP's offload keeps the whole "
+                              "optimizer on the host already; give one")
         if cp < 1 or world_size % (cp * p.data_parallel_replicate):
             raise ValueError(f"world size {world_size} is not divisible by --context-parallel-size {cp} x "
                              f"--data-parallel-replicate {p.data_parallel_replicate}")

@@ -95,6 +95,8 @@ class Candidate:
     for more bytes exchanged."""
     ring_kv_grads: str = "overlapped"
     """--ring-kv-grads (with a ring only): `in_place` holds one pair of fp32 dK/dV accumulators, rotated exposed."""
+    optimizer_on_host: bool = False
+    """--optimizer-cpu-offload: master weights, Adam moments and gradients on the host, the step there."""
 
     def flags(self) -> list[str]:
         """The training flags of this stack (defaults left out)."""
@@ -121,6 +123,8 @@ class Candidate:
             out += ["--untied-backward", self.untied_backward] if self.untied_backward != "fast" else []
         if self.ring_kv_grads != "overlapped":
             out += ["--ring-kv-grads", self.ring_kv_grads]
+        if self.optimizer_on_host:
+            out.append("--optimizer-cpu-offload")
         return out
 
     @property
@@ -148,7 +152,8 @@ class Candidate:
             parallel = dataclasses.replace(parallel, cp_impl=self.cp_impl, untied_heads_per_stage=self.heads_per_stage,
                                            untied_overlap_stages=self.untied_overlap and untied,
                                            untied_backward=self.untied_backward if untied else "fast")
-        return dataclasses.replace(cfg, memory=memory, parallel=parallel)
+        optim = dataclasses.replace(cfg.optim, optimizer_cpu_offload=self.optimizer_on_host)
+        return dataclasses.replace(cfg, memory=memory, parallel=parallel, optim=optim)
 
 
 MEMORY_FLAGS = {"--recompute-granularity": 1, "--offload-mode": 1, "--offload-activations": 0,
@@ -157,7 +162,7 @@ MEMORY_FLAGS = {"--recompute-granularity": 1, "--offload-mode": 1, "--offload-ac
                 "--keep-attention-output-layers": 1, "--replay-kept-attention": 0,
                 "--tiled-mlp": 0, "--tiled-mlp-tiles": 1, "--tiled-loss": 0, "--tiled-loss-tiles": 1,
                 "--cp-impl": 1, "--untied-heads-per-stage": 1, "--untied-overlap-stages": 0, "--untied-backward": 1,
-                "--ring-kv-grads": 1}
+                "--ring-kv-grads": 1, "--optimizer-cpu-offload": 0}
 """The flags auto-fit chooses, with the number of values each takes."""
 
 
@@ -231,6 +236,8 @@ class SearchSpace:
     keep_attention: tuple[bool, ...] = (False,)
     """Kept attention levels, (True, False) when searched (they apply to full recompute only; the other
     modes keep their attention anyway and take level 0)."""
+    optimizer_on_host: bool = False
+    """Every candidate's optimizer on the host (--optimizer-cpu-offload)."""
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -254,7 +261,7 @@ class SearchSpace:
                          self.offload_every[point[4]] if off != "none" else 1,
                          self.keep_attention[point[5]] and rec == "full", level.overlap,
                          self.offload_keep_last if off != "none" else None, untied_backward=level.untied_backward,
-                         ring_kv_grads=level.ring_kv_grads)
+                         ring_kv_grads=level.ring_kv_grads, optimizer_on_host=self.optimizer_on_host)
 
     def points(self) -> list[tuple[int, ...]]:
         """Every distinct candidate's point (k levels only with offload)."""
@@ -287,7 +294,8 @@ def search_space(cfg: TrainConfig) -> SearchSpace:
     for k in OFFLOAD_EVERY:
         slots.setdefault(dataclasses.replace(offloading, offload_every_k_layers=k).host_slots(c.num_layers), k)
     return SearchSpace(MODES, (None, *tile_ladder(plan.mlp_tiles)), (None, *tile_ladder(plan.loss_tiles)),
-                       tuple(attention), tuple(slots.values()), cfg.memory.offload_keep_last, (True, False))
+                       tuple(attention), tuple(slots.values()), cfg.memory.offload_keep_last, (True, False),
+                       cfg.optim.optimizer_cpu_offload)
 
 
 # --- the layouts ---------------------------------------------------------------------------
@@ -352,7 +360,7 @@ def search_layouts(cfg: TrainConfig, num_gpus: int, gpus_per_node: int) -> list[
     from megatron_lc.planning.estimate import planning_config
 
     neutral = dataclasses.replace(cfg, memory=MemoryArgs())
-    found = []
+    found, errors = [], []
     for cp in sorted((d for d in range(1, num_gpus + 1) if num_gpus % d == 0), reverse=True):
         options = [Layout(cp, "a2a")] if cp == 1 else [Layout(cp, "p2p")]
         if 1 < cp <= gpus_per_node:
@@ -365,9 +373,12 @@ def search_layouts(cfg: TrainConfig, num_gpus: int, gpus_per_node: int) -> list[
                 continue  # a wider inner all-to-all validated already
             try:
                 planning_config(layout.apply(neutral)).validate(num_gpus)
-            except ValueError:
+            except ValueError as e:
+                errors.append(str(e))
                 continue  # heads that do not divide, a global batch the replicas do not divide
             found.append(layout)
+    if not found and len(set(errors)) == 1:  # every layout refused for one reason: the configuration's own
+        raise ConfigError(errors[0])
     if not found:
         raise ConfigError(f"--auto-fit: no parallel layout of {num_gpus} GPUs validates with this configuration "
                           "(check --global-batch-size and the head counts)")
@@ -500,7 +511,29 @@ def auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None = 
     machine's published rates): over `layouts` (default: the configured one only) and each layout's memory
     stacks (`space`, default `search_space`; a given space is for the configured layout only); with `partial_keep`,
     an answer that offloads without keeping attention outputs keeps those of as many first blocks as the host
-    holds, where that is faster and fits (`_Search.kept_attention`)."""
+    holds, where that is faster and fits (`_Search.kept_attention`).
+
+    The optimizer stays on the GPU where any stack fits so; only where none does is the same search made with
+    the optimizer on the host (--optimizer-cpu-offload: its step and copies cost time, the GPU holds 4 bytes per
+    parameter of 16), within the traces left, under the same host budget."""
+    resident = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer_cpu_offload=False))
+    first = _auto_fit(resident if space is None else cfg, machine, time_model, max_traces, evaluate, on_estimate,
+                      space, layouts, tolerance, partial_keep)
+    left = max_traces - len(first.traced)
+    if first.choice is not None or space is not None or left <= 0 or first.capped:
+        return first
+    on_host = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer_cpu_offload=True))
+    second = _auto_fit(on_host, machine, time_model, left, evaluate, on_estimate, None, layouts, tolerance,
+                       partial_keep)
+    second.traced[:0] = first.traced
+    second.candidates += first.candidates
+    return second
+
+
+def _auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None, max_traces: int,
+              evaluate, on_estimate, space: SearchSpace | None, layouts: list[Layout] | None, tolerance: float,
+              partial_keep: bool) -> AutoFitResult:
+    """`auto_fit` with the optimizer where `cfg` puts it."""
     time_model = time_model or TimeModel.for_machine(machine, cfg)
     searched = layouts is not None
     layouts = layouts or [layout_of(cfg)]

@@ -367,7 +367,9 @@ def _estimate(cfg: TrainConfig, machine: Machine) -> Estimate:
 
 
 def state_bytes_per_gpu(cfg: TrainConfig, num_gpus: int) -> int:
-    """fp32 weights and Adam state of one rank's FSDP shards (sharded over all but the replicas)."""
+    """fp32 weights and Adam state of one rank's FSDP shards (sharded over all but the replicas) that a save
+    stages on the host: the weights only where the optimizer's state is on the host already."""
     shards = num_gpus // cfg.parallel.data_parallel_replicate
     parameters = count_parameters(build_model(cfg.model_config(), device="meta"))
-    return -(-parameters // shards) * machine_terms.STATE_BYTES_PER_PARAMETER
+    staged = 4 if cfg.optim.optimizer_cpu_offload else machine_terms.STATE_BYTES_PER_PARAMETER
+    return -(-parameters // shards) * staged

@@ -145,7 +145,8 @@ def host_terms(*, host_memory_bytes: int, pinned_bytes_per_node: int, processes_
         Term("training processes", processes_per_node * PROCESS_RESIDENT_BYTES, f"{processes_per_node} x 8 GiB"),
         Term("checkpoint save staging", state_bytes_per_node,
              "torch.distributed.checkpoint holds each rank's fp32 weights and Adam state on the host while it "
-             "writes (12 B per parameter, this node's shards)", assumed=False),
+             "writes (12 B per parameter of this node's shards; 4 B, the weights, where the optimizer's state is "
+             "on the host already)", assumed=False),
         Term("OS and page cache", OS_AND_PAGE_CACHE_BYTES, "the OS, daemons and the dataset's page cache"),
     ]
 

@@ -53,7 +53,9 @@ def estimate_table(cfg: TrainConfig, e: Estimate) -> str:
     lines += _terms(e.gpu_reserve_terms)
     verdict = "fits" if e.fits_host else "does NOT fit"
     host_reserve = int(m.host_memory_gib * GIB) - e.host_budget_bytes
-    lines.append(f"host (offloaded activations, page-locked at their exact size): "
+    held = "offloaded activations and the optimizer's states" if cfg.optim.optimizer_cpu_offload else \
+        "offloaded activations"
+    lines.append(f"host ({held}, page-locked at their exact size): "
                  f"{e.host_bytes_per_gpu / GIB:.2f} GiB per GPU, "
                  f"{e.host_bytes_per_node / GIB:.2f} GiB per node of {e.host_budget_bytes / GIB:.0f} GiB "
                  f"({m.host_memory_gib:.0f} GiB less {host_reserve / GIB:.0f} GiB reserve): {verdict}")

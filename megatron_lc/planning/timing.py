@@ -108,6 +108,9 @@ class Rates:
     causal_overhead_tokens: dict = field(default_factory=dict)
     """By kernel family: c in rate(T) = rate / (1 + c / T) for a causal call of T tokens (the diagonal tiles' cost;
     0 when absent: the rates are already the causal ones at the measured length)."""
+    host_adam_params: float = 0.0
+    """Parameters per second one GPU's process updates in the host's AdamW step with clipping
+    (--optimizer-cpu-offload; the host's memory bandwidth bounds it)."""
 
     def attention_rates(self, family: str, call_tokens: int) -> tuple[float, float]:
         """(forward, backward) FLOP/s of a causal call of `call_tokens` tokens."""
@@ -121,7 +124,8 @@ class Rates:
         return dataclasses.replace(self, gemm_flops=self.gemm_flops * s,
                                    attention_fwd_flops={k: v * s for k, v in self.attention_fwd_flops.items()},
                                    attention_bwd_flops={k: v * s for k, v in self.attention_bwd_flops.items()},
-                                   hbm_bytes=self.hbm_bytes * s, host_copy_bytes=self.host_copy_bytes * s)
+                                   hbm_bytes=self.hbm_bytes * s, host_copy_bytes=self.host_copy_bytes * s,
+                                   host_adam_params=self.host_adam_params * s)
 
 
 _H100_PEAK = PEAK_DENSE_BF16_FLOPS["H100"][0]
@@ -130,6 +134,13 @@ _H100_GEMM = 795e12
 stas00/ml-engineering's MAMF table); the step's GEMMs are [S/cp, 4096] x [4096, n] at S/cp >= 16K tokens."""
 _GEMM_EFFICIENCY = _H100_GEMM / _H100_PEAK
 """Share of the dense peak large bf16 GEMMs sustain (A100: the same share, an assumption)."""
+HOST_ADAM_BYTES_PER_PARAMETER = 96
+"""Host memory traffic of one parameter's step in torch's foreach AdamW on CPU with clipping: 21 fp32 reads and
+writes over its passes (weight decay, lerp, mul, addcmul, sqrt, div, add, addcdiv: counted from
+torch/optim/adam.py `_multi_tensor_adam`), 3 for the norm and the clip."""
+_DGX_H100_HOST_BYTES = 0.7 * 2 * 8 * 38.4e9
+"""Two Xeon Platinum 8480C (DGX H100 datasheet), 8 channels of DDR5-4800 each (Intel ark: 38.4 GB/s a channel):
+614 GB/s a node, 70% of it sustained (assumed, STREAM-like)."""
 _H100_SOURCES = {
     "peak_flops": "989.4 TFLOP/s dense BF16, NVIDIA H100 SXM5 datasheet",
     "gemm_flops": "795 TFLOP/s: maximum achievable matmul FLOPS of an H100 SXM, stas00/ml-engineering's MAMF table",
@@ -146,12 +157,16 @@ _H100_SOURCES = {
     "inter_node_bytes": "48 GB/s: NCCL all-to-all bus bandwidth across DGX H100 nodes with 8 x 400 Gb/s RDMA "
                         "(same source)",
     "launch_s": "20 us per tile, stage or collective and pass (assumed)",
+    "host_adam_params": "DGX H100: 2 x Xeon Platinum 8480C (DGX H100 datasheet), 8 channels of DDR5-4800 each "
+                        "(Intel ark), 614 GB/s a node, 70% sustained (assumed), shared by 8 processes, over the "
+                        f"{HOST_ADAM_BYTES_PER_PARAMETER} B a parameter's host AdamW step and clip moves",
     "nccl_sm_share": "not priced: NCCL's kernels take SMs from an attention they overlap (no published figure "
                      "for this pairing that we know of)",
 }
 _H100 = Rates("dgx-h100", _H100_GEMM, {"fa2": 370e12, "fa3": 648e12, "efficient": 185e12},
               {"fa2": 322e12, "fa3": 561e12, "efficient": 161e12}, 3.35e12, 50e9, 320e9, 48e9, 20e-6,
-              _H100_PEAK, _H100_SOURCES, causal_overhead_tokens={"fa2": 1712.0, "fa3": 851.0, "efficient": 1712.0})
+              _H100_PEAK, _H100_SOURCES, causal_overhead_tokens={"fa2": 1712.0, "fa3": 851.0, "efficient": 1712.0},
+              host_adam_params=_DGX_H100_HOST_BYTES / 8 / HOST_ADAM_BYTES_PER_PARAMETER)
 RATES = {
     "dgx-h100": _H100,
     "dgx-h200": dataclasses.replace(_H100, name="dgx-h200", hbm_bytes=4.8e12, sources={
@@ -166,7 +181,10 @@ RATES = {
             "hbm_bytes": "2.039 TB/s, NVIDIA A100 80GB SXM datasheet",
             "host_copy_bytes": "PCIe Gen4 x16: 32 GB/s per direction, 25 GB/s sustained (assumed)",
             "intra_node_bytes": "NVLink 3: 300 GB/s per direction per GPU (NVIDIA), 70% (assumed)",
-            "inter_node_bytes": "200 Gb/s HDR per GPU (DGX A100 datasheet), 80% (assumed)"}),
+            "inter_node_bytes": "200 Gb/s HDR per GPU (DGX A100 datasheet), 80% (assumed)",
+            "host_adam_params": "DGX A100: 2 x AMD EPYC 7742 (DGX A100 datasheet), 8 channels of DDR4-3200 each "
+                                "(AMD), 410 GB/s a node, 70% sustained (assumed), shared by 8 processes"},
+        host_adam_params=0.7 * 2 * 8 * 25.6e9 / 8 / HOST_ADAM_BYTES_PER_PARAMETER),
 }
 
 
@@ -201,6 +219,8 @@ class Work:
     """Bytes read and written by the memory-bound ops (norms, rotary, residual adds, SwiGLU, the exchanges'
     packing, the loss's softmax over the logits), over all passes."""
     optimizer_bytes: float
+    host_optimizer_params: float = 0.0
+    """Parameters of this rank's shards that the host's AdamW steps (--optimizer-cpu-offload; 0: on the GPU)."""
     model_flops: float
     """fwd + bwd FLOPs without recompute (for MFU): 3 x (GEMMs + attention forward)."""
     kept_inputs: int | None = None
@@ -335,6 +355,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
                                        L * attention * FA2_BACKWARD_WORK, stages, 0.0))
         a2a = 0.0
     total_params = L * params_layer + 2 * V * h
+    host_optimizer = cfg.optim.optimizer_cpu_offload
     # Per layer forward: two norms (read, write), two residual adds (2 reads, 1 write), rotary of q and k,
     # SwiGLU (2 reads, 1 write of [T, f]), the attention inputs and output packed for the exchange; the
     # backward touches about twice that. The loss: fp32 logits written, softmax read and written, its
@@ -351,7 +372,9 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
         attention_bwd=L * attention * FA2_BACKWARD_WORK, a2a_bytes=a2a,
         ring_bytes_fwd=ring_fwd * (L + attention_recomputed + replay_attention), ring_bytes_bwd=ring_bwd * L,
         fsdp_bytes_per_layer=fsdp, offload_bytes_per_layer=T * h * item, offloaded_layers=offloaded, layers=L,
-        launches=launches, elementwise_bytes=elementwise, optimizer_bytes=28 * total_params / max(shards, 1),
+        launches=launches, elementwise_bytes=elementwise,
+        optimizer_bytes=0.0 if host_optimizer else 28 * total_params / max(shards, 1),
+        host_optimizer_params=total_params / max(shards, 1) if host_optimizer else 0.0,
         model_flops=3 * (L * layer_gemm + head_gemm + L * attention), kept_inputs=kept, replayed_blocks=replayed,
         replay_gathers=replay_gathers, kept_attention_bytes_per_layer=kept_attention_bytes_per_gpu(cfg) if keep else 0.0,
         kept_attention_reads=reading,
@@ -482,6 +505,9 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
                     "tiling and stage overhead": w.launches * rates.launch_s})
     seconds = {k: v * micro for k, v in seconds.items()}
     seconds["optimizer"] = w.optimizer_bytes / rates.hbm_bytes
+    if w.host_optimizer_params:  # the host's step, each micro-batch's gradients down and the new weights up, exposed
+        seconds["optimizer"] += w.host_optimizer_params * (1 / rates.host_adam_params + 4 * (micro + 1)
+                                                           / rates.host_copy_bytes)
     tokens = micro * mbs * dp * cfg.data.seq_length
     full_fwd = w.attention_fwd / rates.attention_fwd_flops[family]
     full_bwd = w.attention_bwd / rates.attention_bwd_flops[family]
@@ -617,14 +643,15 @@ def calibrate_local(threads: int = 1, cache: Path | None = LOCAL_CACHE, processe
 
     key = f"threads={threads} torch={torch.__version__} {shapes.key()}"
     measured = None if refresh else _read_cache(cache, key)
-    if measured is None:
+    if measured is None or "host_adam_params" not in measured:  # a calibration from before the host optimizer
         measured = _measure_local(threads, shapes)
         _write_cache(cache, key, measured)
     cores = os.cpu_count() or 1
     rates = Rates("local", measured["gemm_flops"], {"cpu": measured["attention_fwd_flops"]},
                   {"cpu": measured["attention_bwd_flops"]}, measured["copy_bytes"], measured["copy_bytes"],
                   measured["a2a_bytes"], measured["a2a_bytes"], measured["launch_s"], measured["gemm_flops"],
-                  {"all": f"measured on this machine ({key}), cached in {cache}"})
+                  {"all": f"measured on this machine ({key}), cached in {cache}"},
+                  host_adam_params=measured["host_adam_params"])
     return rates.scaled(cores / (processes * threads))
 
 
@@ -698,10 +725,28 @@ def _measure_local(threads: int, shapes: CalibrationShapes) -> dict:
         copy = src.numel() * src.element_size() / _best_time(lambda: dst.copy_(src))
         small = torch.randn(8)
         launch = _best_time(lambda: [small.add(1) for _ in range(1000)]) / 1000
+        host_adam = _measure_host_adam()
     finally:
         torch.set_num_threads(old)
     return {"gemm_flops": gemm, "attention_fwd_flops": fwd, "attention_bwd_flops": bwd, "copy_bytes": copy,
-            "a2a_bytes": _measure_gloo_all_to_all(threads), "launch_s": launch}
+            "a2a_bytes": _measure_gloo_all_to_all(threads), "launch_s": launch, "host_adam_params": host_adam}
+
+
+def _measure_host_adam(numel: int = COPY_BYTES // 4) -> float:
+    """Parameters per second of the host optimizer's step on this machine: torch's foreach AdamW with the global
+    norm and clip, as HostAdamW runs them, over parameters past the caches."""
+    import torch
+
+    params = [torch.randn(numel // 4) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adam = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=True)
+
+    def step():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm, foreach=True)
+        adam.step()
+    return sum(p.numel() for p in params) / _best_time(step, repeats=3)
 
 
 def _measure_gloo_all_to_all(threads: int, nbytes: int = 8 << 20) -> float:

@@ -34,6 +34,7 @@ from megatron_lc.planning.standins import (
 )
 from megatron_lc.planning.tracker import TimelineAnalysis, make_tracker
 from megatron_lc.training.build import build_parallel_model, build_run_optimizer, build_sharded_model
+from megatron_lc.training.optim import HostAdamW
 from megatron_lc.training.step import step_autocast, train_step
 
 PLANNER_DEVICES = Devices(accelerator=torch.device("cpu"), host=torch.device("meta"))
@@ -68,11 +69,18 @@ def synthetic_micro_batch(cfg: TrainConfig, cp: int, device: torch.device) -> Ba
 
 def initialize_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW's state as a first step would (zero gradients, one step), then drop the gradients."""
+    initialize_gradients(model, optimizer)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def initialize_gradients(model: torch.nn.Module, optimizer) -> None:
+    """Zero gradients of every trained parameter, where the optimizer takes them."""
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+            if isinstance(optimizer, HostAdamW):  # as a backward hands it a final gradient
+                optimizer.take_gradient(p)
 
 
 def run_tracked_step(tracker, model, optimizer, micro_batches, pstate: ParallelState, devices: Devices,
@@ -87,18 +95,47 @@ def measure_real_step(cfg: TrainConfig, pstate: ParallelState, batch: Batch,
                       devices: Devices) -> tuple[TimelineAnalysis, int]:
     """One real training step of `cfg` on this rank, tracked as `trace_step` tracks a fake one.
 
-    Returns the analysed timeline and the offload scheduler's host peak (0 without offload).
-    Where host and accelerator are one device (CPU runs), the offload pool is tracked too;
-    a probe of its reserved bytes moves it from the accelerator's side to the host's.
+    Returns the analysed timeline and the host peak: the offload scheduler's, plus the host optimizer's bytes
+    (--optimizer-cpu-offload; 0 without either). Where host and accelerator are one device (CPU runs), both are
+    tracked too; a probe of their bytes moves them from the accelerator's side to the host's.
     """
     model, offload = build_sharded_model(cfg, cfg.run_spec(pstate.dims.world_size), pstate, devices)
-    optimizer = build_run_optimizer(model, cfg, fused=False)
+    optimizer = build_run_optimizer(model, cfg, devices, fused=False)
     initialize_optimizer_state(model, optimizer)
-    probe = (lambda: offload.host_bytes_reserved) if offload and devices.host == devices.accelerator else None
+    host_optimizer = optimizer.host_bytes() if isinstance(optimizer, HostAdamW) else 0
+    scratch = host_step_scratch(model, optimizer) if host_optimizer else 0
+    probe = None
+    if (offload or host_optimizer) and devices.host == devices.accelerator:
+        probe = lambda: (offload.host_bytes_reserved if offload else 0) + host_optimizer  # noqa: E731
     tracker = make_tracker(model, optimizer, probe, extra=(batch.input_ids, batch.labels, batch.position_ids))
     analysis = run_tracked_step(tracker, model, optimizer, [batch], pstate, devices, cfg.optim.clip_grad,
                                 cfg.train.bf16)
-    return analysis, offload.host_bytes_peak if offload else 0
+    if host_optimizer and devices.host == devices.accelerator:  # the host step's scratch is not the accelerator's
+        phases = {k: v for k, v in analysis.phase_peaks.items() if k != "optimizer"}
+        analysis = dataclasses.replace(analysis, peak=max(phases.values(), key=lambda p: p.total))
+    return analysis, (offload.host_bytes_peak if offload else 0) + host_optimizer + scratch
+
+
+def host_step_scratch(model: torch.nn.Module, optimizer: HostAdamW) -> int:
+    """Bytes the host optimizer's step allocates beyond what it holds (foreach AdamW's temporaries), measured by
+    MemTracker on one step of zero gradients (state and weights put back)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    saved = [{k: v.clone() for k, v in s.items()} for s in optimizer.inner.state.values()]
+    weights = [m.clone() for m in optimizer.masters]
+    initialize_gradients(model, optimizer)
+    tracker = MemTracker()
+    tracker.track_external(optimizer.inner, *optimizer.masters, *optimizer.gradient_buffers())
+    with tracker:
+        before = sum(d["Total"] for d in tracker.get_tracker_snapshot("current").values())
+        optimizer.inner.step()
+        peak = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    for state, kept in zip(optimizer.inner.state.values(), saved):
+        state.update(kept)
+    for master, kept in zip(optimizer.masters, weights):
+        master.copy_(kept)
+    optimizer.zero_grad(set_to_none=True)
+    return peak - before
 
 
 def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
@@ -126,7 +163,7 @@ def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str =
         model, offload = build_parallel_model(model_config, opts, pstate, PLANNER_DEVICES)
         with FakeTensorMode(allow_non_fake_inputs=True):
             materialize(model, PLANNER_DEVICES, cfg.train.seed)
-            optimizer = build_run_optimizer(model, cfg, fused=device == "cuda")
+            optimizer = build_run_optimizer(model, cfg, PLANNER_DEVICES, fused=device == "cuda")
             initialize_optimizer_state(model, optimizer)
             count = micro_batches_to_trace(cfg, pstate.dp_size)
             batches = [synthetic_micro_batch(cfg, pstate.cp_size, PLANNER_DEVICES.host) for _ in range(count)]

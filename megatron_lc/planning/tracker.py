@@ -32,6 +32,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from megatron_lc.training.optim import HostAdamW
+
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "communication buffers", "temporaries")
 
 # MemTracker's and FSDPMemTracker's reference types (by value) -> the planner's categories.
@@ -353,6 +355,9 @@ def make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     on the accelerator's device (offload buffers in a real CPU run); they are subtracted
     from the accelerator and counted as host. `extra` tensors are tracked from the start.
     """
+    if isinstance(optimizer, HostAdamW):  # the torch optimizer that steps, and the host tensors it steps
+        extra = (*extra, *optimizer.masters, *optimizer.gradient_buffers())
+        optimizer = optimizer.inner
     if isinstance(model, FSDPModule):
         tracker = PlannerFSDPMemTracker(model, optimizer, host_bytes_probe)
         if extra:

@@ -41,6 +41,8 @@ class OptimArgs:
     adam_beta2: float = flag(0.95, "AdamW beta2")
     adam_eps: float = flag(1e-8, "AdamW epsilon")
     clip_grad: float = flag(1.0, "clip gradients to this global L2 norm (0: off)")
+    optimizer_cpu_offload: bool = flag(False, "fp32 master weights, Adam moments and gradients in host memory, the "
+                                       "optimizer step on the host (training/optim.py HostAdamW)")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from megatron_lc.models.llama import Transformer, build_model
 from megatron_lc.models.llama.model import LlamaConfig
 from megatron_lc.models.llama.parallelize import ParallelizeOptions, materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelState
-from megatron_lc.training.optim import build_optimizer
+from megatron_lc.training.optim import HostAdamW, build_optimizer
 
 
 def build_parallel_model(model_config: LlamaConfig, opts: ParallelizeOptions, pstate: ParallelState,
@@ -31,8 +31,11 @@ def build_sharded_model(cfg: TrainConfig, spec: RunSpec, pstate: ParallelState,
     return model, offload
 
 
-def build_run_optimizer(model: torch.nn.Module, cfg: TrainConfig, fused: bool | None = None) -> torch.optim.AdamW:
-    """The run's AdamW (--lr, --weight-decay, --adam-beta1/2, --adam-eps); fused on CUDA unless `fused` says."""
+def build_run_optimizer(model: torch.nn.Module, cfg: TrainConfig, devices: Devices,
+                        fused: bool | None = None) -> torch.optim.AdamW | HostAdamW:
+    """The run's AdamW (--lr, --weight-decay, --adam-beta1/2, --adam-eps); fused on CUDA unless `fused` says; with
+    --optimizer-cpu-offload its state and step on the host (page-locked when the accelerator is CUDA)."""
     o = cfg.optim
+    host = devices.host if o.optimizer_cpu_offload else None
     return build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
-                           eps=o.adam_eps, fused=fused)
+                           eps=o.adam_eps, fused=fused, host=host, page_locked=devices.is_cuda)

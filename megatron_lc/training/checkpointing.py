@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from megatron_lc.errors import ConfigError
 from megatron_lc.parallel_state import detect_launch
+from megatron_lc.training.optim import HostAdamW
 
 LATEST = "latest_checkpointed_iteration.txt"
 META = "meta.json"
@@ -245,7 +246,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
     check_free_space(root, state_bytes(model, kept))
     state = {"model": get_model_state_dict(model)}
     if kept is not None:
-        state["optim"] = get_optimizer_state_dict(model, kept)
+        state["optim"] = optimizer_state(model, kept)
     elif optimizer is None:
         extra = {**extra, "weights_only": True}
     else:
@@ -472,11 +473,26 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> None:
     """Load model (and optimizer) shards from a checkpoint already verified (`newest_intact_checkpoint`)."""
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = optimizer_state(model, optimizer, to_load=True)
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
-    if optimizer is not None:
+    if isinstance(optimizer, HostAdamW):
+        optimizer.load_checkpoint_state(state["optim"], parameter_names(model))
+    elif optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def optimizer_state(model, optimizer, to_load: bool = False) -> dict:
+    """The optimizer's checkpoint state, in torch's layout (`get_optimizer_state_dict`) whether the optimizer is
+    resident or on the host: either resumes from the other's checkpoints."""
+    if isinstance(optimizer, HostAdamW):
+        return optimizer.checkpoint_state(parameter_names(model), empty=to_load)
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def parameter_names(model) -> dict:
+    """Each parameter's name in the model's state dict by the id of the parameter (FSDP2 keeps the names)."""
+    return {id(p): name for name, p in model.named_parameters()}
 
 
 def load_state(state: dict, path: str | Path) -> None:

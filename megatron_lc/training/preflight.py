@@ -9,6 +9,7 @@ each node against what the node lets the job use, before any page is locked.
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +21,18 @@ from megatron_lc.attention.kernels import FlashImplRefused, activate_flash_impl
 from megatron_lc.cli import check_writable
 from megatron_lc.config import TrainConfig
 from megatron_lc.errors import ConfigError
+from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.training.checkpointing import check_save_directory, checkpoint_to_load, missing_checkpoint_hint
+from megatron_lc.training.optim import HOST_STATE_BYTES_PER_PARAMETER
+
+GIB = 2**30
+LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+"""Processes on this node, as torchrun, Open MPI, MPICH and srun say it."""
 
 
-def preflight(cfg: TrainConfig) -> None:
+def preflight(cfg: TrainConfig, world_size: int = 1) -> None:
     """Each check raises a `ConfigError` naming the flag; `cfg` is validated and resolved."""
+    _check_host_share(cfg, world_size)
     _check_tokenizer(cfg)
     _check_checkpoint_dirs(cfg)
     _check_packages(cfg)
@@ -33,6 +41,42 @@ def preflight(cfg: TrainConfig) -> None:
                             ("--data-cache-path", cfg.data.data_cache_path)):
         if directory:
             check_writable(directory, name, create=False)  # the run creates them when it starts
+
+
+def host_share_bytes(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
+    """(offloaded block inputs, model states) one process keeps in host memory at least: the memory stack's host
+    slots of `[B*S/cp, hidden]` in the compute dtype, and with --optimizer-cpu-offload or --fsdp-cpu-offload its
+    shards' 16 bytes per parameter (the kept attention outputs, buffers and the process itself come on top)."""
+    model = cfg.model_config()
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
+    activations = cfg.memory_stack().host_slots(model.num_layers) * tokens * model.hidden_size * (
+        2 if cfg.train.bf16 else 4)
+    states = 0
+    if cfg.optim.optimizer_cpu_offload or cfg.parallel.fsdp_cpu_offload:
+        shards = max(1, world_size // cfg.parallel.data_parallel_replicate)
+        states = -(-count_parameters(build_model(model, device="meta")) // shards) * HOST_STATE_BYTES_PER_PARAMETER
+    return activations, states
+
+
+def _check_host_share(cfg: TrainConfig, world_size: int) -> None:
+    """The node's host share (every local process's offloaded block inputs and model states) within what the
+    job may use there (cgroup limit and MemAvailable, `read_host_memory`), or one line with the numbers; estimated
+    from the flags before any process group (`check_host_memory` weighs the arenas' exact bytes later)."""
+    activations, states = host_share_bytes(cfg, world_size)
+    memory = read_host_memory()
+    available = memory.usable()
+    if available is None or not (activations or states):
+        return
+    local = next((int(os.environ[v]) for v in LOCAL_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), 1)
+    need = local * (activations + states)
+    if need > available:
+        raise ConfigError(
+            f"host memory: {local} process(es) on this node keep {need / GIB:,.1f} GiB on the host "
+            f"({local} x ({activations / GIB:,.1f} GiB of offloaded block inputs + {states / GIB:,.1f} GiB of model "
+            f"states)), more than the {available / GIB:,.1f} GiB this job may use there ({memory.describe()}): more "
+            "GPUs, a larger "
+            "--context-parallel-size, --offload-every-k-layers, or a shorter --seq-length "
+            "(python tools/estimate_memory.py plans it)")
 
 
 def _check_tokenizer(cfg: TrainConfig) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lc.parallel_state import ParallelState
-from megatron_lc.training.optim import clip_grad_norm
+from megatron_lc.training.optim import HostAdamW, clip_grad_norm
 
 IGNORE_INDEX = -100
 
@@ -67,7 +67,10 @@ def train_step(model, optimizer, micro_batches: Sequence, pstate: ParallelState,
                clip_grad: float | None = 1.0, may_step: Callable[[StepResult], bool] | None = None) -> StepResult:
     """forward_backward, clip by the global norm, optimizer step (unless `may_step` says no), zero grads."""
     result = forward_backward(model, micro_batches, pstate, device)
-    result.grad_norm = clip_grad_norm(model.parameters(), clip_grad)
+    if isinstance(optimizer, HostAdamW):  # the gradients are on the host already
+        result.grad_norm = optimizer.clip_grad_norm(clip_grad, device)
+    else:
+        result.grad_norm = clip_grad_norm(model.parameters(), clip_grad)
     if may_step is None or may_step(result):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

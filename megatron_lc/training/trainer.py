@@ -110,7 +110,7 @@ def build_run(cfg: TrainConfig) -> Run:
     show_library_log(launch.local_rank == 0)  # e.g. page-locking progress, once per node
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
     cfg = cfg.resolved(launch.world_size)  # --train-samples, --data-args-path, ... filled in
-    preflight(cfg)  # what the run needs of this machine's disks, packages and devices
+    preflight(cfg, launch.world_size)  # what the run needs of this machine's disks, packages, devices and host memory
     tokenizer_spec = cfg.tokenizer_spec()
     tokenizer = tokenizer_spec.build() if tokenizer_spec else None
     eod = tokenizer.eod if tokenizer else None
@@ -131,7 +131,7 @@ def build_run(cfg: TrainConfig) -> Run:
         check_host_memory(offload.reserve_bytes(block, block_dtype),
                           "the offloaded block inputs (--offload-activations)")
         offload.reserve(block, block_dtype)
-    optimizer = build_run_optimizer(model, cfg)
+    optimizer = build_run_optimizer(model, cfg, devices)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg, launch.world_size), offload,
                loader, valid_source, eod, accumulation, test_source=test_source, eval_loaders=eval_loaders)

@@ -474,7 +474,7 @@ def _measure_step(cfg, world_size: int, s: Sizes) -> dict:
     devices = Devices(torch.device(s.device), torch.device("cpu"))
     pstate = ParallelState(parallel_dims(cfg, world_size), device_type=s.device)
     model, offload = build_sharded_model(cfg, cfg.run_spec(pstate.dims.world_size), pstate, devices)
-    optimizer = build_run_optimizer(model, cfg, fused=s.device == "cuda")
+    optimizer = build_run_optimizer(model, cfg, devices, fused=s.device == "cuda")
     initialize_optimizer_state(model, optimizer)
     batch = synthetic_batch(cfg, pstate)
     for _ in range(s.steps - 1):  # warm-up: kernels chosen, allocator and host memory in place

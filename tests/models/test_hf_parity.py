@@ -15,6 +15,10 @@ CASES = {
     "tied": ("debug-tied", {}),
     "rope-scaling": ("debug", {"rope_scaling": RopeScaling(factor=4.0, original_max_position_embeddings=64)}),
     "mha-wide-heads": ("debug", {"num_query_groups": 8, "kv_channels": 32}),
+    # llama3-70b scaled down: its 64 heads over 8 kv heads, its ffn/hidden ratio (3.5) and its llama3 rope scaling
+    # (factor 8, low 1, high 4, over 8192 original positions), 2 layers, head dim 8, a 512-token vocabulary.
+    "llama3-70b-scaled": ("llama3-70b", {"hidden_size": 512, "num_layers": 2, "kv_channels": 8,
+                                         "ffn_hidden_size": 1792, "vocab_size": 512}),
 }
 
 
@@ -93,3 +97,20 @@ def test_each_rope_scaling_converts_both_ways_and_gives_transformers_logits(scal
     ids = torch.randint(0, 512, (1, 300), generator=torch.Generator().manual_seed(3))  # past 64/128 positions
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+
+def test_llama3_70b_exports_llama_3_1_70b_config():
+    """The fields of meta-llama/Llama-3.1-70B's config.json that fix the model, as an export writes them."""
+    from megatron_lc.training.hf_conversion import loader_compatible_fields
+
+    config = get_config("llama3-70b")
+    hf = to_hf_config(config)
+    written = {**hf.to_dict(), **loader_compatible_fields(config)}
+    published = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+                 "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                 "max_position_embeddings": 131072, "tie_word_embeddings": False,
+                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    assert {k: written[k] for k in published} == published
+    assert from_hf_config(hf) == config

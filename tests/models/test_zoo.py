@@ -9,6 +9,7 @@ PUBLISHED_COUNTS = {
     "llama3-3b": 3_212_749_824,
     "llama3-8b": 8_030_261_248,
     "llama-32b": 32_519_623_680,
+    "llama3-70b": 70_553_706_496,  # Llama-3.1-70B's safetensors index total_size / 2 (bf16)
 }
 
 
@@ -56,3 +57,13 @@ def test_kv_channels_follow_hidden_size_and_heads_unless_given():
     assert get_config("llama3-8b", num_attention_heads=16).kv_channels == 256
     assert get_config("debug", hidden_size=128, kv_channels=8).kv_channels == 8
     assert get_config("debug", num_layers=1).kv_channels == 16  # the flavour's own
+
+
+def test_llama3_70b_is_llama_3_1_70b_with_its_rope_scaling():
+    c = get_config("llama3-70b")
+    assert (c.hidden_size, c.num_layers, c.num_attention_heads, c.num_query_groups, c.kv_channels,
+            c.ffn_hidden_size, c.vocab_size, c.rotary_base, c.tie_embeddings) == (
+        8192, 80, 64, 8, 128, 28672, 128256, 500000.0, False)
+    s = c.rope_scaling
+    assert (s.rope_type, s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings) == (
+        "llama3", 8.0, 1.0, 4.0, 8192)

@@ -63,7 +63,11 @@ DISTRIBUTED["untied-cp4-lean-full-stack"] = dict(context_parallel_size=4, cp_imp
 DISTRIBUTED["untied-2x2-ring-lean-full-stack"] = dict(context_parallel_size=4, cp_impl="untied_ulysses",
                                                       cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2],
                                                       untied_backward="lean", ring_kv_grads="in_place", **FULL_STACK)
+# The optimizer on the host: master weights, moments and gradients leave the accelerator's peak for the host's.
+DISTRIBUTED["fsdp-cp2-full-stack-optimizer-on-the-host"] = dict(context_parallel_size=2, optimizer_cpu_offload=True,
+                                                                **FULL_STACK)
 SINGLE = {"one-rank": {}, "one-rank-full-stack": dict(FULL_STACK),
+          "one-rank-optimizer-on-the-host": dict(optimizer_cpu_offload=True),
           # Kept attention outputs and lse: offloaded with the block inputs (host bytes about double), or on the GPU.
           "one-rank-full-stack-kept-attention": dict(FULL_STACK, keep_attention_output=True),
           "one-rank-kept-attention-on-the-gpu": dict(recompute_granularity="full", keep_attention_output=True),

@@ -117,7 +117,7 @@ def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, 
     def measure(threads, shapes):
         calls.append(threads)
         return {"gemm_flops": 1e10, "attention_fwd_flops": 2e9, "attention_bwd_flops": 1e9, "copy_bytes": 1e9,
-                "a2a_bytes": 3e8, "launch_s": 1e-5}
+                "a2a_bytes": 3e8, "launch_s": 1e-5, "host_adam_params": 5e7}
 
     monkeypatch.setattr(timing, "_measure_local", measure)
     monkeypatch.setattr(timing.os, "cpu_count", lambda: 2)
@@ -382,3 +382,23 @@ def test_replays_reading_kept_attention_bring_upipes_lengths_near_the_floor(leng
     fast = predict(parse_config([*base, *SPARSE_REPLAYING]), 8, H100, family="fa3")
     assert 0.99 <= default.step_s / published <= 1.06
     assert fast.step_s <= 0.85 * published and fast.step_s <= over_floor * fast.floor_s
+
+
+def test_the_host_optimizer_step_is_priced_at_the_hosts_rate_with_its_copies():
+    """--optimizer-cpu-offload: the GPU's AdamW pass goes; the host's step over this rank's shard and the copies of
+    each micro-batch's gradients down and the new weights up come, exposed (2 micro-batches here)."""
+    flags = ["--global-batch-size", "2"]
+    resident, host = predict(_cfg(*flags), 8, H100), predict(_cfg(*flags, "--optimizer-cpu-offload"), 8, H100)
+    shard = step_work(_cfg(*flags), 8).optimizer_bytes / 28
+    expected = shard / H100.host_adam_params + shard * 4 * (2 + 1) / H100.host_copy_bytes
+    assert host.seconds["optimizer"] == pytest.approx(expected, rel=1e-9)
+    assert resident.seconds["optimizer"] == pytest.approx(shard * 28 / H100.hbm_bytes, rel=1e-9)
+    assert {k: v for k, v in host.seconds.items() if k != "optimizer"} == {
+        k: v for k, v in resident.seconds.items() if k != "optimizer"}
+    assert "Xeon Platinum 8480C" in H100.sources["host_adam_params"]
+
+
+def test_the_local_calibration_measures_the_host_optimizer_step():
+    torch.set_num_threads(1)
+    rate = timing._measure_host_adam(numel=1 << 20)
+    assert 1e5 < rate < 1e11  # parameters per second of one thread

@@ -35,6 +35,7 @@ RECIPES = [
     ("examples/pretrain_llama_7m.sh", [], 8),
     ("examples/slurm/pretrain_llama_8m_2nodes.sbatch", [], 16),
     ("examples/slurm/pretrain_llama_8m_2nodes_torchrun.sbatch", [], 16),
+    ("examples/pretrain_llama_70b.sh", [], 32),
     ("examples/mpirun_pretrain.sh", ["hosts"], 8),
 ]
 SLURM_JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}
@@ -213,3 +214,11 @@ def test_the_chat_fine_tuning_recipe_packs_1m_token_samples_and_evaluates_the_sa
     assert (evaluated.packing, evaluated.split, evaluated.split_part, evaluated.seq_length) == \
         ("documents", cfg.data.split, "valid", cfg.data.seq_length)
     assert launches[-1][0].endswith("convert_to_hf.py")
+
+
+def test_70b_recipe_launches_4_nodes_of_8_with_a_rendezvous(tmp_path):
+    argv = _recorded_launch("examples/pretrain_llama_70b.sh", ["corpus", "tokenizer.model", str(tmp_path / "c")],
+                            tmp_path, {"MASTER_ADDR": "node0"})["argv"]
+    launcher = argv[:argv.index("-m")]
+    assert launcher[launcher.index("--nnodes") + 1] == "4" and launcher[launcher.index("--nproc-per-node") + 1] == "8"
+    assert launcher[launcher.index("--rdzv-endpoint") + 1] == "node0:29500"

@@ -25,6 +25,10 @@ FLAVOURS: dict[str, LlamaConfig] = {
     "llama3-8b": LlamaConfig(vocab_size=LLAMA3_VOCAB, hidden_size=4096, num_layers=32, num_attention_heads=32,
                              num_query_groups=8, kv_channels=128, ffn_hidden_size=14336,
                              rope_scaling=RopeScaling(factor=8.0)),
+    # Llama 3.1 70B.
+    "llama3-70b": LlamaConfig(vocab_size=LLAMA3_VOCAB, hidden_size=8192, num_layers=80, num_attention_heads=64,
+                              num_query_groups=8, kv_channels=128, ffn_hidden_size=28672,
+                              rope_scaling=RopeScaling(factor=8.0)),
     # The 32B shape used in the Untied Ulysses evaluation.
     "llama-32b": LlamaConfig(vocab_size=LLAMA3_VOCAB, hidden_size=5120, num_layers=64, num_attention_heads=64,
                              num_query_groups=8, kv_channels=128, ffn_hidden_size=25600),
