@@ -40,21 +40,43 @@ run() {  # one process per GPU under torchrun, or a single process
     fi
 }
 
+source "$(dirname "$0")/nccl_settings.sh"
+source "$(dirname "$0")/resume_status.sh"
+
+# Re-runnable: run it again after any interruption; the preprocessing and the conversion are not redone, and
+# training goes on from WORK/ckpt once it holds a checkpoint (--finetune only starts it from the converted
+# weights). When training stops to be resumed (a signal, a time limit: exit status 3), the script stops with 3.
 mkdir -p "$WORK/data"
-# Each conversation's ids are exactly the tokenizer's apply_chat_template(messages); the loss mask beside them
-# (DATA_loss_mask) keeps the assistant's turns only.
-python tools/preprocess_data.py --input "$CHAT" --output-prefix "$WORK/data/sft" --json-keys messages \
-    --chat-template hf --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_DIR" --workers "$WORKERS"
 DATA="$WORK/data/sft_messages_document"
-python tools/checkpoint/convert_from_hf.py --load "$HF_DIR" --save "$WORK/converted"
+if [ ! -f "$DATA.idx" ]; then
+    # Each conversation's ids are exactly the tokenizer's apply_chat_template(messages); the loss mask beside
+    # them (DATA_loss_mask) keeps the assistant's turns only.
+    python tools/preprocess_data.py --input "$CHAT" --output-prefix "$WORK/data/sft" --json-keys messages \
+        --chat-template hf --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_DIR" --workers "$WORKERS"
+fi
+if [ ! -f "$WORK/converted/latest_checkpointed_iteration.txt" ]; then
+    python tools/checkpoint/convert_from_hf.py --load "$HF_DIR" --save "$WORK/converted"
+fi
+if [ -f "$WORK/ckpt/latest_checkpointed_iteration.txt" ]; then
+    FROM=(--load "$WORK/ckpt")  # this run's own progress
+else
+    FROM=(--load "$WORK/converted" --finetune)  # the converted weights, a new optimizer, schedule, data position
+fi
 
 COMMON=(--data-path "$DATA" --split 98,2,0 --seq-length "$SEQ_LENGTH" --packing documents
         --long-documents "$LONG_DOCUMENTS" --context-parallel-size "$CP")
-run megatron_lc.train --load "$WORK/converted" --use-checkpoint-args --finetune "${COMMON[@]}" \
+before_launch "$WORK/ckpt"
+status=0
+run megatron_lc.train "${FROM[@]}" --use-checkpoint-args "${COMMON[@]}" \
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_DIR" --micro-batch-size 1 "${MEMORY[@]}" \
     --train-iters "$STEPS" --lr 1e-5 --min-lr 1e-6 --lr-warmup-fraction 0.03 --weight-decay 0.0 --clip-grad 1.0 \
-    --eval-interval 100 --eval-iters 10 --save "$WORK/ckpt" --save-interval 100 --exit-signal-handler \
-    --data-cache-path "$WORK/data/cache" --log-dir "$WORK/logs" "$@"
+    --eval-interval 100 --eval-iters 10 --save "$WORK/ckpt" --save-interval 100 --save-interval-minutes 120 \
+    --exit-signal-handler --data-cache-path "$WORK/data/cache" --log-dir "$WORK/logs" "$@" || status=$?
+if stopped_to_resume "$status" "$WORK/ckpt"; then
+    echo "fine-tuning stopped to be resumed: run this script again to go on"
+    exit "$RESUME_STATUS"
+fi
+[ "$status" -eq 0 ] || exit "$status"
 # The validation part's assistant-only loss, as training computed it (one JSON line).
 run megatron_lc.evaluate --load "$WORK/ckpt" "${COMMON[@]}" --split-part valid --cp-impl untied_ulysses \
     | tee "$WORK/eval_valid.json"

@@ -195,18 +195,20 @@ def test_the_extension_recipe_resets_positions_with_attention_at_every_stage(tmp
 
 def test_the_chat_fine_tuning_recipe_packs_1m_token_samples_and_evaluates_the_same_part(tmp_path):
     work = tmp_path / "w"
-    (work / "data").mkdir(parents=True)
     data = work / "data" / "sft_messages_document"
-    for suffix in (".bin", ".idx"):
-        Path(f"{data}{suffix}").write_bytes(b"")
-    launches = _recorded_launches("examples/sft_llama3_8b_long.sh", ["Llama-3.1-8B-Instruct", "chat.jsonl", str(work)],
-                                  tmp_path)
+    args = ["Llama-3.1-8B-Instruct", "chat.jsonl", str(work)]
+    _, commands = _run_recipe("examples/sft_llama3_8b_long.sh", args, tmp_path)
+    launches = [c["argv"] for c in commands]
     preprocess = next(argv for argv in launches if argv[0].endswith("preprocess_data.py"))
     assert preprocess[preprocess.index("--json-keys") + 1] == "messages" and "--chat-template" in preprocess
+    assert any(argv[0].endswith("convert_from_hf.py") for argv in launches)
+    for suffix in (".bin", ".idx"):
+        Path(f"{data}{suffix}").write_bytes(b"")
     (train,) = _module_args(launches, "megatron_lc.train")
     cfg = _validated(train + ["--model", "llama3-8b"], 8, data)
     assert cfg.packing.packing == "documents" and cfg.data.seq_length == 1_048_576 and cfg.checkpoint.finetune
     assert cfg.parallel.context_parallel_size == 8 and cfg.train.bf16 and cfg.checkpoint.save
+    assert cfg.checkpoint.save_interval_minutes
     (evaluate,) = _module_args(launches, "megatron_lc.evaluate")
     from megatron_lc.evaluate import build_parser
 
@@ -214,6 +216,27 @@ def test_the_chat_fine_tuning_recipe_packs_1m_token_samples_and_evaluates_the_sa
     assert (evaluated.packing, evaluated.split, evaluated.split_part, evaluated.seq_length) == \
         ("documents", cfg.data.split, "valid", cfg.data.seq_length)
     assert launches[-1][0].endswith("convert_to_hf.py")
+
+
+def test_the_chat_fine_tuning_recipe_run_again_resumes_its_own_progress_and_stops_to_be_resumed(tmp_path):
+    work = tmp_path / "w"
+    data = work / "data" / "sft_messages_document"
+    data.parent.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        Path(f"{data}{suffix}").write_bytes(b"")
+    for done in ("converted", "ckpt"):
+        (work / done).mkdir()
+        (work / done / "latest_checkpointed_iteration.txt").write_text("40")
+    args = ["Llama-3.1-8B-Instruct", "chat.jsonl", str(work)]
+    _, commands = _run_recipe("examples/sft_llama3_8b_long.sh", args, tmp_path)
+    launches = [c["argv"] for c in commands]
+    assert not any(argv[0].endswith(("preprocess_data.py", "convert_from_hf.py")) for argv in launches)
+    (train,) = _module_args(launches, "megatron_lc.train")
+    assert train[train.index("--load") + 1] == str(work / "ckpt") and "--finetune" not in train
+    stopped = work / "ckpt" / "stopped_to_resume.json"
+    _, commands = _run_recipe("examples/sft_llama3_8b_long.sh", args, tmp_path,
+                              {"FAKE_EXIT_TORCHRUN": "1", "FAKE_STOPPED": str(stopped)}, status=3)
+    assert not _module_args([c["argv"] for c in commands], "megatron_lc.evaluate")  # stopped, not moved on
 
 
 def test_70b_recipe_launches_4_nodes_of_8_with_a_rendezvous(tmp_path):
