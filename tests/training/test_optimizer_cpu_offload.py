@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from megatron_lc.config import parse_config
+from megatron_lc.arguments import parse_config
 from megatron_lc.errors import ConfigError
 from megatron_lc.training import checkpointing
 from megatron_lc.training.optim import HostAdamW
