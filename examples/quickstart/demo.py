@@ -12,6 +12,10 @@
               whose first half is on the other rank is the model reading context across ranks
               (torchrun -m megatron_lc.evaluate; a PNG plot of loss by position)
 6. convert    to Hugging Face, load with transformers, continue a repeated passage
+7. chat       a chat fine-tune: conversations (OpenAI `messages`) rendered by a tokenizer's own chat
+              template with an assistant-only loss mask (tools/preprocess_data.py --chat-template hf),
+              whole conversations packed into samples (--packing documents), cp=2 ring attention;
+              exported to Hugging Face and answered by transformers' generate() through the template
 
 Each step is the command a user would type; it is printed before it runs.
 """
@@ -114,6 +118,47 @@ def plot_loss_by_position(result: dict, seq_length: int, png: Path) -> None:
     fig.savefig(png, dpi=120)
 
 
+CHAT_WORDS = ("red", "green", "blue", "black", "white", "north", "south", "east", "west", "cat", "dog", "fish")
+
+
+def write_chat_corpus(work: Path, count: int = 400) -> Path:
+    """Conversations whose assistant repeats the user's words in reverse order: only the assistant's turns are
+    trained on, so what the model learns is to answer, not to write user turns."""
+    rng = random.Random(3)
+    path = work / "chat.jsonl"
+    with path.open("w") as f:
+        for _ in range(count):
+            words = [rng.choice(CHAT_WORDS) for _ in range(rng.randint(2, 4))]
+            messages = [{"role": "system", "content": "Reverse the words."},
+                        {"role": "user", "content": " ".join(words)},
+                        {"role": "assistant", "content": " ".join(reversed(words))}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def chat_fine_tune(work: Path, py: str, iters: int) -> None:
+    """Step 7: chat data -> ids and a loss mask -> packed training under cp 2 ring -> Hugging Face -> generate."""
+    from megatron_lc.testing import write_chat_tokenizer
+
+    chat = write_chat_corpus(work)
+    tokenizer = write_chat_tokenizer(work / "chat_tokenizer", [" ".join(CHAT_WORDS) * 4, "Reverse the words."] * 50,
+                                     vocab_size=400)
+    tok = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer)]
+    print(run([py, "tools/preprocess_data.py", "--input", str(chat), "--output-prefix", str(work / "chat"),
+               "--json-keys", "messages", "--chat-template", "hf", *tok, "--workers", "1",
+               "--no-progress"]).strip().splitlines()[-1])
+    ckpt, logs = work / "chat_checkpoints", work / "chat_logs"
+    print(run([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={free_port()}",
+               "-m", "megatron_lc.train", "--model", "debug", *tok, "--data-path", str(work / "chat_messages_document"),
+               "--split", "100,0,0", "--packing", "documents", "--seq-length", "256", "--micro-batch-size", "4",
+               "--context-parallel-size", "2", "--cp-comm-type", "p2p", "--train-iters", str(iters),
+               "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "5", "--weight-decay", "0.0",
+               "--log-interval", "50", "--save", str(ckpt), "--log-dir", str(logs), "--device", "cpu"]))
+    hf_dir = work / "hf_chat"
+    run([py, "tools/checkpoint/convert_to_hf.py", "--load", str(ckpt), "--save", str(hf_dir)])
+    print(run([py, str(REPO / "examples/quickstart/generate.py"), str(hf_dir), "blue cat north", "--chat"]))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,6 +170,7 @@ def main() -> None:
     p.add_argument("--work-dir", default="runs/demo", help="where everything is written")
     p.add_argument("--train-iters", type=int, default=1000)
     p.add_argument("--seq-length", type=int, default=512)
+    p.add_argument("--chat-iters", type=int, default=400, help="steps of the chat fine-tune (step 7)")
     args = p.parse_args()
     start = time.time()
     work = (REPO / args.work_dir).resolve()
@@ -186,6 +232,7 @@ def main() -> None:
          "--tokenizer-model", str(work / "spm.model"), "--dtype", "float32"])
     passage = random_passages(1, seed=2)[0]
     print(run([py, str(REPO / "examples/quickstart/generate.py"), str(hf_dir), passage + " " + passage[:21]]))
+    chat_fine_tune(work, py, args.chat_iters)
     print(f"demo finished in {time.time() - start:.0f} s; everything is under {work}")
 
 

@@ -6,10 +6,14 @@ import torch
 import transformers
 
 
-def main(model_dir: str, prompt: str, new_tokens: int = 24) -> None:
+def main(model_dir: str, prompt: str, new_tokens: int = 24, chat: bool = False) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if chat:  # the prompt as a user turn, rendered by the tokenizer's own chat template
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     print(f"transformers loaded {type(model).__name__} from {model_dir}")
@@ -17,4 +21,6 @@ def main(model_dir: str, prompt: str, new_tokens: int = 24) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "The ")
+    chat = "--chat" in sys.argv[1:]  # generate.py MODEL_DIR PROMPT [--chat]
+    words = [a for a in sys.argv[1:] if a != "--chat"]
+    main(words[0], words[1] if len(words) > 1 else "The ", chat=chat)

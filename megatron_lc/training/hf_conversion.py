@@ -251,8 +251,11 @@ def _fast_tokenizer(tokenizer_type: str, tokenizer_model: str, ids: SpecialIds, 
         from tokenizers import Tokenizer as RustTokenizer
 
         rust = RustTokenizer.from_file(str(file))
-        return transformers.PreTrainedTokenizerFast(tokenizer_object=rust, bos_token=token(rust, ids.bos),
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=rust, bos_token=token(rust, ids.bos),
                                                     eos_token=token(rust, ids.eos))
+        if src.is_dir():  # the chat template travels with the tokenizer, as fine-tuned chat models need it
+            fast.chat_template = transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True).chat_template
+        return fast
     if tokenizer_type == "TikTokenizer":
         from transformers.convert_slow_tokenizer import TikTokenConverter
 

@@ -74,3 +74,19 @@ def test_export_ships_a_native_tokenizer_and_generate_stops_at_the_eod(tmp_path,
     out = model.generate(prompt, max_new_tokens=12, do_sample=False,
                          logits_processor=transformers.LogitsProcessorList([_EndAfter(prompt.shape[1], 3, ours.eod)]))
     assert out.shape[1] == prompt.shape[1] + 4 and out[0, -1].item() == ours.eod  # 3 tokens, then the EOD: stopped
+
+
+def test_a_chat_tokenizers_template_travels_with_the_export(tmp_path):
+    """A fine-tuned chat model is used through its chat template: the export renders conversations exactly as
+    the tokenizer it was trained with."""
+    from megatron_lc.testing import write_chat_tokenizer
+    from megatron_lc.training.hf_conversion import save_tokenizer
+
+    source = write_chat_tokenizer(tmp_path / "tok", ["red green blue north south"] * 20, vocab_size=300)
+    save_tokenizer(str(source), str(tmp_path / "out"), "HuggingFaceTokenizer")
+    messages = [{"role": "system", "content": "Reverse."}, {"role": "user", "content": "red blue"}]
+    theirs = transformers.AutoTokenizer.from_pretrained(str(source))
+    ours = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert ours.chat_template == theirs.chat_template
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == \
+        theirs.apply_chat_template(messages, add_generation_prompt=True)
