@@ -8,7 +8,8 @@ from collections.abc import Mapping
 import torch
 
 from megatron_lc.attention.context_parallel import CP_IMPLS
-from megatron_lc.attention.kernels import Kernel, select_kernel
+from megatron_lc.attention.kernel_selection import select_kernel
+from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.local import LocalAttention
 from megatron_lc.attention.ring import RingAttention
 from megatron_lc.attention.ulysses import UlyssesAttention, check_ulysses_shapes

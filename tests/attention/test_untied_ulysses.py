@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lc.attention.kernels import select_kernel
+from megatron_lc.attention.kernel_selection import select_kernel
 from megatron_lc.attention.local import LocalAttention
 from megatron_lc.attention.registry import CP_IMPLS, build_attention_backend
 from megatron_lc.attention.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
