@@ -42,10 +42,8 @@ from bench.common import time_alternately  # noqa: E402
 from megatron_lc.attention.kernel_selection import select_kernel  # noqa: E402
 from megatron_lc.attention.kernels import Kernel  # noqa: E402
 from megatron_lc.attention.ulysses import UlyssesAttention
-from megatron_lc.attention.untied_ulysses import (
-    UntiedUlyssesAttention,
-    check_untied_shapes,
-)
+from megatron_lc.attention.untied_plan import check_untied_shapes  # noqa: E402
+from megatron_lc.attention.untied_ulysses import UntiedUlyssesAttention  # noqa: E402
 
 MIB = 1 << 20
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

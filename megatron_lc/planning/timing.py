@@ -59,7 +59,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_lc.attention.untied_ulysses import StagePlan
+from megatron_lc.attention.untied_plan import StagePlan
 from megatron_lc.config import TrainConfig
 from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.devices import PEAK_DENSE_BF16_FLOPS
