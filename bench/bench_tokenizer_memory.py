@@ -125,7 +125,7 @@ def measure(tokenizer_type: str, build: dict, chars: int, how: str = "whole") ->
     import numpy as np
 
     from megatron_lc.data.indexed_dataset import optimal_dtype
-    from megatron_lc.data.preprocess import encode_documents
+    from megatron_lc.data.encode import encode_documents
     from megatron_lc.data.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer(tokenizer_type, build.get("tokenizer_model"), vocab_file=build.get("vocab_file"),

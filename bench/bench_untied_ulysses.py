@@ -39,12 +39,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from bench.common import time_alternately  # noqa: E402
-from megatron_lc.attention.kernels import Kernel, select_kernel  # noqa: E402
+from megatron_lc.attention.kernel_selection import select_kernel  # noqa: E402
+from megatron_lc.attention.kernels import Kernel  # noqa: E402
 from megatron_lc.attention.ulysses import UlyssesAttention
-from megatron_lc.attention.untied_ulysses import (
-    UntiedUlyssesAttention,
-    check_untied_shapes,
-)
+from megatron_lc.attention.untied_plan import check_untied_shapes  # noqa: E402
+from megatron_lc.attention.untied_ulysses import UntiedUlyssesAttention  # noqa: E402
 
 MIB = 1 << 20
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -191,12 +191,12 @@ class TrainConfig:
                                          p.hierarchical_context_parallel_sizes)
 
     def attention_call(self):
-        """The largest attention kernel call of this run (`attention.kernels.AttentionCall`): a micro-batch's
+        """The largest attention kernel call of this run (`attention.flash_impl.AttentionCall`): a micro-batch's
         sequences, whole after the all-to-all, a ring's share with one; one document per sample (with
         --reset-attention-mask, the documents of a sample are not known before the data: one is assumed)."""
         import torch
 
-        from megatron_lc.attention.kernels import AttentionCall
+        from megatron_lc.attention.flash_impl import AttentionCall
 
         c = self.model_config()
         return AttentionCall(self.data.micro_batch_size * self.data.seq_length // self.context_layout().ring_size,

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from megatron_lc.data.preprocess import main  # noqa: E402
+from megatron_lc.data.preprocess_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

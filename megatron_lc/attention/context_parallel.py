@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 from megatron_lc.attention.ulysses import check_ulysses_shapes
 from megatron_lc.attention.ring import RING_KV_GRADS, RingKvGrads
-from megatron_lc.attention.untied_ulysses import BACKWARD_MEMORY, BackwardMemory, check_untied_shapes
+from megatron_lc.attention.untied_plan import BACKWARD_MEMORY, BackwardMemory, check_untied_shapes
 from megatron_lc.context_layout import CP_COMM_TYPES, ContextLayout
 from megatron_lc.errors import ConfigError
 from megatron_lc.flags import flag, flag_list

@@ -22,11 +22,11 @@ attention calls it with the out and lse merged over every key block.
 `state` is a tuple of the tensors the forward returned that its backward needs (the rng
 state of the flash kernels), () for the others.
 
-Implementations, chosen by `select_kernel`:
+Implementations, chosen by `kernel_selection.select_kernel`:
 - `flash_attn`: flash-attn's varlen kernels (CUDA, flash-attn >= 2.7 importable; fp16/bf16).
 - `sdpa_flash`: torch's own flash kernels, variable-length (CUDA; fp16/bf16).
 - `sdpa_efficient`: torch's memory-efficient kernels, variable-length (CUDA; fp32 too), in
-  calls whose backward workspace stays within about twice the tokens (`kernel_calls`).
+  calls whose backward workspace stays within about twice the tokens (`varlen.kernel_calls`).
 - `cpu_flash`: torch's CPU flash kernel, one call per segment.
 - `reference`: blockwise online softmax in plain PyTorch, O(T) memory; tests the others.
 
@@ -41,17 +41,27 @@ The private aten operators used by the torch kernels are wrapped here and only h
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import warnings
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import torch
 
+from megatron_lc.attention.varlen import (
+    CuSeqlens,
+    KernelCall,
+    backward_calls,
+    checked_kernel_calls,
+    device_cu_seqlens,
+    forward_calls,
+    max_seqlen,
+    segment_pairs,
+    segments,
+    state_per_call,
+    varlen_args,
+)
 from megatron_lc.memory import kept_attention
-
-CuSeqlens = Sequence[int]
 
 FLASH_ATTN_MIN_VERSION = (2, 7)
 """The private `_flash_attn_varlen_*` signatures used below are those of flash-attn 2.7 and later."""
@@ -68,7 +78,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
@@ -81,7 +91,7 @@ def _import_flash_attn():
     except ModuleNotFoundError:  # pragma: no cover - depends on the machine
         return None, "flash-attn is not installed (pip install 'megatron_lc[gpu]')"
     except Exception as e:  # a build for another torch or CUDA: undefined symbols, a failing extension
-        problem = f"flash-attn is installed but cannot be imported ({_first_line(e)})"
+        problem = f"flash-attn is installed but cannot be imported ({first_line(e)})"
         warnings.warn(problem + "; 'auto' uses torch's kernels instead", stacklevel=2)
         return None, problem
     version = getattr(flash_attn, "__version__", "0")
@@ -103,34 +113,6 @@ class Kernel(NamedTuple):
     name: str
     forward: Callable
     backward: Callable
-
-
-def segments(cu_seqlens: CuSeqlens) -> list[tuple[int, int]]:
-    """(start, end) of each non-empty segment."""
-    return [(a, b) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
-
-
-def segment_pairs(cu_q: CuSeqlens, cu_k: CuSeqlens | None, causal: bool) -> list[tuple[int, int, int, int]]:
-    """(q start, q end, k start, k end) of each segment with queries and keys.
-
-    `cu_k` None: keys are the queries' own tokens. Causal attention between different
-    token sets is refused: where its diagonal lies would be a guess.
-    """
-    if cu_k is None:
-        return [(a, b, a, b) for a, b in segments(cu_q)]
-    if causal:
-        raise ValueError("causal attention takes one cu_seqlens for q and k; pass causal=False with cu_seqlens_k")
-    if len(cu_k) != len(cu_q):
-        raise ValueError(f"cu_seqlens_k has {len(cu_k) - 1} segments, cu_seqlens {len(cu_q) - 1}")
-    return [(a, b, c, d) for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]) if b > a and d > c]
-
-
-def check_cu_seqlens(cu_seqlens: CuSeqlens, num_tokens: int) -> None:
-    """cu_seqlens must start at 0, end at the token count and never decrease."""
-    if len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_tokens:
-        raise ValueError(f"cu_seqlens must run from 0 to {num_tokens}, got {tuple(cu_seqlens)[:8]}...")
-    if any(b < a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])):
-        raise ValueError("cu_seqlens must be non-decreasing")
 
 
 def _softmax_scale(head_dim: int, scale: float | None) -> float:
@@ -273,7 +255,7 @@ def reference_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()
 # - the flash backward reads logsumexp as a dense [heads, total] array, unchecked;
 # - the memory-efficient backward reads `out` with rows heads * d apart whatever its strides
 #   (`o_strideM()`), unchecked; its host code copies only a strided grad_out;
-# - CUDA grids hold at most 65,535 blocks in y and z, where the segments go (see `kernel_calls`).
+# - CUDA grids hold at most 65,535 blocks in y and z, where the segments go (see `varlen.kernel_calls`).
 # The wrappers below hand every operator its inputs in that form, copying only what is not.
 
 TORCH_OPS = {
@@ -290,11 +272,6 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 NO_MASK, CAUSAL_FROM_TOP_LEFT = 0, 1
 """`custom_mask_type` of the memory-efficient kernels: none; causal, each segment from its first token."""
 
-MAX_SEGMENTS_PER_CALL = 65_535
-"""Segments one variable-length call may take: flash-attention 2 launches one block row per segment
-in gridDim.y, the memory-efficient kernels in gridDim.z, and CUDA caps both at 65,535 (flash-attn
-issue #1786); more fail to launch."""
-
 EFFICIENT_TILE_ROWS = 128
 """Query rows of the memory-efficient backward's dq tiles (`kBlockSizeI`, the largest of torch's sm80
 kernels): its fp32 dq workspace holds, for every segment and head of a call, the call's longest segment
@@ -306,148 +283,10 @@ within twice the micro-batch's tokens, or 8,192 rows for small micro-batches. On
 of which one is 16K tokens long would hold 200 x 16K rows for 64K tokens (54 GB in fp32 at 32 heads of
 128), and 64K one-token documents a 128-row tile each (68 GB)."""
 
-_DEVICE_CU_SEQLENS: dict[tuple[torch.device, tuple], torch.Tensor] = {}
-_KEPT_CU_SEQLENS = 64
-"""Boundary tensors kept: a micro-batch's own, and each chunk pair's of ring attention."""
-
-
-def device_cu_seqlens(cu_seqlens: CuSeqlens, device: torch.device) -> torch.Tensor:
-    """cu_seqlens as an int32 tensor on `device`, built once per micro-batch.
-
-    Every layer and every Untied stage of a micro-batch asks for the same boundaries
-    (ring attention: the same few per chunk pair), so the tensors built last on each
-    device are kept and handed out again. On CUDA they are copied from page-locked
-    memory without blocking the host. Tensors made under a fake mode (the planner) are
-    not kept: they belong to that mode.
-    """
-    key = (device, tuple(cu_seqlens))
-    cached = _DEVICE_CU_SEQLENS.pop(key, None)
-    if cached is not None:
-        _DEVICE_CU_SEQLENS[key] = cached  # most recently used last: the oldest unused one goes first
-        return cached
-    if device.type == "cuda":
-        tensor = torch.tensor(key[1], dtype=torch.int32).pin_memory().to(device, non_blocking=True)
-    else:
-        tensor = torch.tensor(key[1], dtype=torch.int32, device=device)
-    if type(tensor) is torch.Tensor:
-        if len(_DEVICE_CU_SEQLENS) >= _KEPT_CU_SEQLENS:
-            _DEVICE_CU_SEQLENS.pop(next(iter(_DEVICE_CU_SEQLENS)))
-        _DEVICE_CU_SEQLENS[key] = tensor
-    return tensor
-
-
-def max_seqlen(cu_seqlens: CuSeqlens) -> int:
-    """The longest segment."""
-    return max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
-
-
-class KernelCall(NamedTuple):
-    """One variable-length call over consecutive segments: its rows of q and of k/v, and its
-    boundaries counted from its first row (`cu_k` None: the keys are the queries' tokens)."""
-
-    q: slice
-    k: slice
-    cu_q: tuple[int, ...]
-    cu_k: tuple[int, ...] | None
-
-
-@functools.lru_cache(maxsize=64)
-def kernel_calls(cu_q: tuple[int, ...], cu_k: tuple[int, ...] | None, max_rows: int | None = None,
-                 tile_rows: int = 1) -> tuple[KernelCall, ...]:
-    """Split a micro-batch into calls of consecutive segments, exactly (segments are independent).
-
-    Each call takes at most `MAX_SEGMENTS_PER_CALL` segments and, with `max_rows`, at most as
-    many as keep segments x its longest one (rounded up to `tile_rows`) within `max_rows` (one
-    segment always fits). Consecutive segments are rows next to each other, so a call reads and
-    writes views of the micro-batch's tensors and nothing is gathered. Calls without tokens are
-    left out.
-    """
-    calls, start, longest = [], 0, 0
-    for i, (a, b) in enumerate(zip(cu_q[:-1], cu_q[1:])):
-        count, widest = i - start + 1, max(longest, b - a)
-        rows = count * -(-widest // tile_rows) * tile_rows
-        too_many = count > MAX_SEGMENTS_PER_CALL or (max_rows is not None and rows > max_rows)
-        if too_many and i > start:
-            calls.append(_kernel_call(cu_q, cu_k, start, i))
-            start, widest = i, b - a
-        longest = widest
-    calls.append(_kernel_call(cu_q, cu_k, start, len(cu_q) - 1))
-    return tuple(c for c in calls if c.q.stop > c.q.start or c.k.stop > c.k.start)
-
-
-def _kernel_call(cu_q, cu_k, first: int, end: int) -> KernelCall:
-    """The call over segments [first, end)."""
-    a, b = cu_q[first], cu_q[end]
-    rebased_q = tuple(x - a for x in cu_q[first:end + 1])
-    if cu_k is None:
-        return KernelCall(slice(a, b), slice(a, b), rebased_q, None)
-    c, d = cu_k[first], cu_k[end]
-    return KernelCall(slice(a, b), slice(c, d), rebased_q, tuple(x - c for x in cu_k[first:end + 1]))
-
-
-def _calls(cu_seqlens, cu_seqlens_k, causal: bool, max_rows: int | None = None, tile_rows: int = 1
-           ) -> tuple[KernelCall, ...]:
-    """The checked segmentation (as every kernel checks it), split into kernel calls."""
-    segment_pairs(cu_seqlens, cu_seqlens_k, causal)
-    cu_k = None if cu_seqlens_k is None else tuple(cu_seqlens_k)
-    return kernel_calls(tuple(cu_seqlens), cu_k, max_rows, tile_rows)
-
-
-def _varlen_args(call: KernelCall, device: torch.device):
-    """(cu_q, cu_k, max_q, max_k) device tensors and ints of one call."""
-    cu_q = device_cu_seqlens(call.cu_q, device)
-    if call.cu_k is None:
-        m = max_seqlen(call.cu_q)
-        return cu_q, cu_q, m, m
-    return cu_q, device_cu_seqlens(call.cu_k, device), max_seqlen(call.cu_q), max_seqlen(call.cu_k)
-
-
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """`t`, or a contiguous copy when its last dimension is strided (every kernel loads a head's d values
     as one vector; other strides it takes as they are, so views of a receive buffer are not copied)."""
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _state_per_call(state: tuple, calls: Sequence[KernelCall], per_call: int) -> list[tuple]:
-    """The forward's state tensors, `per_call` for each call, in call order."""
-    if len(state) != per_call * len(calls):
-        raise ValueError(f"state has {len(state)} tensors; the forward of these {len(calls)} kernel calls "
-                         f"returns {per_call} per call")
-    return [tuple(state[i * per_call:(i + 1) * per_call]) for i in range(len(calls))]
-
-
-def _covers_all(calls: Sequence[KernelCall], num_tokens: int) -> bool:
-    """One call over every token: its outputs are the micro-batch's, with nothing to copy."""
-    return len(calls) == 1 and calls[0].q == slice(0, num_tokens)
-
-
-def _forward_calls(q: torch.Tensor, calls: Sequence[KernelCall], run_call: Callable):
-    """(out [T, H, d], lse [H, T], state) from `run_call(call) -> (out, lse, state)` of each call: the
-    outputs of several calls are written into one out and lse as each call returns."""
-    T = q.shape[0]
-    if _covers_all(calls, T):
-        return run_call(calls[0])
-    out = lse = None
-    state = ()
-    for call in calls:
-        o, l, s = run_call(call)
-        if out is None:
-            out = o.new_empty((T, *o.shape[1:]))
-            lse = l.new_empty((l.shape[0], T))
-        out[call.q], lse[:, call.q] = o, l
-        state += s
-    return out, lse, state
-
-
-def _backward_calls(q, k, v, calls: Sequence[KernelCall], states: list[tuple], run_call: Callable):
-    """(dq, dk, dv) from `run_call(call, state) -> (dq, dk, dv)` of each call, written into one dq, dk, dv."""
-    if _covers_all(calls, q.shape[0]):
-        return run_call(calls[0], states[0])
-    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]  # the calls cover every row
-    for call, state in zip(calls, states):
-        gq, gk, gv = run_call(call, state)
-        grads[0][call.q], grads[1][call.k], grads[2][call.k] = gq, gk, gv
-    return tuple(grads)
 
 
 def _check_flash_dtype(q: torch.Tensor, kernel: str) -> None:
@@ -460,34 +299,34 @@ def _check_flash_dtype(q: torch.Tensor, kernel: str) -> None:
 def sdpa_flash_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
     """torch's flash kernel, variable-length: one call per 65,535 segments, kv heads as they are."""
     _check_flash_dtype(q, "sdpa_flash")
-    calls = _calls(cu_seqlens, cu_seqlens_k, causal)
+    calls = checked_kernel_calls(cu_seqlens, cu_seqlens_k, causal)
     scale = _softmax_scale(q.shape[-1], scale)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
 
     def run_call(call):
-        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        cu_q, cu_k, max_q, max_k = varlen_args(call, q.device)
         out, lse, rng_state, unused, _ = TORCH_OPS["flash_forward"](
             q[call.q], k[call.k], v[call.k], cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
         return out, lse, (rng_state, unused)
 
-    return _forward_calls(q, calls, run_call)
+    return forward_calls(q, calls, run_call)
 
 
 def sdpa_flash_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None,
                         causal=True):
     """Backward of `sdpa_flash_forward`, given the rng tensors its forward returned (`state`)."""
     _check_flash_dtype(q, "sdpa_flash")
-    calls = _calls(cu_seqlens, cu_seqlens_k, causal)
+    calls = checked_kernel_calls(cu_seqlens, cu_seqlens_k, causal)
     scale = _softmax_scale(q.shape[-1], scale)
     dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
 
     def run_call(call, rng):
-        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        cu_q, cu_k, max_q, max_k = varlen_args(call, q.device)
         return TORCH_OPS["flash_backward"](
             dout[call.q], q[call.q], k[call.k], v[call.k], out[call.q], lse[:, call.q].contiguous(), cu_q, cu_k,
             max_q, max_k, 0.0, causal, *rng, scale=scale)
 
-    return _backward_calls(q, k, v, calls, _state_per_call(state, calls, 2), run_call)
+    return backward_calls(q, k, v, calls, state_per_call(state, calls, 2), run_call)
 
 
 def _lse_index(cu_seqlens: CuSeqlens, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -522,7 +361,7 @@ def _efficient_mask(causal: bool) -> int:
 def _efficient_calls(cu_seqlens, cu_seqlens_k, causal: bool) -> tuple[KernelCall, ...]:
     """The memory-efficient kernels' calls: at most 65,535 segments, and a bounded backward workspace."""
     max_rows = max(EFFICIENT_ROWS_PER_TOKEN * cu_seqlens[-1], EFFICIENT_MIN_ROWS)
-    return _calls(cu_seqlens, cu_seqlens_k, causal, max_rows, EFFICIENT_TILE_ROWS)
+    return checked_kernel_calls(cu_seqlens, cu_seqlens_k, causal, max_rows, EFFICIENT_TILE_ROWS)
 
 
 def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True, ops=TORCH_OPS):
@@ -534,13 +373,13 @@ def sdpa_efficient_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
 
     def run_call(call):
-        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        cu_q, cu_k, max_q, max_k = varlen_args(call, q.device)
         out, native_lse, seed, offset, _, _ = ops["efficient_forward"](
             q[call.q].unsqueeze(0), _expand_kv(k[call.k], H).unsqueeze(0), _expand_kv(v[call.k], H).unsqueeze(0),
             None, cu_q, cu_k, max_q, max_k, 0.0, _efficient_mask(causal), True, scale=scale)
         return out.squeeze(0), _lse_to_heads_tokens(native_lse, call.cu_q), (seed, offset)
 
-    return _forward_calls(q, calls, run_call)
+    return forward_calls(q, calls, run_call)
 
 
 def sdpa_efficient_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *, cu_seqlens_k=None,
@@ -553,7 +392,7 @@ def sdpa_efficient_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, sta
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
 
     def run_call(call, philox):
-        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        cu_q, cu_k, max_q, max_k = varlen_args(call, q.device)
         # The kernel reads out (and grad_out) rows H * d apart: a strided view would be misread.
         rows_out, rows_dout = out[call.q].contiguous(), dout[call.q].contiguous()
         dq, dk, dv, _ = ops["efficient_backward"](
@@ -562,7 +401,7 @@ def sdpa_efficient_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, sta
             _lse_to_native(lse[:, call.q], call.cu_q), 0.0, *philox, _efficient_mask(causal), False, scale=scale)
         return dq.squeeze(0), _reduce_kv_grad(dk.squeeze(0), Hkv), _reduce_kv_grad(dv.squeeze(0), Hkv)
 
-    return _backward_calls(q, k, v, calls, _state_per_call(state, calls, 2), run_call)
+    return backward_calls(q, k, v, calls, state_per_call(state, calls, 2), run_call)
 
 
 # --- torch's CPU flash kernel, one call per segment -----------------------------------------
@@ -613,18 +452,18 @@ def flash_attn_forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, ca
     """flash-attn's variable-length forward (GQA native), one call per 65,535 segments; keeps each call's
     rng state for the backward."""
     _check_flash_dtype(q, "flash_attn")
-    calls = _calls(cu_seqlens, cu_seqlens_k, causal)
+    calls = checked_kernel_calls(cu_seqlens, cu_seqlens_k, causal)
     scale = _softmax_scale(q.shape[-1], scale)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
 
     def run_call(call):
-        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        cu_q, cu_k, max_q, max_k = varlen_args(call, q.device)
         out, lse, _, rng_state = _flash_attn_interface._flash_attn_varlen_forward(
             q[call.q], k[call.k], v[call.k], cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
             causal=causal)
         return out, lse, (rng_state,)
 
-    return _forward_calls(q, calls, run_call)
+    return forward_calls(q, calls, run_call)
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), *,
@@ -632,13 +471,13 @@ def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(
     """Backward of `flash_attn_forward`: each call writes its rows of dq, dk, dv in place; deterministic (dq
     accumulated in a fixed order) when torch's deterministic algorithms are on, as torch's flash backward."""
     _check_flash_dtype(q, "flash_attn")
-    calls = _calls(cu_seqlens, cu_seqlens_k, causal)
+    calls = checked_kernel_calls(cu_seqlens, cu_seqlens_k, causal)
     scale = _softmax_scale(q.shape[-1], scale)
     dout, q, k, v, out = (_last_dim_contiguous(t) for t in (dout, q, k, v, out))
-    states = _state_per_call(state or (None,) * len(calls), calls, 1)
+    states = state_per_call(state or (None,) * len(calls), calls, 1)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))  # the calls cover every row
     for call, (rng_state,) in zip(calls, states):
-        cu_q, cu_k, max_q, max_k = _varlen_args(call, q.device)
+        cu_q, cu_k, max_q, max_k = varlen_args(call, q.device)
         _flash_attn_interface._flash_attn_varlen_backward(
             dout[call.q], q[call.q], k[call.k], v[call.k], out[call.q], lse[:, call.q].contiguous(),
             dq[call.q], dk[call.k], dv[call.k], cu_q, cu_k, max_q, max_k,
@@ -647,19 +486,6 @@ def flash_attn_backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(
             deterministic=torch.are_deterministic_algorithms_enabled(),  # else dq by fp32 atomics, in any order
         )
     return dq, dk, dv
-
-
-def _by_dtype(low: Kernel, full: Kernel) -> Kernel:
-    """`low` for fp16/bf16 inputs, `full` otherwise: what `auto` runs on CUDA (flash never sees fp32)."""
-
-    def forward(q, k, v, cu_seqlens, scale=None, **segmentation):
-        return (low if q.dtype in FLASH_DTYPES else full).forward(q, k, v, cu_seqlens, scale, **segmentation)
-
-    def backward(dout, q, k, v, out, lse, cu_seqlens, scale=None, state=(), **segmentation):
-        return (low if q.dtype in FLASH_DTYPES else full).backward(dout, q, k, v, out, lse, cu_seqlens, scale, state,
-                                                                   **segmentation)
-
-    return Kernel(f"{low.name}|{full.name}", forward, backward)
 
 
 KERNELS: dict[str, Kernel] = {
@@ -674,228 +500,6 @@ CUDA_KERNELS = ("flash_attn", "sdpa_flash", "sdpa_efficient")
 
 def flash_attn_available() -> bool:
     return _flash_attn_interface is not None
-
-
-# --- FA3 / FA4 behind torch's flash operators, through torch's registry ------------------------
-#
-# torch >= 2.11 can re-register the CUDA kernels of aten::_flash_attention_forward/_backward with
-# FlashAttention-3's (`flash_attn_interface`, compute capability 9.0) or FlashAttention-4's
-# (`flash_attn.cute.interface`, 9.0 and 10.0): `sdpa_flash` then runs them with no other change.
-# Their support checks (torch/nn/attention/_fa3.py, _fa4.py) are what our calls satisfy: dropout 0,
-# no debug mask, ragged [T, H, d] inputs with cumulative boundaries, fp16/bf16 of one dtype, fp32
-# log-sum-exp (pinned by tests/attention/test_flash_impl.py).
-
-FLASH_IMPLS = {"fa3": ("FA3", "flash_attn_interface", (9,)), "fa4": ("FA4", "flash_attn.cute.interface", (9, 10))}
-"""--flash-attention-impl -> (torch's registry name, the module providing its kernels, compute capabilities)."""
-
-
-FA3_WORKSPACE_LIMIT = 1 << 31
-"""FA3's backward sizes its fp32 dq accumulator, padded rows x rounded head dim, in a 32-bit int."""
-FA3_BLOCK_M = 64
-"""Rows of FA3's backward tile (sm90, head dim <= 128, causal): each segment pads the accumulator by one."""
-
-
-class AttentionCall(NamedTuple):
-    """The largest attention kernel call of a run: what a kernel's workspace limits and start-up check read."""
-
-    tokens: int
-    """Query rows of the call (a micro-batch's sequences after the all-to-all; a ring's share with one)."""
-    segments: int
-    """Documents in it (one per sample unless the attention mask is reset at document ends)."""
-    head_dim: int
-    group: int = 1
-    """Query heads per kv head."""
-    dtype: torch.dtype = torch.bfloat16
-
-    def fa3_workspace_fits(self) -> bool:
-        """Whether FA3's backward can size this call's dq accumulator (`hopper/flash_api.cpp`: round_up(tokens +
-        segments x 64, 64) x the head dim rounded to 64/96/128/192/256, in an int)."""
-        rows = -(-(self.tokens + self.segments * FA3_BLOCK_M) // FA3_BLOCK_M) * FA3_BLOCK_M
-        rounded = next((r for r in (64, 96, 128, 192, 256) if self.head_dim <= r), self.head_dim)
-        return rows * rounded < FA3_WORKSPACE_LIMIT
-
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except Exception:  # a parent package that is missing, broken, or fails on import (ABI, CUDA)
-        return False
-
-
-def _why_unavailable_here(impl: str) -> str:
-    """'' when `impl` can be activated in this process, else why not."""
-    registry_name, module, _ = FLASH_IMPLS[impl]
-    if not _importable(module):
-        return f"{module} is not installed"
-    attention = torch.nn.attention
-    if not hasattr(attention, "list_flash_attention_impls") or registry_name not in attention.list_flash_attention_impls():
-        return f"this torch ({torch.__version__}) has no {registry_name} in torch.nn.attention's registry"
-    return ""
-
-
-def resolve_flash_impl(name: str, capability: tuple[int, int] | None,
-                       why_unavailable: Callable[[str], str] | None = None, call: AttentionCall | None = None
-                       ) -> tuple[str, str]:
-    """(the implementation `--flash-attention-impl NAME` runs on a device of `capability`, why not the one asked
-    for ('' when it is)). `capability` None: not CUDA, torch's own kernels. `auto` takes FA3, then FA4, where
-    the device, the installation and the run's largest kernel call (`call`) allow."""
-    if name == "default" or capability is None:
-        return "default", ""
-    why_unavailable = why_unavailable or _why_unavailable_here  # looked up now: tests stand in for the machine
-    for impl in ([name] if name != "auto" else list(FLASH_IMPLS)):
-        majors = FLASH_IMPLS[impl][2]
-        why = "" if capability[0] in majors else \
-            f"it needs compute capability {' or '.join(f'{m}.0' for m in majors)}, the GPU is {capability[0]}.{capability[1]}"
-        if not why and impl == "fa3" and call is not None and not call.fa3_workspace_fits():
-            why = (f"one attention call takes {call.tokens:,} tokens of head dim {call.head_dim}, past what its "
-                   "backward's 32-bit workspace size holds")
-        why = why or why_unavailable(impl)
-        if not why:
-            return impl, ""
-    if name == "auto":
-        return "default", ""
-    return "default", f"--flash-attention-impl {name}: {why}; torch's own flash kernels run instead"
-
-
-class FlashImplRefused(RuntimeError):
-    """The implementation asked for by name cannot run here (one line: why)."""
-
-
-def _restore_default_flash() -> None:
-    """torch's own flash kernels behind its operators again, whatever a failed activation left registered."""
-    attention = torch.nn.attention
-    if hasattr(attention, "restore_flash_attention_impl"):
-        attention.restore_flash_attention_impl(_raise_warn=False)
-    if hasattr(torch._C, "_set_sdp_use_fa3"):  # set by FA3's registration before it registers its kernels
-        torch._C._set_sdp_use_fa3(False)
-
-
-def probe_flash_kernel(kernel: Kernel, device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 64,
-                       group: int = 2) -> str:
-    """'' when `kernel` runs a tiny causal varlen forward and backward in `dtype` on `device`, at the run's head dim
-    and query heads per kv head, as the fp32 reference does, else why not (its exception, or how far it is off)."""
-    g = torch.Generator().manual_seed(0)
-    Hkv = 2
-    T, H, d, cu = 96, Hkv * group, head_dim, (0, 40, 96)
-    q, k, v = (torch.randn(T, h, d, generator=g) for h in (H, Hkv, Hkv))
-    dout = torch.randn(T, H, d, generator=g)
-    inputs = [t.detach().to(device, dtype, copy=True).requires_grad_() for t in (q, k, v)]
-    try:
-        out = attention(*inputs, cu, kernel)
-        out.backward(dout.to(device, dtype))
-        got = [t.detach().float().cpu() for t in (out, *(x.grad for x in inputs))]
-    except Exception as e:  # a schema the kernel does not take, an ABI it does not match, a launch that fails
-        return _first_line(e)
-    exact = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    want_out = naive_attention(*exact, cu)[0]
-    want_out.backward(dout)
-    for what, a, b in zip(("output", "dq", "dk", "dv"), got, (want_out, *(x.grad for x in exact))):
-        err = (a - b.detach()).abs().max().item() / max(b.abs().max().item(), 1e-6)
-        if not err < 0.05:  # bf16 keeps about 3 significant digits; a wrong kernel is off by far more
-            return f"its {what} is off the fp32 reference by {err:.3g} (relative)"
-    return ""
-
-
-def activate_flash_impl(name: str, device: torch.device, call: AttentionCall | None = None,
-                        probe: Callable[[torch.device], str] | None = None) -> str:
-    """Put the implementation `--flash-attention-impl NAME` resolves to behind torch's flash operators, before
-    the first attention, and prove it on a tiny forward and backward at the run's head dim (`probe`, default
-    `probe_flash_kernel` of torch's flash kernel); returns what runs ('default', 'fa3' or 'fa4'). Activating the
-    one already active does nothing. Whatever fails (not installed, a build torch cannot register, a schema or
-    numbers off the reference, a call past FA3's workspace) leaves torch's own kernels registered: with one
-    warning under `auto`, refused in one line (`FlashImplRefused`) when NAME asked for it, and refused whatever
-    the name when the check leaves the CUDA context unusable."""
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    impl, why = resolve_flash_impl(name, capability, call=call)
-    if why:
-        if name != "auto" and "not installed" not in why and "capability" not in why:
-            raise FlashImplRefused(why.split("; torch's own")[0])
-        warnings.warn(why, stacklevel=2)
-    current = getattr(torch.nn.attention, "current_flash_attention_impl", lambda: None)()
-    if impl == "default":
-        if current is not None:  # activated earlier in this process for another run: not for this one
-            _restore_default_flash()
-        return impl
-    if current == FLASH_IMPLS[impl][0]:
-        return impl
-    shape = call or AttentionCall(96, 2, 64)
-    try:
-        torch.nn.attention.activate_flash_attention_impl(FLASH_IMPLS[impl][0])
-        why = (probe or (lambda dev: probe_flash_kernel(KERNELS["sdpa_flash"], dev, shape.dtype, shape.head_dim,
-                                                        shape.group)))(device)
-    except Exception as e:
-        why = _first_line(e)
-    if not why:
-        return impl
-    _restore_default_flash()
-    message = f"--flash-attention-impl {name}: {FLASH_IMPLS[impl][0]} failed its start-up check ({why})"
-    if device.type == "cuda":
-        try:
-            torch.cuda.synchronize(device)
-        except Exception as e:  # a sticky error: nothing can run on this context any more
-            raise FlashImplRefused(f"{message}, and left the GPU unusable ({_first_line(e)}): restart without it "
-                                   "(--flash-attention-impl default)") from e
-    if name != "auto":
-        raise FlashImplRefused(message + "; drop the flag to run torch's own flash kernels")
-    warnings.warn(message + "; torch's own flash kernels run instead", stacklevel=2)
-    return "default"
-
-
-def active_flash_impl() -> str:
-    """'fa3' or 'fa4' when activated behind torch's flash operators, else 'default'."""
-    current = getattr(torch.nn.attention, "current_flash_attention_impl", lambda: None)()
-    return next((impl for impl, (registry_name, _, _) in FLASH_IMPLS.items() if registry_name == current), "default")
-
-
-def select_kernel(device: torch.device, name: str = "auto", table: Mapping[str, Kernel] | None = None) -> Kernel:
-    """The kernel for `device`, or the one named, from `table` (default `KERNELS`; the planner passes one with
-    its stand-ins).
-
-    `auto` on CUDA: torch's flash kernel when FA3/FA4 is behind it (`activate_flash_impl`), else
-    flash-attn (else torch's flash kernel) for fp16/bf16 inputs and torch's
-    memory-efficient kernel for fp32, decided per call from the inputs' dtype (autocast
-    decides it at run time); on other devices, torch's CPU flash kernel.
-    """
-    table = KERNELS if table is None else table
-    if name == "auto":
-        if device.type != "cuda":
-            return table[resolve_kernel_name(device.type, name, torch.float32, flash_attn_available())]
-        low, full = (table[resolve_kernel_name("cuda", name, dtype, flash_attn_available(), active_flash_impl())]
-                     for dtype in (torch.bfloat16, torch.float32))
-        return _by_dtype(low, full)
-    if name not in table:
-        raise ValueError(f"attention kernel {name!r}: expected one of auto, {', '.join(table)}")
-    if name == "flash_attn" and not flash_attn_available():
-        raise ImportError(f"attention kernel 'flash_attn' was asked for but {FLASH_ATTN_PROBLEM}; "
-                          "or use 'auto' to fall back to torch's kernels")
-    if name in CUDA_KERNELS and device.type != "cuda":
-        raise ValueError(f"attention kernel {name!r} needs a CUDA device, got {device}")
-    return table[name]
-
-
-def resolve_kernel_name(device_type: str, name: str, dtype: torch.dtype, flash_attn_installed: bool,
-                        flash_impl: str = "default") -> str:
-    """The kernel `select_kernel(name)` runs for inputs of `dtype` (what the planner models); with FA3 or FA4
-    behind torch's flash operators (`flash_impl`), `auto` runs those."""
-    if name != "auto":
-        return name
-    if device_type != "cuda":
-        return "cpu_flash"
-    if dtype not in FLASH_DTYPES:
-        return "sdpa_efficient"
-    if flash_impl != "default":
-        return "sdpa_flash"
-    return "flash_attn" if flash_attn_installed else "sdpa_flash"
-
-
-def running_kernel(device_type: str, name: str, dtype: torch.dtype) -> str:
-    """What `--attention-kernel NAME` runs in this process, in words: the kernel, and FA3/FA4 when activated
-    behind torch's flash operators (what rank 0 prints and metrics.jsonl records)."""
-    impl = active_flash_impl()
-    kernel = resolve_kernel_name(device_type, name, dtype, flash_attn_available(), impl)
-    return f"{kernel} ({FLASH_IMPLS[impl][0]})" if impl != "default" and kernel == "sdpa_flash" else kernel
 
 
 class _Attention(torch.autograd.Function):

@@ -8,14 +8,13 @@ from collections.abc import Mapping
 import torch
 
 from megatron_lc.attention.context_parallel import CP_IMPLS
-from megatron_lc.attention.kernels import Kernel, select_kernel
+from megatron_lc.attention.kernel_selection import select_kernel
+from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.local import LocalAttention
 from megatron_lc.attention.ring import RingAttention
 from megatron_lc.attention.ulysses import UlyssesAttention, check_ulysses_shapes
-from megatron_lc.attention.untied_ulysses import (
-    UntiedUlyssesAttention,
-    check_untied_shapes,
-)
+from megatron_lc.attention.untied_plan import check_untied_shapes
+from megatron_lc.attention.untied_ulysses import UntiedUlyssesAttention
 from megatron_lc.memory.tiling import TileBounds, tile_bounds
 from megatron_lc.parallel_state import ParallelState
 

@@ -36,7 +36,8 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
-from megatron_lc.attention.kernels import CuSeqlens, Kernel
+from megatron_lc.attention.kernels import Kernel
+from megatron_lc.attention.varlen import CuSeqlens
 from megatron_lc.context_layout import ContextLayout
 
 RingKvGrads = Literal["overlapped", "in_place"]

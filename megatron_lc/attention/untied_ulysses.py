@@ -47,168 +47,26 @@ on their way back, are in flight while a stage's kernel runs. That costs a secon
 stage buffers (a third receive buffer for q in backward) and keeps the send buffers of
 exchanges in flight alive through the kernel: the planner traces both. The arithmetic and
 its order are the same either way, so the results are bit for bit the same.
+
+The stage plan (`untied_plan.py`), the stage buffers (`untied_workspace.py`), the input norm folded into the
+projections (`untied_norm.py`) and the autograd function (`untied_function.py`) have modules of their own.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
-from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 
 from megatron_lc.attention.kernels import Kernel
-from megatron_lc.attention.ulysses import check_ulysses_shapes, kv_replication
-from megatron_lc.memory import kept_attention, tiling
+from megatron_lc.attention.untied_function import OutputGradient, UntiedUlyssesFunction
+from megatron_lc.attention.untied_norm import DX_CHUNK_ROWS, InputNorm
+from megatron_lc.attention.untied_plan import BackwardMemory, StagePlan
+from megatron_lc.attention.untied_workspace import StageWorkspace
+from megatron_lc.memory import tiling
 from megatron_lc.memory.tiling import TileBounds, addmm_fp32_
-
-HEADS_PER_STAGE_FLAG = "--untied-heads-per-stage"
-BackwardMemory = Literal["fast", "lean"]
-BACKWARD_MEMORY: tuple[str, ...] = get_args(BackwardMemory)
-DX_CHUNK_ROWS = 8192
-"""Rows of dx summed at a time in fp32 (8192 x 4096 x 4 bytes = 128 MiB for Llama3-8B)."""
-
-
-# --- which heads go where -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """How H q heads and Hkv kv heads are split into stages and kv rounds over cp ranks."""
-
-    num_heads: int
-    num_kv_heads: int
-    cp: int
-    heads_per_stage: int
-
-    @property
-    def kv_replication(self) -> int:
-        """Copies of each kv head so every rank receives one (1 when Hkv >= cp)."""
-        return kv_replication(self.num_kv_heads, self.cp)
-
-    @property
-    def q_heads_per_rank(self) -> int:
-        return self.num_heads // self.cp
-
-    @property
-    def kv_heads_per_rank(self) -> int:
-        return self.num_kv_heads * self.kv_replication // self.cp
-
-    @property
-    def group_size(self) -> int:
-        """q heads per (replicated) kv head."""
-        return self.num_heads // (self.num_kv_heads * self.kv_replication)
-
-    @property
-    def stage_heads_per_rank(self) -> int:
-        """q heads each rank attends in one stage (U / cp)."""
-        return self.heads_per_stage // self.cp
-
-    @property
-    def kv_heads_per_round(self) -> int:
-        """kv heads each rank receives per kv round."""
-        return max(1, self.stage_heads_per_rank // self.group_size)
-
-    @property
-    def stages_per_round(self) -> int:
-        """Stages that reuse one round's kv heads."""
-        return max(1, self.group_size // self.stage_heads_per_rank)
-
-    @property
-    def num_stages(self) -> int:
-        return self.num_heads // self.heads_per_stage
-
-    @property
-    def num_rounds(self) -> int:
-        return self.num_stages // self.stages_per_round
-
-    def stages(self, kv_round: int) -> range:
-        """Stages served by the kv heads of `kv_round`."""
-        return range(kv_round * self.stages_per_round, (kv_round + 1) * self.stages_per_round)
-
-    def aligned(self) -> bool:
-        """Stages align with GQA groups: U/cp divides, or is a multiple of, the group size."""
-        u, g = self.stage_heads_per_rank, self.group_size
-        return u > 0 and (g % u == 0 or u % g == 0)
-
-
-def valid_heads_per_stage(num_heads: int, num_kv_heads: int, cp: int) -> list[int]:
-    """Every U accepted for this configuration."""
-    return [u for u in range(cp, num_heads + 1, cp)
-            if num_heads % u == 0 and StagePlan(num_heads, num_kv_heads, cp, u).aligned()]
-
-
-def check_untied_shapes(num_heads: int, num_kv_heads: int, cp: int, heads_per_stage: int) -> StagePlan:
-    """Configuration-time check of U against heads, kv heads and cp; returns the plan."""
-    check_ulysses_shapes(num_heads, num_kv_heads, cp)
-    valid = valid_heads_per_stage(num_heads, num_kv_heads, cp)
-    hint = f"valid values here: {', '.join(map(str, valid))}"
-    u = heads_per_stage
-    if not isinstance(u, int) or u <= 0 or u % cp:
-        raise ValueError(f"{HEADS_PER_STAGE_FLAG} {u} must be a positive multiple of --context-parallel-size "
-                         f"{cp} (each rank takes U/cp heads per stage); {hint}")
-    if num_heads % u:
-        raise ValueError(f"{HEADS_PER_STAGE_FLAG} {u} must divide --num-attention-heads {num_heads}; {hint}")
-    plan = StagePlan(num_heads, num_kv_heads, cp, u)
-    if not plan.aligned():
-        raise ValueError(f"{HEADS_PER_STAGE_FLAG} {u}: the {u // cp} heads per rank per stage must divide, or be "
-                         f"a multiple of, the {plan.group_size} q heads sharing a kv head, so stages align with "
-                         f"GQA groups; {hint}")
-    return plan
-
-
-# --- the stage buffers ---------------------------------------------------------------------
-
-
-class StageWorkspace:
-    """Stage buffers by role, reused across the stages of one forward or backward.
-
-    The backend's only state. Each role holds one buffer, grown to the largest shape it
-    is asked for and handed out as a view of that shape; the op uses a role for one
-    thing at a time and never returns or saves a view of it. The op releases them when
-    it returns: between attention calls (the recompute and the MLP of a block) that
-    memory serves the rest of the block, and the allocator hands the same blocks back at
-    the next call. Everything is also dropped when the op meets an input of another
-    shape, dtype, device or tensor kind (e.g. fake tensors, inference mode).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._signature: tuple | None = None
-
-    def begin(self, x: torch.Tensor) -> None:
-        """Start one forward or backward of the op on input x."""
-        kind = (type(x), id(getattr(x, "fake_mode", None)), x.is_inference())
-        signature = (tuple(x.shape), x.dtype, x.device, kind)
-        if signature != self._signature:
-            self._buffers.clear()
-            self._signature = signature
-
-    def get(self, role: str, shape: tuple[int, ...], like: torch.Tensor,
-            dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Role `role`'s buffer as a tensor of `shape` (contents undefined), on `like`'s device, in
-        `dtype` (default `like`'s)."""
-        numel, dtype = math.prod(shape), dtype or like.dtype
-        buf = self._buffers.get(role)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            del buf
-            self._buffers.pop(role, None)  # free the smaller buffer before its replacement exists
-            buf = self._buffers[role] = torch.empty(numel, dtype=dtype, device=like.device)
-        return buf[:numel].view(shape)
-
-    def release(self) -> None:
-        """Free every buffer (e.g. before evaluating at another length)."""
-        self._buffers.clear()
-        self._signature = None
-
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The current buffer of each role (for inspection)."""
-        return dict(self._buffers)
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
 # --- rotary, in place ----------------------------------------------------------------------
@@ -281,110 +139,6 @@ class _Heads:
     rotary: bool = False
     piece: torch.Tensor | None = None
     full: torch.Tensor | None = None
-
-
-class _UntiedUlyssesFunction(torch.autograd.Function):
-    """Autograd around the staged forward and backward of `UntiedUlyssesAttention`, and the output
-    projection `wo` when given (its input gradient is then made stage by stage, never whole)."""
-
-    @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, norm_weight, cos, sin, cu_seqlens, norm_eps, backend):
-        norm = None if norm_weight is None else InputNorm.of(x, norm_weight, norm_eps, backend.tile_bounds)
-        # lean: the output is kept as its stages' heads, and the backward frees each once sent
-        by_stage = wo is not None and backend.backward_memory == "lean"
-        kept = kept_attention.active()
-        if kept is not None and kept.replay:  # a recompute: the forward's output and lses, no stage run again
-            flat, (outputs, sizes) = kept.take()
-            ends = list(itertools.accumulate(sizes))
-            out = list(flat[:outputs]) if by_stage else flat[0]
-            lses = [tuple(flat[outputs + end - size:outputs + end]) for size, end in zip(sizes, ends)]
-        else:
-            out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens, norm, by_stage=by_stage)
-            if kept is not None:  # the output and each stage's lse to the host with the block input
-                outs = out if by_stage else [out]
-                kept.put((*outs, *itertools.chain.from_iterable(lses)),
-                         ((True,) * len(outs) + tuple(i == 0 for stage in lses for i in range(len(stage)))),
-                         (len(outs), [len(st) for st in lses]))
-        rstd = norm.rstd if norm is not None else None
-        # Each stage's (lse, *kernel state), flattened: save_for_backward takes tensors only. The output by stage is
-        # held by ctx itself, so that the backward can let each stage's go.
-        ctx.save_for_backward(x, wq, wk, wv, wo, norm_weight, rstd, cos, sin, None if by_stage else out,
-                              *itertools.chain.from_iterable(lses))
-        ctx.stage_outputs, ctx.by_stage = (out if by_stage else None), by_stage
-        ctx.stage_sizes = [len(stage) for stage in lses]
-        ctx.cu_seqlens, ctx.backend = cu_seqlens, backend
-        if by_stage:
-            return backend.project_output(out, wo)
-        return out if wo is None else torch.nn.functional.linear(out, wo)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, wq, wk, wv, wo, norm_weight, rstd, cos, sin, out, *flat = ctx.saved_tensors
-        if ctx.by_stage:
-            if ctx.stage_outputs is None:
-                raise RuntimeError("Untied Ulysses frees its output stage by stage in backward: a second backward "
-                                   "through it (retain_graph) is unsupported")
-            out, ctx.stage_outputs = ctx.stage_outputs, None
-        ends = list(itertools.accumulate(ctx.stage_sizes))
-        lses = [tuple(flat[end - size:end]) for size, end in zip(ctx.stage_sizes, ends)]
-        needs = ctx.needs_input_grad
-        dwo = None
-        if wo is not None and needs[4]:  # as nn.Linear's weight gradient: grad^T @ input, one GEMM per stage
-            dwo = ctx.backend.output_weight_grad(grad, out, wo)
-        output_grad = OutputGradient(grad.contiguous(), wo)
-        norm = None if norm_weight is None else InputNorm(norm_weight, rstd)
-        dx, dwq, dwk, dwv = ctx.backend.backward_stages(output_grad, x, wq, wk, wv, cos, sin, out, lses,
-                                                        ctx.cu_seqlens, (needs[0] or norm is not None, *needs[1:4]),
-                                                        norm)
-        dnorm = None
-        if norm is not None:  # dx holds the gradient of the normed input: through the norm, in place
-            dnorm = rms_norm_backward_(dx, x, norm, ctx.backend.tile_bounds)
-            dnorm = dnorm.to(norm_weight.dtype) if needs[5] else None
-        return dx if needs[0] else None, dwq, dwk, dwv, dwo, dnorm, None, None, None, None, None
-
-
-@dataclass
-class InputNorm:
-    """The block's RMSNorm folded into the projections: xn = x * rstd * weight is never stored;
-    every projection multiplies x by weight-scaled rows and scales its output rows by rstd."""
-
-    weight: torch.Tensor  # [hidden]
-    rstd: torch.Tensor  # [B, s] fp32
-
-    @staticmethod
-    def of(x: torch.Tensor, weight: torch.Tensor, eps: float | None, bounds: TileBounds) -> InputNorm:
-        """rstd = 1 / sqrt(mean(x^2) + eps) per token, in fp32, a row chunk at a time (no fp32 copy of x)."""
-        eps = torch.finfo(x.dtype).eps if eps is None else eps  # F.rms_norm's default
-        rstd = torch.empty(x.shape[:2], dtype=torch.float32, device=x.device)
-        for b in range(x.shape[0]):
-            for start, end in bounds(x.shape[1], -(-x.shape[1] // DX_CHUNK_ROWS)):
-                rstd[b, start:end] = x[b, start:end].to(torch.float32).square().mean(-1).add_(eps).rsqrt_()
-        return InputNorm(weight, rstd)
-
-
-def rms_norm_backward_(grad: torch.Tensor, x: torch.Tensor, norm: InputNorm, bounds: TileBounds) -> torch.Tensor:
-    """RMSNorm's backward: `grad` (of xn) becomes the gradient of x, in place, a row chunk at a time in
-    fp32; returns the weight's gradient (fp32). dx = rstd * (g - xh * mean(g * xh)), g = grad * w, xh = x * rstd."""
-    w = norm.weight.to(torch.float32)
-    dweight = torch.zeros_like(w)
-    for b in range(x.shape[0]):
-        for start, end in bounds(x.shape[1], -(-x.shape[1] // DX_CHUNK_ROWS)):
-            rstd = norm.rstd[b, start:end].unsqueeze(-1)
-            xh = x[b, start:end].to(torch.float32) * rstd
-            dn = grad[b, start:end].to(torch.float32)
-            dweight += (dn * xh).sum(0)
-            g = dn * w
-            grad[b, start:end].copy_(rstd * (g - xh * (g * xh).mean(-1, keepdim=True)))
-    return dweight
-
-
-@dataclass
-class OutputGradient:
-    """The gradient of the op's output: of the attention output itself (`wo` None), or of its projection
-    by `wo`, whose product with `wo`'s columns gives any stage's attention-output gradient."""
-
-    grad: torch.Tensor  # [B, s, H*d], or [B, s, hidden] with wo
-    wo: torch.Tensor | None = None  # [hidden, H*d]
 
 
 @dataclass
@@ -505,7 +259,7 @@ class UntiedUlyssesAttention:
     def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, wo=None, norm_weight=None, norm_eps=None):
         """x [B, S/cp, hidden] (normed, or the block input with `norm_weight`), cos/sin [B, S/cp, d] ->
         pre-`o_proj` output [B, S/cp, H*d], or with `wo` the projected output [B, S/cp, hidden]."""
-        return _UntiedUlyssesFunction.apply(x, wq, wk, wv, wo, norm_weight, cos, sin, tuple(cu_seqlens), norm_eps,
+        return UntiedUlyssesFunction.apply(x, wq, wk, wv, wo, norm_weight, cos, sin, tuple(cu_seqlens), norm_eps,
                                             self)
 
     # --- forward ---

@@ -16,40 +16,20 @@ record is listed in `PREFIX_skipped.tsv`. `tools/preprocess_data.py` is the comm
 
 from __future__ import annotations
 
-import argparse
-import functools
 import multiprocessing
 import os
 import shutil
 import sys
 import time
-from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from megatron_lc.errors import ConfigError
-from megatron_lc.cli import ArgumentParser, check_writable, report_tool_error
-from megatron_lc.data.chat import (
-    LOSS_ON_CHOICES,
-    OWN_TEMPLATE,
-    ChatEncoder,
-    ChatSettings,
-    Conversation,
-    TemplateNotPrefixError,
-)
-from megatron_lc.data.corpus import (
-    BytesRead,
-    Document,
-    InputProblems,
-    InvalidInputError,
-    ProblemCount,
-    ReadOptions,
-    expand_inputs,
-    read_documents,
-)
+from megatron_lc.data.chat import ChatSettings
+from megatron_lc.data.corpus import BytesRead, InputProblems, ProblemCount, ReadOptions, expand_inputs, read_documents
+from megatron_lc.data.encode import EncodeConfig, EncodedKey, TokenizerPool, cached_tokenizer, group_documents
 from megatron_lc.data.indexed_dataset import (
     IndexedDatasetBuilder,
     bin_path,
@@ -58,34 +38,10 @@ from megatron_lc.data.indexed_dataset import (
     remove_dead_temporaries,
     temporary_path,
 )
-from megatron_lc.data.loss_mask import (
-    LOSS_MASK_DTYPE,
-    loss_mask_prefix,
-    merge_with_loss_masks,
-    remove_dataset_files,
-)
-from megatron_lc.data.sentences import sentence_splitter, split_all
+from megatron_lc.data.loss_mask import LOSS_MASK_DTYPE, loss_mask_prefix, merge_with_loss_masks, remove_dataset_files
 from megatron_lc.data.partition_manifest import input_identity, path_digest, verified_summary, write_manifest
-from megatron_lc.data.tokenizers import TOKENIZER_TYPES, TokenizeError, Tokenizer, TokenizerSpec, text_pieces
-
-# Documents go to workers in groups of about this many characters: large enough to
-# amortise inter-process transfer, small enough to keep every worker busy.
-TASK_CHARS = 256_000
-
-# A progress line at least this often, whatever --log-interval: a corpus of long documents
-# can take minutes between multiples of it.
-PROGRESS_SECONDS = 30.0
-
-# Tokenizer memory per character of one document encoded whole, the largest measured: a tokenizer.json
-# byte-level BPE, 189 B per character on an 8M-character document (bench/bench_tokenizer_memory.py;
-# SentencePiece 46 B, GPT2BPETokenizer 64 B, tiktoken 11 B): the default --max-document-chars gives each
-# tokenizing process its share of RAM at this rate, for the tokenizers that do not cut long documents.
-TOKENIZER_BYTES_PER_CHAR = 190
-
-# A longer document is encoded in pieces of about this many characters by a tokenizer that cuts exactly:
-# a piece costs the tokenizer at most ~19 MB at the rate above; a call per piece costs nothing measurable.
-PIECE_CHARS = 100_000
-
+from megatron_lc.data.preprocess_progress import Progress
+from megatron_lc.data.tokenizers import Tokenizer, TokenizerSpec
 
 class NoDocumentsError(ValueError):
     """The inputs hold no text under the keys: nothing is written."""
@@ -142,228 +98,6 @@ class PreprocessOptions:
     def skipped_path(self) -> str | None:
         """With --skip-invalid: where every skipped record's location is written."""
         return skipped_log_path(self.output_prefix) if self.skip_invalid else None
-
-
-@dataclass(frozen=True)
-class EncodeConfig:
-    """What a worker needs to turn texts into token arrays."""
-
-    tokenizer: TokenizerSpec
-    dtype: str
-    append_eod: bool
-    prepend_bos: bool
-    split_sentences: bool = False
-    keep_newlines: bool = False
-    lang: str = "english"
-    chat: ChatSettings | None = None
-
-
-@dataclass
-class Task:
-    """Consecutive records (one text per key each, or one conversation) encoded by one worker call."""
-
-    records: list[tuple[str, ...] | tuple[Conversation]] = field(default_factory=list)
-    locations: list[str] = field(default_factory=list)
-    chars: int = 0
-
-
-@dataclass(frozen=True)
-class EncodedKey:
-    """One key's documents of a task: their sequences' tokens back to back, each sequence's length, and
-    each document's number of sequences (None: one each)."""
-
-    tokens: np.ndarray
-    lengths: np.ndarray
-    sequences_per_document: np.ndarray | None = None
-    loss_mask: np.ndarray | None = None  # uint8, one per token (chat.py)
-    rejected: tuple[tuple[str, str, str], ...] = ()  # (location, reason, detail) of records left out
-
-    @property
-    def documents(self) -> int:
-        return len(self.lengths) if self.sequences_per_document is None else len(self.sequences_per_document)
-
-
-@functools.lru_cache(maxsize=4)
-def cached_tokenizer(spec: TokenizerSpec) -> Tokenizer:
-    """One tokenizer per worker process, built on its first task."""
-    return spec.build()
-
-
-@functools.lru_cache(maxsize=4)
-def cached_chat_encoder(spec: TokenizerSpec, settings: ChatSettings) -> ChatEncoder:
-    """One chat encoder per worker process, built on its first task."""
-    return ChatEncoder(spec.model, settings)
-
-
-def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]],
-                locations: Sequence[str] = ()) -> list[EncodedKey]:
-    """Each key's documents, every text encoded whole, with BOS/EOD as configured; text the tokenizer
-    refuses is an `InvalidInputError` naming its record. Conversations: see `encode_conversations`."""
-    if config.chat is not None:
-        return [encode_conversations(cached_chat_encoder(config.tokenizer, config.chat),
-                                     [record[0] for record in records], locations, config.dtype)]
-    try:
-        return _encode_records(config, records)
-    except TokenizeError as error:
-        raise InvalidInputError(_refused_record(config, records, locations, error)) from None
-
-
-def _refused_record(config: EncodeConfig, records: Sequence[tuple[str, ...]], locations: Sequence[str],
-                    error: TokenizeError) -> str:
-    """`file:line: why` for the first record whose text the tokenizer refuses."""
-    tokenizer = cached_tokenizer(config.tokenizer)
-    for location, record in zip(locations, records):
-        for text in record:
-            try:
-                tokenizer.tokenize(text)
-            except TokenizeError as first:
-                return f"{location}: {first}"
-    return str(error)
-
-
-def _encode_records(config: EncodeConfig, records: Sequence[tuple[str, ...]]) -> list[EncodedKey]:
-    tokenizer = cached_tokenizer(config.tokenizer)
-    prefix = [tokenizer.bos] if config.prepend_bos else []
-    suffix = [tokenizer.eod] if config.append_eod else []
-    encoded = []
-    for key_index in range(len(records[0])):
-        texts = [record[key_index] for record in records]
-        if config.split_sentences:
-            encoded.append(encode_sentences(tokenizer, texts, config, prefix, suffix))
-        else:
-            encoded.append(pack_documents(encode_documents(tokenizer, texts, config.dtype), prefix, suffix,
-                                          config.dtype))
-    return encoded
-
-
-def encode_documents(tokenizer: Tokenizer, texts: Sequence[str], dtype: str) -> list[list[int] | np.ndarray]:
-    """Each text's ids: in one batch call, except each text over `PIECE_CHARS` characters that the tokenizer
-    cuts exactly, which is encoded piece by piece into an array."""
-    cut = [tokenizer.cuts_long_documents and len(text) > PIECE_CHARS for text in texts]
-    whole = [text for text, long in zip(texts, cut) if not long]
-    encoded = iter(tokenizer.tokenize_batch(whole) if whole else [])
-    return [encode_in_pieces(tokenizer, text, dtype) if long else next(encoded) for text, long in zip(texts, cut)]
-
-
-def encode_in_pieces(tokenizer: Tokenizer, text: str, dtype: str) -> np.ndarray:
-    """The ids of `text` as an array of `dtype`, encoded in pieces of about `PIECE_CHARS` characters (the
-    tokenizer must cut exactly): memory is a piece's encoding plus the ids so far, 2 or 4 bytes each."""
-    parts = [np.array(tokenizer.tokenize(piece), dtype=dtype) for piece in text_pieces(text, PIECE_CHARS)]
-    return np.concatenate(parts)
-
-
-def encode_sentences(tokenizer: Tokenizer, texts: Sequence[str], config: EncodeConfig, prefix: list[int],
-                     suffix: list[int]) -> EncodedKey:
-    """Megatron's sentence level: each sentence encoded on its own, one sequence each; sentences without
-    ids dropped; BOS before the first kept sentence and EOD after the last (a document left without ids
-    is a document of no sequence)."""
-    splitter = sentence_splitter(config.lang, config.keep_newlines)
-    sequences: list[list[int]] = []
-    counts = np.zeros(len(texts), dtype=np.int64)
-    for index, sentences in enumerate(split_all(splitter, texts)):
-        kept = [ids for ids in tokenizer.tokenize_batch(sentences) if ids]
-        if kept:
-            kept[0] = prefix + kept[0]
-            kept[-1] = kept[-1] + suffix
-        sequences += kept
-        counts[index] = len(kept)
-    packed = pack_documents(sequences, [], [], config.dtype)
-    return EncodedKey(packed.tokens, packed.lengths, counts)
-
-
-def pack_documents(documents: Sequence[list[int] | np.ndarray], prefix: list[int], suffix: list[int],
-                   dtype: str) -> EncodedKey:
-    """The documents' ids back to back, each between `prefix` and `suffix`, as one array (lists in one
-    conversion for the whole task: cheaper than one array per document; an array document joined as is)."""
-    chunks: list[np.ndarray] = []
-    flat: list[int] = []
-    for ids in documents:
-        flat += prefix
-        if isinstance(ids, np.ndarray):
-            chunks += [_as_array(flat, dtype), ids.astype(dtype, copy=False)]
-            flat = []
-        else:
-            flat += ids
-        flat += suffix
-    chunks.append(_as_array(flat, dtype))
-    extra = len(prefix) + len(suffix)
-    lengths = np.fromiter((len(ids) + extra for ids in documents), dtype=np.int64, count=len(documents))
-    return EncodedKey(chunks[0] if len(chunks) == 1 else np.concatenate(chunks), lengths)
-
-
-def encode_conversations(encoder: ChatEncoder, conversations: Sequence[Conversation], locations: Sequence[str],
-                         dtype: str) -> EncodedKey:
-    """Each conversation's ids (exactly `apply_chat_template`'s) and loss mask, back to back; a conversation
-    the template refuses is left out and listed in `rejected`; a template that cannot be masked exactly is an
-    `InvalidInputError` naming the first conversation that shows it."""
-    try:
-        encoded = encoder.encode_conversations(conversations, locations)
-    except TemplateNotPrefixError as error:
-        raise InvalidInputError(str(error)) from None
-    kept = [conversation for conversation in encoded if conversation.error is None]
-    rejected = [(location, c.error.reason, c.error.detail) for location, c in zip(locations, encoded) if c.error]
-    documents = [conversation.ids for conversation in kept]
-    masks = [conversation.mask for conversation in kept if conversation.mask is not None]
-    packed = pack_documents(documents, [], [], dtype)
-    loss_mask = (np.concatenate(masks) if masks else np.zeros(0, LOSS_MASK_DTYPE)) if encoder.settings.masked else None
-    return EncodedKey(packed.tokens, packed.lengths, loss_mask=loss_mask, rejected=tuple(rejected))
-
-
-def _as_array(ids: list[int], dtype: str) -> np.ndarray:
-    return np.fromiter(ids, dtype=dtype, count=len(ids))
-
-
-def group_documents(documents: Iterable[Document], keys: Sequence[str]) -> Iterator[Task]:
-    """Consecutive documents in tasks of about `TASK_CHARS` characters (a longer document
-    is a task of its own: it is never cut)."""
-    task = Task()
-    for document in documents:
-        if document.conversation is not None:
-            task.records.append((document.conversation,))
-            task.chars += document.conversation.chars
-        else:
-            record = tuple(document.texts[key] for key in keys)
-            task.records.append(record)
-            task.chars += sum(len(text) for text in record)
-        task.locations.append(str(document.location))
-        if task.chars >= TASK_CHARS:
-            yield task
-            task = Task()
-    if task.records:
-        yield task
-
-
-class TokenizerPool:
-    """Encodes tasks in order, in `workers` processes (in this process for one: a single
-    worker process would overlap only the reading and writing, which cost less than
-    sending it the texts and taking back the ids)."""
-
-    def __init__(self, config: EncodeConfig, workers: int) -> None:
-        self.config = config
-        self.workers = workers
-        self._pool = multiprocessing.get_context().Pool(workers) if workers > 1 else None
-
-    def __enter__(self) -> "TokenizerPool":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-
-    def map_ordered(self, tasks: Iterable[Task]) -> Iterator[list[EncodedKey]]:
-        """Each task's encoding, in task order, a bounded number in flight."""
-        if self._pool is None:
-            for task in tasks:
-                yield encode_task(self.config, task.records, task.locations)
-            return
-        in_flight: deque = deque()
-        for task in tasks:
-            in_flight.append(self._pool.apply_async(encode_task, (self.config, task.records, task.locations)))
-            if len(in_flight) >= 2 * self.workers + 2:
-                yield in_flight.popleft().get()
-        while in_flight:
-            yield in_flight.popleft().get()
 
 
 def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
@@ -482,87 +216,6 @@ class DatasetWriters:
             builder.finalize(idx_path(prefix))
 
 
-class Progress:
-    """A tqdm bar over the input's bytes on a terminal; log lines otherwise, each time the document count
-    passes a multiple of `log_interval` and at least every `PROGRESS_SECONDS`. Both show the bytes read of
-    the input's total, MB/s and the time left at that rate."""
-
-    def __init__(self, enabled: bool, log_interval: int, position: int = 0, label: str = "",
-                 total_bytes: int = 0, bytes_read: Callable[[], int] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, stream=None) -> None:
-        self.documents = 0
-        self.tokens = 0
-        self._clock = clock
-        self.start = clock()
-        self._last_line = self.start
-        self._log_interval = max(1, log_interval)
-        self._label = label
-        self._total_bytes = total_bytes
-        self._bytes_read = bytes_read or (lambda: 0)
-        self._stream = stream or sys.stderr
-        self._bar = None
-        self._log = enabled and not self._stream.isatty()
-        if enabled and self._stream.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(desc=label or "input", total=total_bytes or None, unit="B", unit_scale=True,
-                             position=position, dynamic_ncols=True, file=self._stream)
-
-    def __enter__(self) -> "Progress":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-    def add(self, documents: int, tokens: int) -> None:
-        before = self.documents
-        self.documents += documents
-        self.tokens += tokens
-        if self._bar is not None:
-            self._bar.update(max(0, self._bytes_read() - self._bar.n))
-            self._bar.set_postfix_str(f"{self.documents:,} docs, {self.tokens_per_second:,.0f} tokens/s",
-                                      refresh=False)
-            return
-        now = self._clock()
-        passed = self.documents // self._log_interval > before // self._log_interval
-        if self._log and documents and (passed or now - self._last_line >= PROGRESS_SECONDS):
-            self._last_line = now
-            print(self.line(), file=self._stream, flush=True)
-
-    def line(self) -> str:
-        """Documents, tokens, bytes read of the total, the rates, and the time left."""
-        done, total, seconds = self._bytes_read(), self._total_bytes, self.elapsed
-        rate = done / seconds
-        share = f" ({100 * done / total:.1f}%)" if total else ""
-        left = format_duration((total - done) / rate) if total and rate > 0 else "?"
-        return (f"{self._label}{self.documents:,} documents, {self.tokens:,} tokens, {format_size(done)} of "
-                f"{format_size(total)} read{share}, {format_size(rate)}/s, {self.documents / seconds:,.1f} docs/s, "
-                f"{self.tokens_per_second:,.0f} tokens/s, ETA {left}")
-
-    @property
-    def elapsed(self) -> float:
-        return max(self._clock() - self.start, 1e-9)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.elapsed
-
-
-def format_size(size: float) -> str:
-    """Bytes in decimal units, as `du --si` and tqdm write them: 512 B, 1.5 kB, 36.2 MB, 1.2 GB."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if size >= scale:
-            return f"{size / scale:,.1f} {unit}"
-    return f"{size:.0f} B"
-
-
-def format_duration(seconds: float) -> str:
-    """H:MM:SS."""
-    seconds = max(0, round(seconds))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
 @dataclass
 class PreprocessSummary:
     """What a run did: documents and tokens written, inputs skipped and why."""
@@ -611,7 +264,7 @@ class PreprocessSummary:
         return "\n".join(lines)
 
 
-def _encode_config(options: PreprocessOptions, tokenizer: Tokenizer) -> EncodeConfig:
+def encode_config(options: PreprocessOptions, tokenizer: Tokenizer) -> EncodeConfig:
     """Check the tokenizer has the specials asked for, and pick the token dtype."""
     # reading the ids raises a clear error, before any work, when the tokenizer lacks them
     _ = (tokenizer.eod if options.append_eod else None, tokenizer.bos if options.prepend_bos else None)
@@ -644,7 +297,7 @@ def run_partition(
     every skipped record at `skipped_path` when given; with `require_documents`, inputs without any document
     raise and leave `prefixes` untouched."""
     tokenizer = cached_tokenizer(options.tokenizer)
-    config = _encode_config(options, tokenizer)
+    config = encode_config(options, tokenizer)
     bytes_read = BytesRead()
     read_options = ReadOptions(tuple(options.json_keys), options.split, document_limit(options, tokenizer),
                                bytes_read, options.chat)
@@ -775,7 +428,7 @@ def chat_identity(chat: ChatSettings | None) -> list | None:
 def plan_partitions(files: list[str], options: PreprocessOptions, work_dir: str) -> list[PartitionPlan]:
     """The partitions of `files` (consecutive groups of similar size) and what each must be made by."""
     groups = split_contiguous(files, options.partitions)
-    dtype = _encode_config(options, cached_tokenizer(options.tokenizer)).dtype
+    dtype = encode_config(options, cached_tokenizer(options.tokenizer)).dtype
     tokenizer = tokenizer_identity(options)  # hashed once, not per partition
     return [
         PartitionPlan(i, len(groups), tuple(group),
@@ -930,208 +583,3 @@ def input_files(options: PreprocessOptions, announce: bool = True) -> list[str]:
     for path in sorted(set(files) - set(kept)) if announce else ():
         print(f"preprocess_data: not reading {path}: it is this run's output (--output-prefix)", file=sys.stderr)
     return kept
-
-
-def default_max_document_chars(processes: int) -> int:
-    """Characters of one document that each of `processes` tokenizing processes can hold in its share of this
-    machine's RAM at `TOKENIZER_BYTES_PER_CHAR`."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):  # no sysconf: no limit rather than a guessed one
-        return 0
-    return ram // max(1, processes) // TOKENIZER_BYTES_PER_CHAR
-
-
-def check_options(options: PreprocessOptions) -> None:
-    """What can be known wrong before any document is read, as a `ConfigError` naming the flag: sizes, the
-    inputs, the tokenizer and its special tokens, and the output directory."""
-    for name, value in (("--workers", options.workers), ("--partitions", options.partitions),
-                        ("--log-interval", options.log_interval)):
-        if value < 1:
-            raise ConfigError(f"{name} {value} must be >= 1")
-    if options.max_document_chars is not None and options.max_document_chars < 1:
-        raise ConfigError(f"--max-document-chars {options.max_document_chars} must be >= 0 (0: no limit)")
-    try:
-        if not input_files(options, announce=False):
-            raise ConfigError(f"--input {' '.join(options.inputs)}: no input file (only this run's own output)")
-        _encode_config(options, cached_tokenizer(options.tokenizer))
-        if options.split_sentences:
-            sentence_splitter(options.lang, options.keep_newlines)
-        if options.chat is not None:
-            check_chat_options(options)
-    except (InvalidInputError, ValueError, OSError) as error:
-        if isinstance(error, ConfigError):
-            raise
-        raise ConfigError(str(error)) from error
-    check_writable(os.path.dirname(os.path.abspath(options.output_prefix)), "--output-prefix")
-    if options.keep_newlines and not options.split_sentences:
-        print("preprocess_data: note: --keep-newlines has no effect without --split-sentences (as in Megatron-LM)",
-              file=sys.stderr)
-
-
-def check_chat_options(options: PreprocessOptions) -> None:
-    """--chat-template's needs, as a `ConfigError` naming the flag: a transformers tokenizer, one conversation
-    key (or a prompt and a completion key), no flag that would add tokens to `apply_chat_template`'s ids, and a
-    template that loads."""
-    flag = f"--chat-template {options.chat.template}"
-    if options.tokenizer_type != "HuggingFaceTokenizer":
-        raise ConfigError(f"{flag} needs --tokenizer-type HuggingFaceTokenizer (a local tokenizer directory "
-                          f"transformers loads), not {options.tokenizer_type}")
-    if len(options.json_keys) > 2:
-        raise ConfigError(f"{flag}: --json-keys names one conversation field (messages, conversations) or a prompt "
-                          f"and a completion field, not {len(options.json_keys)} fields")
-    for name, given in (("--append-eod", options.append_eod), ("--prepend-bos", options.prepend_bos),
-                        ("--split-sentences", options.split_sentences)):
-        if given:
-            raise ConfigError(f"{name} with {flag}: a document's ids are exactly the template's rendering "
-                              "(its own begin-of-text and end-of-turn tokens); drop the flag")
-    if options.chat.template_file is not None and not os.path.isfile(options.chat.template_file):
-        raise ConfigError(f"{flag}: no such file (give a Jinja template file, or {OWN_TEMPLATE} for the tokenizer's own)")
-    cached_chat_encoder(options.tokenizer, options.chat)  # the tokenizer loads and the template parses
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Megatron's preprocess_data.py flags, plus a few for bad input and partitions."""
-    parser = ArgumentParser(prog="preprocess_data.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    group = parser.add_argument_group("input")
-    group.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        help="files, globs or directories: .jsonl/.json, .parquet, "
-        "datasets save_to_disk directories; any other file is one plain-text document",
-    )
-    group.add_argument(
-        "--json-keys", nargs="+", default=["text"], help="fields to tokenize, one dataset each (default: text)"
-    )
-    group.add_argument("--split", default="train", help="split read from a saved DatasetDict (default: train)")
-    group.add_argument(
-        "--chat-template", metavar="{hf,FILE.jinja}",
-        help="read conversations, not text: --json-keys names a list of OpenAI messages ({role, content}) or of "
-        "ShareGPT turns ({from, value}), or a prompt and a completion field; each document's ids are exactly "
-        "tokenizer.apply_chat_template(messages) with the tokenizer's own template (hf) or FILE.jinja; writes "
-        "PREFIX_{key}_document and its loss mask PREFIX_{key}_document_loss_mask (docs/sft.md). Needs "
-        "--tokenizer-type HuggingFaceTokenizer")
-    group.add_argument(
-        "--loss-on", choices=LOSS_ON_CHOICES, default=None,
-        help="with --chat-template: the tokens trained on; assistant (default): each assistant message's "
-        "content and end of turn, written as a loss mask; all: every token, no mask written")
-    group.add_argument(
-        "--skip-invalid",
-        action="store_true",
-        help="skip and count malformed lines, invalid UTF-8, missing keys, non-string values and invalid "
-        "conversations instead of stopping at the first; every skipped record's file:line is listed in "
-        "PREFIX_skipped.tsv",
-    )
-    group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument(
-        "--tokenizer-model", help="SentencePiece .model, tokenizer.json (or its directory), tiktoken BPE file"
-    )
-    group.add_argument("--vocab-file", help="GPT2BPETokenizer: its vocab.json")
-    group.add_argument("--merge-file", help="GPT2BPETokenizer: its merges.txt")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1 in the text, EOD = N")
-    group.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
-    group.add_argument("--split-sentences", action="store_true",
-                       help="one sequence per sentence (nltk Punkt, as Megatron-LM), written as "
-                       "PREFIX_{key}_sentence.{bin,idx}; documents stay documents in the index")
-    group.add_argument("--keep-newlines", action="store_true",
-                       help="with --split-sentences: keep the newlines after a sentence in it")
-    group.add_argument("--lang", default="english", help="Punkt model for --split-sentences (default: english)")
-    group.add_argument("--prepend-bos", action="store_true", help="start every document with the BOS token")
-    group = parser.add_argument_group("output and runtime")
-    group.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.{bin,idx}")
-    group.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="tokenizer processes (default: 1, which tokenizes in the reading process)",
-    )
-    group.add_argument(
-        "--partitions", type=int, default=1, help="process groups of input files in parallel, then merge"
-    )
-    group.add_argument(
-        "--log-interval", type=int, default=1000, help="documents between progress lines when not on a terminal"
-    )
-    group.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
-    group.add_argument(
-        "--max-document-chars", type=int, default=None,
-        help="for a tokenizer that encodes documents whole (SentencePiece, a tokenizer.json that cannot be cut "
-        "exactly, NullTokenizer, ByteTokenizer; any with --split-sentences): a longer document is refused (or "
-        "skipped with --skip-invalid), naming it, instead of the tokenizer running out of memory (default: RAM / "
-        f"tokenizing processes / {TOKENIZER_BYTES_PER_CHAR} B per character; 0: no limit). Not applied to "
-        "tiktoken, GPT2BPETokenizer and a byte-level BPE tokenizer.json of GPT-2's, Llama 3's or Qwen2's pattern: "
-        f"they encode a document over {PIECE_CHARS:,} characters in exact pieces, at any length")
-    return parser
-
-
-def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
-    """The parsed flags as options."""
-    return PreprocessOptions(
-        inputs=tuple(args.input),
-        output_prefix=args.output_prefix,
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        vocab_size=args.vocab_size,
-        json_keys=tuple(args.json_keys),
-        workers=args.workers,
-        partitions=args.partitions,
-        append_eod=args.append_eod,
-        prepend_bos=args.prepend_bos,
-        skip_invalid=args.skip_invalid,
-        log_interval=args.log_interval,
-        split=args.split,
-        show_progress=not args.no_progress,
-        max_document_chars=_max_document_chars(args),
-        split_sentences=args.split_sentences,
-        keep_newlines=args.keep_newlines,
-        lang=args.lang,
-        chat=_chat_settings(args),
-    )
-
-
-def _chat_settings(args: argparse.Namespace) -> ChatSettings | None:
-    """--chat-template and --loss-on; --loss-on alone is refused (plain text trains on every token)."""
-    if args.chat_template is None:
-        if args.loss_on is not None:
-            raise ConfigError(f"--loss-on {args.loss_on} needs --chat-template (plain text has no turns: every token "
-                              "is trained on)")
-        return None
-    return ChatSettings(args.chat_template, args.loss_on or "assistant")
-
-
-def _max_document_chars(args: argparse.Namespace) -> int | None:
-    """The flag's value, its default from RAM when not given, None for no limit."""
-    if args.max_document_chars is None:
-        return default_max_document_chars(max(args.workers, args.partitions)) or None
-    return None if args.max_document_chars == 0 else args.max_document_chars  # a negative one is refused later
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: 0 on success; one line and 2 for a command line that cannot work (checked
-    before reading), 1 for bad input found while reading (`file:line`) or a failed write (the path, the OS's
-    reason)."""
-    try:
-        options = options_from_args(build_parser().parse_args(argv))
-        check_options(options)
-    except ConfigError as error:
-        return report_tool_error("preprocess_data", error)
-    try:
-        summary = preprocess(options)
-    except (InvalidInputError, ValueError) as error:
-        print(f"preprocess_data: error: {error}", file=sys.stderr)
-        return 1
-    except OSError as error:  # a full disk, a vanished directory: the path and the OS's reason
-        where = error.filename or options.output_prefix
-        print(f"preprocess_data: error: {where}: {error.strerror or error} (nothing written: the partial output "
-              "was removed)", file=sys.stderr)
-        return 1
-    print(summary.format())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from megatron_lc.attention.registry import CP_IMPLS
-from megatron_lc.attention.untied_ulysses import valid_heads_per_stage
+from megatron_lc.attention.untied_plan import valid_heads_per_stage
 from megatron_lc.config import TrainConfig
 from megatron_lc.errors import ConfigError
 from megatron_lc.memory.chunks import plan_chunks

@@ -80,7 +80,7 @@ class Machine:
         """What `--flash-attention-impl ASKED` runs on these GPUs for a run whose largest kernel call is `call`
         (an `AttentionCall`): an implementation named is taken as installed; `auto` finds FA3 where `fa3` says it
         is installed; FA3 never takes a call past its backward's workspace limit."""
-        from megatron_lc.attention.kernels import resolve_flash_impl
+        from megatron_lc.attention.flash_impl import resolve_flash_impl
 
         installed = {asked} if asked != "auto" else ({"fa3"} if self.fa3 else set())
         return resolve_flash_impl(asked, NODES[self.node].compute_capability,

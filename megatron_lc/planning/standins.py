@@ -48,6 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lc.attention import kernels
+from megatron_lc.attention.kernel_selection import resolve_kernel_name
+from megatron_lc.attention.varlen import segment_pairs
 
 PLANNED_PREFIX = "planned:"
 FLASH_ROW_PAD = 128
@@ -72,7 +74,7 @@ def _varlen_forward(name: str, name_buffer: NameBuffer, lse_name: str) -> Callab
 
     def forward(q, k, v, cu_seqlens, scale=None, *, cu_seqlens_k=None, causal=True):
         kernels._check_flash_dtype(q, name)
-        kernels.segment_pairs(cu_seqlens, cu_seqlens_k, causal)
+        segment_pairs(cu_seqlens, cu_seqlens_k, causal)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         name_buffer(lse, lse_name)
@@ -242,7 +244,7 @@ def planned_kernel_name(kernel: str, device: str, dtype: torch.dtype = torch.bfl
     """The kernel the trace selects: the one the runtime would run (`auto` resolved as
     `select_kernel` resolves it for inputs of `dtype`, with `flash_impl` behind torch's flash operators), as its
     CUDA stand-in, or the CPU kernel itself."""
-    name = kernels.resolve_kernel_name(device, kernel, dtype, flash_attn_installed, flash_impl)
+    name = resolve_kernel_name(device, kernel, dtype, flash_attn_installed, flash_impl)
     if name == "sdpa_flash" and flash_impl == "fa3" and device != "cpu":
         name = "fa3"
     if device == "cpu":

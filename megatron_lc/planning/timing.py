@@ -59,7 +59,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_lc.attention.untied_ulysses import StagePlan
+from megatron_lc.attention.untied_plan import StagePlan
 from megatron_lc.config import TrainConfig
 from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.devices import PEAK_DENSE_BF16_FLOPS
@@ -450,7 +450,7 @@ def attention_family(cfg: TrainConfig, flash_attn: bool, flash_impl: str = "defa
     rates, an assumption: no Hopper figures of FA4's are published that we know of) or efficient."""
     import torch
 
-    from megatron_lc.attention.kernels import resolve_kernel_name
+    from megatron_lc.attention.kernel_selection import resolve_kernel_name
 
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     name = resolve_kernel_name("cuda", cfg.parallel.attention_kernel, dtype, flash_attn, flash_impl)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_lc.attention.kernels import FlashImplRefused, activate_flash_impl
+from megatron_lc.attention.flash_impl import FlashImplRefused, activate_flash_impl
 from megatron_lc.cli import check_writable
 from megatron_lc.config import TrainConfig
 from megatron_lc.errors import ConfigError

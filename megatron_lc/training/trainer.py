@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megatron_lc.attention.kernels import running_kernel
+from megatron_lc.attention.kernel_selection import running_kernel
 from megatron_lc.errors import ConfigError
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model

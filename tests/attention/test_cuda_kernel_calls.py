@@ -16,8 +16,9 @@ import math
 import pytest
 import torch
 
-from megatron_lc.attention import kernels
-from megatron_lc.attention.kernels import KERNELS, select_kernel
+from megatron_lc.attention import kernels, varlen
+from megatron_lc.attention.kernel_selection import resolve_kernel_name, select_kernel
+from megatron_lc.attention.kernels import KERNELS
 
 from tests.attention.kernel_contracts import (  # noqa: F401
     CU,
@@ -85,17 +86,17 @@ def test_explicit_flash_kernel_refuses_fp32_naming_the_flag(flash, name):
 
 
 def test_cu_seqlens_tensor_is_built_once_per_micro_batch():
-    first = kernels.device_cu_seqlens(CU, torch.device("cpu"))
-    assert kernels.device_cu_seqlens(list(CU), torch.device("cpu")) is first
-    other = kernels.device_cu_seqlens((0, 128, 256), torch.device("cpu"))
+    first = varlen.device_cu_seqlens(CU, torch.device("cpu"))
+    assert varlen.device_cu_seqlens(list(CU), torch.device("cpu")) is first
+    other = varlen.device_cu_seqlens((0, 128, 256), torch.device("cpu"))
     assert other is not first and other.tolist() == [0, 128, 256]
 
 
 def test_resolve_kernel_name_matches_select_kernel():
-    assert kernels.resolve_kernel_name("cuda", "auto", torch.bfloat16, True) == "flash_attn"
-    assert kernels.resolve_kernel_name("cuda", "auto", torch.bfloat16, False) == "sdpa_flash"
-    assert kernels.resolve_kernel_name("cuda", "auto", torch.float32, True) == "sdpa_efficient"
-    assert kernels.resolve_kernel_name("cpu", "auto", torch.float32, False) == select_kernel(torch.device("cpu")).name
+    assert resolve_kernel_name("cuda", "auto", torch.bfloat16, True) == "flash_attn"
+    assert resolve_kernel_name("cuda", "auto", torch.bfloat16, False) == "sdpa_flash"
+    assert resolve_kernel_name("cuda", "auto", torch.float32, True) == "sdpa_efficient"
+    assert resolve_kernel_name("cpu", "auto", torch.float32, False) == select_kernel(torch.device("cpu")).name
 
 
 def test_flash_attn_version_parsing():
@@ -184,7 +185,7 @@ def _segment_math(q, k, v, cu_q, cu_k, causal, scale):
     H = q.shape[1]
     qd, kd, vd = q.double(), k.double().repeat_interleave(H // k.shape[1], 1), v.double().repeat_interleave(
         H // v.shape[1], 1)
-    if cq == ck and kernels.max_seqlen(cq) == 1:  # one-token segments: each query sees only its own key
+    if cq == ck and varlen.max_seqlen(cq) == 1:  # one-token segments: each query sees only its own key
         return vd, (qd * kd).sum(-1).t() * scale
     outs, lses = [], []
     for a, b, c, d in zip(cq[:-1], cq[1:], ck[:-1], ck[1:]):
@@ -381,7 +382,7 @@ def _cross_qkv_of(T, H=4, Hkv=2, d=16):
 def _lse_by_segment_loops(native, lse, cu):
     """The segment-by-segment re-layouts the gather and scatter replace: [H, T] from native, native from lse."""
     heads_tokens = native.new_empty(native.shape[1], cu[-1])
-    padded = native.new_full((len(cu) - 1, lse.shape[0], math.ceil(kernels.max_seqlen(cu) / 32) * 32), math.inf)
+    padded = native.new_full((len(cu) - 1, lse.shape[0], math.ceil(varlen.max_seqlen(cu) / 32) * 32), math.inf)
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         heads_tokens[:, a:b] = native[i, :, : b - a]
         padded[i, :, : b - a] = lse[:, a:b]

@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch.nn.attention import _fa3
 
-from megatron_lc.attention import kernels
-from megatron_lc.attention.kernels import KERNELS, activate_flash_impl, resolve_flash_impl, select_kernel
+from megatron_lc.attention import flash_impl, kernel_selection, kernels
+from megatron_lc.attention.flash_impl import activate_flash_impl, resolve_flash_impl
+from megatron_lc.attention.kernel_selection import select_kernel
+from megatron_lc.attention.kernels import KERNELS
 
 from tests.attention.kernel_contracts import CU, FlashRecorder, _against_naive
 
@@ -56,17 +58,17 @@ def registry(monkeypatch):
     monkeypatch.setattr(torch.nn.attention, "activate_flash_attention_impl", reg.activate)
     monkeypatch.setattr(torch.nn.attention, "current_flash_attention_impl", lambda: reg.active)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(kernels, "_why_unavailable_here", lambda impl: "" if impl == "fa3" else "not installed")
+    monkeypatch.setattr(flash_impl, "_why_unavailable_here", lambda impl: "" if impl == "fa3" else "not installed")
     return reg
 
 
 def test_activation_happens_once_and_auto_then_runs_torchs_flash_kernel(registry, monkeypatch):
     cuda = torch.device("cuda", 0)
-    assert kernels.active_flash_impl() == "default"
+    assert flash_impl.active_flash_impl() == "default"
     assert activate_flash_impl("auto", cuda, probe=lambda d: "") == "fa3" and registry.activations == ["FA3"]
     assert activate_flash_impl("auto", cuda) == "fa3" and registry.activations == ["FA3"]  # already active
-    assert kernels.active_flash_impl() == "fa3"
-    monkeypatch.setattr(kernels, "flash_attn_available", lambda: True)  # even with flash-attn 2 installed
+    assert flash_impl.active_flash_impl() == "fa3"
+    monkeypatch.setattr(kernel_selection, "flash_attn_available", lambda: True)  # even with flash-attn 2 installed
     assert select_kernel(cuda).name == "sdpa_flash|sdpa_efficient"
     assert activate_flash_impl("auto", torch.device("cpu")) == "default" and registry.activations == ["FA3"]
 
@@ -153,7 +155,7 @@ def _failing_registry(monkeypatch, error):
     monkeypatch.setattr(torch._C, "_set_sdp_use_fa3", reg.sdp_flags.append, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # a healthy context
-    monkeypatch.setattr(kernels, "_why_unavailable_here", lambda impl: "" if impl == "fa3" else "not installed")
+    monkeypatch.setattr(flash_impl, "_why_unavailable_here", lambda impl: "" if impl == "fa3" else "not installed")
     return reg
 
 
@@ -163,7 +165,7 @@ def test_a_start_up_check_that_leaves_the_gpu_unusable_is_refused_even_under_aut
     def sticky(device=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(torch.cuda, "synchronize", sticky)
-    with pytest.raises(kernels.FlashImplRefused, match="left the GPU unusable .*--flash-attention-impl default"):
+    with pytest.raises(flash_impl.FlashImplRefused, match="left the GPU unusable .*--flash-attention-impl default"):
         activate_flash_impl("auto", torch.device("cuda", 0), probe=lambda d: "RuntimeError: CUDA error")
     assert reg.restores == 1 and reg.active is None
 
@@ -191,7 +193,7 @@ def test_a_start_up_check_that_fails_falls_back_under_auto_and_refuses_when_aske
         warnings.simplefilter("always")
         assert activate_flash_impl("auto", torch.device("cuda", 0), probe=lambda device: why) == "default"
     assert reg.restores == 1 and reg.active is None and len(caught) == 1 and why in str(caught[0].message)
-    with pytest.raises(kernels.FlashImplRefused, match="fa3: FA3 failed its start-up check") as refused:
+    with pytest.raises(flash_impl.FlashImplRefused, match="fa3: FA3 failed its start-up check") as refused:
         activate_flash_impl("fa3", torch.device("cuda", 0), probe=lambda device: why)
     assert "\n" not in str(refused.value) and reg.restores == 2
     assert activate_flash_impl("fa3", torch.device("cuda", 0), probe=lambda device: "") == "fa3"  # a good build
@@ -201,14 +203,14 @@ def test_a_kernel_call_past_fa3s_workspace_limit_is_not_given_to_fa3(monkeypatch
     """FA3's backward sizes its dq workspace, padded rows x rounded head dim, in a 32-bit int: a call past it goes to
     torch's kernels under auto, and is refused in one line when FA3 was asked for by name."""
     reg = _failing_registry(monkeypatch, None)
-    call = kernels.AttentionCall
+    call = flash_impl.AttentionCall
     limit = (1 << 31) // 128 - 128  # the longest one-segment call: with a tile of padding, rounded to a tile
     assert call(limit, 1, 128).fa3_workspace_fits() and not call(limit + 1, 1, 128).fa3_workspace_fits()
     assert not call(limit // 2 + 64, 1, 256).fa3_workspace_fits()  # a wider head halves it
     assert not call(limit - 1, 4096, 128).fa3_workspace_fits()  # every segment pads a tile
     past = call(limit + 1, 1, 128)
     assert activate_flash_impl("auto", torch.device("cuda", 0), call=past, probe=lambda d: "") == "default"
-    with pytest.raises(kernels.FlashImplRefused, match="past what its backward's 32-bit workspace size holds"):
+    with pytest.raises(flash_impl.FlashImplRefused, match="past what its backward's 32-bit workspace size holds"):
         activate_flash_impl("fa3", torch.device("cuda", 0), call=past, probe=lambda d: "")
     assert reg.activations == []
     assert activate_flash_impl("fa3", torch.device("cuda", 0), call=call(limit, 1, 128), probe=lambda d: "") == "fa3"
@@ -223,7 +225,7 @@ def test_an_fa4_package_that_raises_on_import_counts_as_not_installed(monkeypatc
     def broken(name, *args):
         raise RuntimeError("CUDA driver initialization failed")  # what a cute-DSL import can raise
     monkeypatch.setattr(importlib.util, "find_spec", broken)
-    assert kernels._why_unavailable_here("fa4") == "flash_attn.cute.interface is not installed"
+    assert flash_impl._why_unavailable_here("fa4") == "flash_attn.cute.interface is not installed"
 
 
 def _scaled(kernel, factor):
@@ -235,12 +237,12 @@ def _scaled(kernel, factor):
 
 def test_the_start_up_probe_passes_a_right_kernel_and_names_what_is_wrong_with_another():
     cpu, ref = torch.device("cpu"), KERNELS["reference"]
-    assert kernels.probe_flash_kernel(ref, cpu, torch.float32) == ""
-    assert kernels.probe_flash_kernel(KERNELS["cpu_flash"], cpu, torch.bfloat16) == ""
-    assert kernels.probe_flash_kernel(ref, cpu, torch.float32, head_dim=128, group=4) == ""  # the run's shape
-    assert kernels.probe_flash_kernel(_scaled(ref, 1.5), cpu, torch.float32).startswith("its output is off")
+    assert flash_impl.probe_flash_kernel(ref, cpu, torch.float32) == ""
+    assert flash_impl.probe_flash_kernel(KERNELS["cpu_flash"], cpu, torch.bfloat16) == ""
+    assert flash_impl.probe_flash_kernel(ref, cpu, torch.float32, head_dim=128, group=4) == ""  # the run's shape
+    assert flash_impl.probe_flash_kernel(_scaled(ref, 1.5), cpu, torch.float32).startswith("its output is off")
 
     def wrong_schema(*args, **kwargs):
         raise TypeError("fwd() takes 22 positional arguments but 34 were given")
-    why = kernels.probe_flash_kernel(kernels.Kernel("bad", wrong_schema, ref.backward), cpu, torch.float32)
+    why = flash_impl.probe_flash_kernel(kernels.Kernel("bad", wrong_schema, ref.backward), cpu, torch.float32)
     assert why == "TypeError: fwd() takes 22 positional arguments but 34 were given"

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megatron_lc.attention.kernels import KERNELS, attention, naive_attention, select_kernel
+from megatron_lc.attention.kernel_selection import select_kernel
+from megatron_lc.attention.kernels import KERNELS, attention, naive_attention
 
 CPU_KERNELS = ["reference", "cpu_flash"]
 

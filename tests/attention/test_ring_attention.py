@@ -8,7 +8,8 @@ import itertools
 import pytest
 import torch
 
-from megatron_lc.attention.kernels import KERNELS, attention, segment_pairs
+from megatron_lc.attention.kernels import KERNELS, attention
+from megatron_lc.attention.varlen import segment_pairs
 from megatron_lc.attention.ring import RingAttention, RingSchedule
 from megatron_lc.context_layout import ContextLayout, context_layout_from_flags
 from megatron_lc.parallel_state import ParallelDims, ParallelState

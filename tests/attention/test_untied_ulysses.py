@@ -13,19 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lc.attention.kernels import select_kernel
+from megatron_lc.attention.kernel_selection import select_kernel
 from megatron_lc.attention.local import LocalAttention
 from megatron_lc.attention.registry import CP_IMPLS, build_attention_backend
 from megatron_lc.attention.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 from megatron_lc.attention.ulysses import UlyssesAttention
-from megatron_lc.attention.untied_ulysses import (
-    StagePlan,
-    StageWorkspace,
-    UntiedUlyssesAttention,
-    _rotate_,
-    check_untied_shapes,
-    valid_heads_per_stage,
-)
+from megatron_lc.attention.untied_plan import StagePlan, check_untied_shapes, valid_heads_per_stage
+from megatron_lc.attention.untied_ulysses import UntiedUlyssesAttention, _rotate_
+from megatron_lc.attention.untied_workspace import StageWorkspace
 from megatron_lc.context_layout import ContextLayout
 from megatron_lc.models.llama import get_config
 

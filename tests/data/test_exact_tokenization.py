@@ -73,7 +73,7 @@ def written(prefix: str) -> list[list[int]]:
 def test_json_lines_give_the_tokenizers_own_ids_of_each_whole_document(
     tokenizer_kind, texts, tmp_path, workers, monkeypatch
 ):
-    monkeypatch.setattr("megatron_lc.data.preprocess.TASK_CHARS", 50_000)  # several tasks, some of one document
+    monkeypatch.setattr("megatron_lc.data.encode.TASK_CHARS", 50_000)  # several tasks, some of one document
     tokenizer_type, model, reference = tokenizer_kind
     path = tmp_path / "a.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")

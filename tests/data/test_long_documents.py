@@ -25,7 +25,9 @@ from adversarial import (
 )
 
 from megatron_lc.data.indexed_dataset import IndexedDataset
-from megatron_lc.data.preprocess import PreprocessOptions, main, pack_documents, preprocess
+from megatron_lc.data.encode import pack_documents
+from megatron_lc.data.preprocess import PreprocessOptions, preprocess
+from megatron_lc.data.preprocess_cli import main
 from megatron_lc.data.tokenizers import (
     CUT_EXACT_PATTERNS,
     GPT2_EOD,
@@ -242,8 +244,8 @@ def _written(prefix: str) -> list[list[int]]:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_preprocess_writes_the_whole_documents_ids_for_documents_encoded_in_pieces(tmp_path, monkeypatch,
                                                                                     workers):
-    monkeypatch.setattr("megatron_lc.data.preprocess.PIECE_CHARS", 40)
-    monkeypatch.setattr("megatron_lc.data.preprocess.TASK_CHARS", 20_000)  # short and long in one task
+    monkeypatch.setattr("megatron_lc.data.encode.PIECE_CHARS", 40)
+    monkeypatch.setattr("megatron_lc.data.encode.TASK_CHARS", 20_000)  # short and long in one task
     model = _tiktoken(tmp_path)
     documents = [text[:3000] for text in texts()] + ["short", "x y"]
     path = tmp_path / "a.jsonl"
@@ -273,7 +275,7 @@ def test_max_document_chars_applies_only_to_tokenizers_that_encode_whole(tmp_pat
 
 
 def test_a_gpt2_vocabulary_keeps_its_eod_when_documents_are_cut(byte_level_json, tmp_path, monkeypatch):
-    monkeypatch.setattr("megatron_lc.data.preprocess.PIECE_CHARS", 30)
+    monkeypatch.setattr("megatron_lc.data.encode.PIECE_CHARS", 30)
     vocab, merges = _gpt2_files(byte_level_json, tmp_path)
     text = EDGE_TEXTS[3] * 10
     path = tmp_path / "a.jsonl"

@@ -20,7 +20,8 @@ from megatron_lc.arguments import parse_config
 from megatron_lc.training.preflight import preflight
 from megatron_lc.data.corpus import InvalidInputError
 from megatron_lc.data.indexed_dataset import IndexedDataset
-from megatron_lc.data.preprocess import PreprocessOptions, main, preprocess
+from megatron_lc.data.preprocess import PreprocessOptions, preprocess
+from megatron_lc.data.preprocess_cli import main
 from megatron_lc.data.tokenizers import GPT2BPETokenizer, NullTokenizer, build_tokenizer
 
 from adversarial import adversarial_texts

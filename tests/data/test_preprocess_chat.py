@@ -16,11 +16,11 @@ from megatron_lc.data.loss_mask import has_loss_mask, loss_mask_prefix
 from megatron_lc.data.preprocess import (
     PreprocessOptions,
     _build_partitions,
-    main,
     partition_work_dir,
     plan_partitions,
     preprocess,
 )
+from megatron_lc.data.preprocess_cli import main
 from tests.data.helpers import reference_chat_ids
 
 TURNS = ["the long context of a book", "holds many tokens", "and every token counts", "naïve café 数据 🙂",

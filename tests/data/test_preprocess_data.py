@@ -134,7 +134,7 @@ def test_long_plain_text_file_is_one_sequence(run, output_prefix, tmp_path):
 def test_two_workers_write_the_same_bytes_as_one(
     run, write_jsonl, output_prefix, corpus_texts, sentencepiece_model, monkeypatch
 ):
-    monkeypatch.setattr("megatron_lc.data.preprocess.TASK_CHARS", 3000)  # many tasks in flight
+    monkeypatch.setattr("megatron_lc.data.encode.TASK_CHARS", 3000)  # many tasks in flight
     path = write_jsonl("a.jsonl", [{"text": t * 30} for t in corpus_texts])
     settings = dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=sentencepiece_model)
     run([path], workers=1, **settings)

@@ -12,7 +12,9 @@ import os
 import pytest
 
 from megatron_lc.data.corpus import InvalidInputError
-from megatron_lc.data.preprocess import PROGRESS_SECONDS, PreprocessOptions, Progress, main, preprocess
+from megatron_lc.data.preprocess import PreprocessOptions, preprocess
+from megatron_lc.data.preprocess_cli import main
+from megatron_lc.data.preprocess_progress import PROGRESS_SECONDS, Progress
 from tests.data.helpers import byte_tokens, output_bytes, read_documents
 
 
@@ -98,7 +100,7 @@ def test_a_document_over_max_document_chars_is_named_with_what_to_do(tmp_path, c
 
 
 def test_the_default_limit_leaves_every_ordinary_document_alone(tmp_path):
-    from megatron_lc.data.preprocess import TOKENIZER_BYTES_PER_CHAR, build_parser, options_from_args
+    from megatron_lc.data.preprocess_cli import TOKENIZER_BYTES_PER_CHAR, build_parser, options_from_args
 
     options = options_from_args(build_parser().parse_args(
         ["--input", "x", "--output-prefix", "o", "--tokenizer-type", "ByteTokenizer", "--workers", "8"]))

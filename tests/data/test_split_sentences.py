@@ -9,7 +9,8 @@ import pytest
 
 from megatron_lc.errors import EXIT_CONFIG_ERROR
 from megatron_lc.data.indexed_dataset import IndexedDataset
-from megatron_lc.data.preprocess import PreprocessOptions, main, preprocess
+from megatron_lc.data.preprocess import PreprocessOptions, preprocess
+from megatron_lc.data.preprocess_cli import main
 from megatron_lc.data.sentences import sentence_splitter
 from megatron_lc.data.tokenizers import ByteTokenizer
 

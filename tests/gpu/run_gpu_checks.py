@@ -66,7 +66,7 @@ set_cuda_allocator_settings()  # as the trainer: expandable segments merged in b
 
 import torch.distributed as dist
 
-from megatron_lc.attention import kernels
+from megatron_lc.attention import flash_impl, kernel_selection, kernels
 from megatron_lc.arguments import config_from_values
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import PEAK_DENSE_BF16_FLOPS, Devices
@@ -255,7 +255,7 @@ def section_kernels(s: Sizes) -> dict:
     device = torch.device(s.device)
     runs = {name: (kernels.KERNELS[name], torch.float32 if name == "sdpa_efficient" else s.dtype)
             for name in s.kernels}
-    runs.update({f"auto_{str(dt).removeprefix('torch.')}": (kernels.select_kernel(device, "auto"), dt)
+    runs.update({f"auto_{str(dt).removeprefix('torch.')}": (kernel_selection.select_kernel(device, "auto"), dt)
                  for dt in (torch.bfloat16, torch.float32)})
     result = {label: check_kernel(kernel, dtype, s) for label, (kernel, dtype) in runs.items()}
     result.update({f"unmasked_{label}": check_unmasked(kernel, dtype, s) for label, (kernel, dtype) in runs.items()})
@@ -451,7 +451,7 @@ def config(s: Sizes, seq_length: int, stack: dict, **extra):
     """The configuration of one case, with the flash implementation active now (what its step runs, so
     what the planner models)."""
     values = dict(**s.model, bf16=s.dtype == torch.bfloat16, mock_data=True, device=s.device,
-                  seq_length=seq_length, flash_attention_impl=kernels.active_flash_impl(), **stack, **extra)
+                  seq_length=seq_length, flash_attention_impl=flash_impl.active_flash_impl(), **stack, **extra)
     return planning_config(config_from_values(values), seq_length)
 
 
@@ -734,13 +734,13 @@ def flash_probe(s: Sizes) -> dict:
     """What `--flash-attention-impl auto` activates and its start-up probe's verdict; torch's own flash kernels
     are restored after, so that the sections after this one run (and the planner models) the default."""
     device = torch.device(s.device)
-    impl = kernels.activate_flash_impl("auto", device)
+    impl = flash_impl.activate_flash_impl("auto", device)
     try:
         kernel = kernels.KERNELS["sdpa_flash" if s.device == "cuda" else "cpu_flash"]
-        probe = kernels.probe_flash_kernel(kernel, device, torch.bfloat16)
-        running = kernels.running_kernel(s.device, "auto", torch.bfloat16)
+        probe = flash_impl.probe_flash_kernel(kernel, device, torch.bfloat16)
+        running = kernel_selection.running_kernel(s.device, "auto", torch.bfloat16)
     finally:
-        kernels.activate_flash_impl("default", device)
+        flash_impl.activate_flash_impl("default", device)
     return {"flash_impl": impl, "running_kernel": running, "probe": probe or "ok",
             "failures": ["flash_probe"] if probe else []}
 

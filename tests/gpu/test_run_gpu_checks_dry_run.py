@@ -219,7 +219,7 @@ def test_contracts_restore_torchs_flash_kernels_and_the_planner_models_what_runs
     checks = _script()
     registry = FakeFlashRegistry()
     registry.install(monkeypatch)
-    real_activate = checks.kernels.activate_flash_impl
+    real_activate = checks.flash_impl.activate_flash_impl
 
     def activate(name, device, **kwargs):  # `auto` on an H100 with FA3: registered, probed, kept
         if name == "auto":
@@ -227,12 +227,12 @@ def test_contracts_restore_torchs_flash_kernels_and_the_planner_models_what_runs
             return "fa3"
         return real_activate(name, device, **kwargs)
 
-    monkeypatch.setattr(checks.kernels, "activate_flash_impl", activate)
+    monkeypatch.setattr(checks.flash_impl, "activate_flash_impl", activate)
     monkeypatch.setattr(checks, "sanitized_offload_bitwise", lambda s, out, timeout_s: {"failures": []})
     s = checks.sizes(dry_run=True)
     result = checks.section_contracts(s, tmp_path)
     assert result["flash_impl"] == "fa3" and result["failures"] == []
-    assert registry.current is None and checks.kernels.active_flash_impl() == "default"
+    assert registry.current is None and checks.flash_impl.active_flash_impl() == "default"
     assert checks.config(s, 256, checks.FULL_STACK).parallel.flash_attention_impl == "default"
     registry.current = "FA3"  # whatever is active is what a case's configuration, so its prediction, names
     assert checks.config(s, 256, checks.FULL_STACK).parallel.flash_attention_impl == "fa3"

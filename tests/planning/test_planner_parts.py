@@ -301,7 +301,7 @@ def test_ring_attention_groups_are_modelled_as_two_neighbour_connections():
 def test_sdpa_efficient_standin_allocates_each_calls_backward_workspace(monkeypatch):
     """torch's memory-efficient backward allocates an fp32 dq workspace of segments x heads x longest (whole
     128 x 64 tiles) per call; the wrapper's calls over a long document among short ones each stay bounded."""
-    from megatron_lc.attention import kernels
+    from megatron_lc.attention import kernels, varlen
     from megatron_lc.planning.standins import efficient_backward_workspace_bytes, planned_kernels
 
     monkeypatch.setattr(kernels, "EFFICIENT_MIN_ROWS", 0, raising=False)
@@ -315,9 +315,9 @@ def test_sdpa_efficient_standin_allocates_each_calls_backward_workspace(monkeypa
         out, lse, state = kernel.forward(q, k, v, cu)
         kernel.backward(out, q, k, v, out, lse, cu, state=state)
     workspaces = [nbytes for name, nbytes in named if name.startswith("memory-efficient bwd dq")]
-    calls = kernels.kernel_calls(cu, None, 2 * T, 128)
+    calls = varlen.kernel_calls(cu, None, 2 * T, 128)
     assert len(calls) > 1
-    assert workspaces == [efficient_backward_workspace_bytes(len(c.cu_q) - 1, H, kernels.max_seqlen(c.cu_q), d)
+    assert workspaces == [efficient_backward_workspace_bytes(len(c.cu_q) - 1, H, varlen.max_seqlen(c.cu_q), d)
                           for c in calls]
     assert max(workspaces) <= 2 * T * H * d * 4 * (1 + 16 / (128 * 64 * 4))  # within twice the tokens' rows
     assert efficient_backward_workspace_bytes(200, 32, 16384, 128) > 53e9  # one call: 200 documents, 16K longest

@@ -114,7 +114,7 @@ def test_logged_host_offload_peak_is_the_steps_own():
 
 
 def test_train_accepts_every_tokenizer_type_preprocessing_accepts():
-    from megatron_lc.data.preprocess import build_parser as preprocess_parser
+    from megatron_lc.data.preprocess_cli import build_parser as preprocess_parser
     from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 
     action = next(a for a in preprocess_parser()._actions if "--tokenizer-type" in a.option_strings)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lc.attention.kernels import select_kernel
+from megatron_lc.attention.kernel_selection import select_kernel
 from megatron_lc.attention.local import LocalAttention
 from megatron_lc.attention.rotary import RopeScaling, rope_cos_sin, rope_inv_freq
 from megatron_lc.memory.tiling import (
