@@ -28,7 +28,8 @@ from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.parallelize import apply_memory_stack
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from megatron_lc.planning.estimate import Machine, estimate
-from megatron_lc.planning.timing import calibrate_local, predict
+from megatron_lc.planning.calibration import calibrate_local
+from megatron_lc.planning.timing import predict
 from megatron_lc.planning.trace import measure_real_step
 from megatron_lc.training.optim import build_optimizer
 from megatron_lc.training.step import forward_backward

@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="configuration names to run")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    from megatron_lc.planning.timing import LOCAL_CACHE
+    from megatron_lc.planning.calibration import LOCAL_CACHE
 
     LOCAL_CACHE.unlink(missing_ok=True)  # each configuration's rates measured now, at its own shapes
     rows = []

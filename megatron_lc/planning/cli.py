@@ -199,26 +199,26 @@ def auto_fit_printer(estimator, num_gpus: int):
 
 def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str], out: dict, estimator) -> bool:
     """--auto-fit: the fastest layout and stack that fit, printed (or added to `out` under `auto_fit`)."""
-    from megatron_lc.planning import autofit
+    from megatron_lc.planning import autofit, autofit_report, layouts, search_space
 
     training = split_argv(argv)[1]
-    layouts = None if layout_given(training) else autofit.search_layouts(cfg, machine.num_gpus, machine.gpus_per_node)
+    layouts = None if layout_given(training) else layouts.search_layouts(cfg, machine.num_gpus, machine.gpus_per_node)
     result = autofit.auto_fit(cfg, machine, None, planner.auto_fit_max_traces, evaluate=estimator,
                               on_estimate=auto_fit_printer(estimator, machine.num_gpus), layouts=layouts,
                               tolerance=planner.auto_fit_tolerance)
     layout_flags = result.layout.flags() if result.layout is not None and layouts is not None else []
-    command = launch_command(machine, autofit.strip_memory_flags(training) + layout_flags)
+    command = launch_command(machine, search_space.strip_memory_flags(training) + layout_flags)
     if result.estimate is not None:
         out.update(result.estimate.to_json())
     else:
         out.update(seq_length=cfg.data.seq_length, fits=False, gpu_peak_gib=None, host_peak_gib=None)
-    out["auto_fit"] = autofit.auto_fit_json(result, command, machine.num_gpus)
+    out["auto_fit"] = autofit_report.auto_fit_json(result, command, machine.num_gpus)
     if result.choice is None:
         out["auto_fit"]["reason"] = no_fit_reason(min((t.estimate for t in result.traced),
                                                       key=lambda e: e.gpu_peak_bytes, default=None),
                                                   "the strongest stack traced")
     if not planner.json:
-        print(autofit.auto_fit_text(result, command, machine.num_gpus))
+        print(autofit_report.auto_fit_text(result, command, machine.num_gpus))
         if result.choice is None:
             print(out["auto_fit"]["reason"])
         elif DATA_PLACEHOLDER in command:
@@ -229,7 +229,7 @@ def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[
 
 def layout_given(training: list[str]) -> bool:
     """Whether the training flags name the parallel layout (auto-fit keeps it), or leave it to auto-fit."""
-    from megatron_lc.planning.autofit import LAYOUT_FLAGS
+    from megatron_lc.planning.layouts import LAYOUT_FLAGS
 
     return bool({arg.split("=", 1)[0] for arg in training} & set(LAYOUT_FLAGS))
 
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 def validate_plan(planner: argparse.Namespace, cfg, argv: list[str]) -> None:
     """The configuration's errors as one line before any tracing (auto-fit replaces the memory flags, so
     only the rest must hold)."""
-    from megatron_lc.planning import autofit
+    from megatron_lc.planning import layouts, search_space
 
     if planner.auto_fit and (planner.ablate or planner.plot or planner.find_max_seq_length):
         raise ConfigError("--auto-fit chooses a stack at one --seq-length: not together with --find-max-seq-length, "
@@ -278,11 +278,11 @@ def validate_plan(planner: argparse.Namespace, cfg, argv: list[str]) -> None:
         raise ConfigError("--auto-fit chooses the recompute of every block: drop --recompute-method and "
                           "--recompute-num-layers (or plan that stack without --auto-fit)")
     if planner.auto_fit:
-        training = autofit.strip_memory_flags(split_argv(argv)[1])
+        training = search_space.strip_memory_flags(split_argv(argv)[1])
         checked = parse_config(training + (["--mock-data"] if not cfg.data.data_path else []))
         if not layout_given(training):
             gpus_per_node = planner.gpus_per_node or NODES[planner.machine].gpus_per_node
-            autofit.search_layouts(checked, planner.num_gpus, gpus_per_node)  # one that validates, or one line
+            layouts.search_layouts(checked, planner.num_gpus, gpus_per_node)  # one that validates, or one line
             return
     planning_config(checked).validate(planner.num_gpus)
 
@@ -295,7 +295,7 @@ STACK_HINT = ("--bf16 --context-parallel-size N --cp-impl untied_ulysses --recom
 def stack_hint(planner: argparse.Namespace, argv: list[str]) -> str | None:
     """One line when the command plans no memory stack at all (plain FSDP at cp 1), naming the stack to plan;
     None when it names any part of one, ablates or auto-fits."""
-    from megatron_lc.planning.autofit import MEMORY_FLAGS
+    from megatron_lc.planning.search_space import MEMORY_FLAGS
 
     if planner.auto_fit or planner.ablate or planner.plot:
         return None

@@ -76,7 +76,7 @@ from megatron_lc.parallel_state import ParallelState, run_collective
 from megatron_lc.planning.estimate import GIB, Machine, estimate, planning_config
 from megatron_lc.planning.fakes import fake_process_group
 from megatron_lc.planning import standins
-from megatron_lc.planning.timing import RATES
+from megatron_lc.planning.rates import RATES
 from megatron_lc.planning.timing import predict as predict_step_time
 from megatron_lc.planning.trace import (
     initialize_optimizer_state,

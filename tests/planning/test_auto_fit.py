@@ -11,13 +11,12 @@ import pytest
 
 from megatron_lc.planning import cli as estimate_memory
 from megatron_lc.arguments import parse_config
-from megatron_lc.planning.autofit import (
+from megatron_lc.planning.autofit import TOLERANCE, auto_fit
+from megatron_lc.planning.search_space import (
     MODES,
-    TOLERANCE,
     AttentionLevel,
     Candidate,
     SearchSpace,
-    auto_fit,
     search_space,
     strip_memory_flags,
 )
@@ -323,7 +322,7 @@ def test_an_untied_answer_is_pipelined_where_the_pipelined_stages_fit():
 def test_layouts_are_the_divisors_of_the_gpus_within_the_global_batch():
     """cp over the divisors of the GPU count, all-to-all where the heads allow it (in a node; across nodes in a
     node and a ring across), the ring; the data-parallel rest must divide --global-batch-size when it is given."""
-    from megatron_lc.planning.autofit import Layout, search_layouts
+    from megatron_lc.planning.layouts import Layout, search_layouts
 
     cfg = parse_config(["--model", "llama3-8b", "--seq-length", "1048576", "--mock-data"])
     assert search_layouts(cfg, 16, 8) == [
@@ -367,7 +366,7 @@ def _layout_synthetic(cfg_seq: int):
 def test_layout_search_answers_the_fastest_layout_and_stack_that_fit(tolerance):
     """Over every layout of 4 GPUs and every stack: the answer per token is within the tolerance of the fastest
     that fits (brute force over the synthetic planner), at budgets from generous to nothing fitting."""
-    from megatron_lc.planning.autofit import search_layouts
+    from megatron_lc.planning.layouts import search_layouts
 
     cfg = parse_config([*TINY, "--mock-data", "--context-parallel-size", "1"])
     layouts = search_layouts(cfg, 4, 4)
@@ -492,7 +491,7 @@ def test_search_answers_the_fastest_fitting_stack_of_random_monotone_planners(wo
     import random
     import types
 
-    from megatron_lc.planning.autofit import Estimator
+    from megatron_lc.planning.estimator import Estimator
 
     cfg = parse_config(["--model", "debug", "--num-layers", "16", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
                         "--num-attention-heads", "16", "--num-query-groups", "4", "--vocab-size", "32000",
@@ -546,14 +545,14 @@ def test_auto_fit_searches_layouts_when_the_default_one_does_not_validate():
 
 def test_the_recommended_command_keeps_packing_and_plans_it_on_mock_data():
     """--packing documents (a fine-tuning run) is planned like any run, and the command auto-fit prints keeps it."""
-    from megatron_lc.planning import autofit
+    from megatron_lc.planning import search_space
     from megatron_lc.planning.cli import launch_command, parse
 
     training = ["--model", "debug", "--seq-length", "2048", "--packing", "documents", "--long-documents", "drop",
                 "--tiled-mlp", "--data-path", "sft_messages_document"]
     _, cfg = parse(training)
     assert cfg.packing.packing == "documents"
-    command = launch_command(Machine(num_gpus=8), autofit.strip_memory_flags(training))
+    command = launch_command(Machine(num_gpus=8), search_space.strip_memory_flags(training))
     assert " ".join(command).endswith("--packing documents --long-documents drop --data-path sft_messages_document")
 
 

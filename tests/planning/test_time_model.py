@@ -12,8 +12,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from megatron_lc.planning import cli as estimate_memory
 from megatron_lc.arguments import parse_config
 from megatron_lc.models.llama import build_model
-from megatron_lc.planning import timing
-from megatron_lc.planning.timing import RATES, TimeModel, predict, step_work
+from megatron_lc.planning import calibration, rates, timing
+from megatron_lc.planning.rates import RATES
+from megatron_lc.planning.timing import TimeModel, predict, step_work
 
 
 H100 = RATES["dgx-h100"]
@@ -28,7 +29,7 @@ def test_attention_work_is_causal_over_the_full_sequence_shared_by_the_cp_ranks(
     w = step_work(_cfg(), 8)
     S, d, H, L = 1048576, 128, 32, 32
     assert w.attention_fwd == pytest.approx(L * 2 * S * S * d * H / 8)
-    assert w.attention_bwd == pytest.approx(timing.FA2_BACKWARD_WORK * w.attention_fwd)
+    assert w.attention_bwd == pytest.approx(rates.FA2_BACKWARD_WORK * w.attention_fwd)
     assert w.attention_recompute == 0 and step_work(_cfg("--recompute-granularity", "full"), 8).attention_recompute \
         == w.attention_fwd
 
@@ -119,16 +120,16 @@ def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, 
         return {"gemm_flops": 1e10, "attention_fwd_flops": 2e9, "attention_bwd_flops": 1e9, "copy_bytes": 1e9,
                 "a2a_bytes": 3e8, "launch_s": 1e-5, "host_adam_params": 5e7}
 
-    monkeypatch.setattr(timing, "_measure_local", measure)
-    monkeypatch.setattr(timing.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(calibration, "_measure_local", measure)
+    monkeypatch.setattr(calibration.os, "cpu_count", lambda: 2)
     cache = tmp_path / "rates.json"
-    one = timing.calibrate_local(cache=cache)
-    four = timing.calibrate_local(cache=cache, processes=4)
+    one = calibration.calibrate_local(cache=cache)
+    four = calibration.calibrate_local(cache=cache, processes=4)
     assert calls == [1] and json.loads(cache.read_text())
     assert one.gemm_flops == 1e10 and four.gemm_flops == pytest.approx(0.5e10)  # 4 processes on 2 cores
-    timing.calibrate_local(cache=cache, refresh=True)
+    calibration.calibrate_local(cache=cache, refresh=True)
     assert calls == [1, 1]
-    timing.calibrate_local(cache=cache, shapes=timing.CalibrationShapes(tokens=4096))  # other shapes: measured
+    calibration.calibrate_local(cache=cache, shapes=calibration.CalibrationShapes(tokens=4096))  # other shapes: measured
     assert calls == [1, 1, 1]
 
 
@@ -140,7 +141,7 @@ def test_local_rates_are_measured_at_the_configurations_own_shapes(monkeypatch):
                                           "--ffn-hidden-size", "2048", "--vocab-size", "8000"])
     timing.TimeModel.for_machine(estimate_memory.machine_of(planner, cfg), cfg)
     c = cfg.model_config()
-    assert seen == [timing.CalibrationShapes(
+    assert seen == [calibration.CalibrationShapes(
         tokens=2048, hidden=512, ffn=2048, vocab=8000,
         qkv=(c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels,
         attention_width=c.num_attention_heads * c.kv_channels, attention_tokens=4096,
@@ -184,8 +185,8 @@ def test_fa3_behind_torchs_flash_kernel_is_priced_at_fa3s_rates_where_the_gpus_t
 
 def test_the_bandwidth_calibration_copies_past_the_caches():
     """A copy of a few KiB would measure the launch cost, not the memory (the elementwise term's rate)."""
-    src, dst = timing.copy_operands()
-    assert src.numel() * src.element_size() == timing.COPY_BYTES >= 64 << 20 and dst.shape == src.shape
+    src, dst = calibration.copy_operands()
+    assert src.numel() * src.element_size() == calibration.COPY_BYTES >= 64 << 20 and dst.shape == src.shape
 
 
 def test_pipelined_untied_stages_hide_their_exchanges_behind_attention():
@@ -400,5 +401,5 @@ def test_the_host_optimizer_step_is_priced_at_the_hosts_rate_with_its_copies():
 
 def test_the_local_calibration_measures_the_host_optimizer_step():
     torch.set_num_threads(1)
-    rate = timing._measure_host_adam(numel=1 << 20)
+    rate = calibration._measure_host_adam(numel=1 << 20)
     assert 1e5 < rate < 1e11  # parameters per second of one thread
