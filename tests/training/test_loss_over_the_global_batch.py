@@ -5,7 +5,6 @@ the single-process fp32 reference on the same tokens, loss (1e-5) and every grad
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from megatron_lc.models.llama import get_config
