@@ -32,14 +32,7 @@ LONG_DOCUMENTS=${LONG_DOCUMENTS:-stop}
 WORKERS=${WORKERS:-16}
 read -r -a MEMORY <<< "${MEMORY_FLAGS:---cp-impl untied_ulysses --recompute-granularity full --offload-mode prefetch --tiled-mlp --tiled-loss --bf16}"
 
-run() {  # one process per GPU under torchrun, or a single process
-    if [ "$LAUNCH" = torchrun ]; then
-        torchrun --nproc-per-node "$GPUS_PER_NODE" -m "$@"
-    else
-        python -m "$@"
-    fi
-}
-
+source "$(dirname "$0")/run_module.sh"
 source "$(dirname "$0")/nccl_settings.sh"
 source "$(dirname "$0")/resume_status.sh"
 
