@@ -20,12 +20,9 @@ from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
-from megatron_lc.errors import ConfigError
+from megatron_lc.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_OK, ConfigError
 from megatron_lc.parallel_state import detect_launch
 
-EXIT_OK, EXIT_FAILURE, EXIT_CONFIG_ERROR, EXIT_RESUME = 0, 1, 2, 3
-"""EXIT_RESUME: the run saved and stopped before its end (a signal, a deadline, --exit-interval): start it
-again with the same command to resume (`training/stopping.py`)."""
 
 
 def exit_process(code: int) -> NoReturn:

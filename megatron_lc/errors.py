@@ -4,7 +4,9 @@ An entry point reports a `ConfigError` as one line from rank 0 and exit status 2
 `cli.run_tool`); any other exception is a defect and keeps its traceback.
 """
 
-EXIT_CONFIG_ERROR = 2
+EXIT_OK, EXIT_FAILURE, EXIT_CONFIG_ERROR, EXIT_RESUME = 0, 1, 2, 3
+"""How a run ends. EXIT_RESUME: it stopped before its end to be started again with the same command (a signal,
+a deadline: `training/stopping.py`); --exit-interval, asked for, ends with EXIT_OK."""
 
 
 class ConfigError(ValueError):

@@ -9,7 +9,8 @@ rank 0), 1 on any other failure.
 import sys
 
 from megatron_lc.arguments import parse_config
-from megatron_lc.entry import EXIT_OK, EXIT_RESUME, run_entry_point
+from megatron_lc.entry import run_entry_point
+from megatron_lc.errors import EXIT_OK, EXIT_RESUME
 from megatron_lc.training.trainer import train
 
 

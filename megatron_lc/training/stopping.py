@@ -1,6 +1,6 @@
 """When a run stops before --train-iters, and how it tells its scheduler to start it again.
 
-A run stops to be resumed (exit status 3, `entry.EXIT_RESUME`, and the file
+A run stops to be resumed (exit status 3, `errors.EXIT_RESUME`, and the file
 `--save/stopped_to_resume.json`) on a signal (--exit-signal-handler), at --exit-interval, or
 when its next step could not finish and be saved before its deadline. The deadline is the
 earlier of --exit-duration-in-mins (from the start of the run) and the scheduler's own time
@@ -13,9 +13,12 @@ after its first step to learn it. A fresh run's first step has nothing to be jud
 started (the checkpoint loaded, if any, stays the one to resume).
 
 The only point at which every rank holds a consistent state to save is a step boundary; a
-signal is acted on there. A step longer than the scheduler's grace time after a signal
-cannot be saved: the run then loses the work since its last save, which --save-interval-minutes
-bounds.
+signal is acted on there when what is left of the step and its save fit the scheduler's grace
+time (--exit-signal-grace-secs, judged from the measured step and save times x SAFETY). When
+they do not (steps of hours), the run stops at once inside the step, exit 3, and resumes from
+its last checkpoint: the work since that save is lost, which --save-interval-minutes bounds,
+instead of the whole job being killed mid-save. Each rank judges this alone from its own
+times; a rank that judged otherwise is stopped by the launcher when the others have left.
 
 A signal may reach only some ranks, and clocks differ: every rank contributes its flags to one
 all-reduce per step, so all of them save and stop at the same step.
@@ -27,6 +30,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,17 +109,47 @@ class StopRequest:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self, handle_signals: bool, deadlines: list[Deadline], save_interval_minutes: float | None,
-                 timing: StepTiming, device: torch.device, clock=time.time):
+                 timing: StepTiming, device: torch.device, clock=time.time, grace_s: float | None = None,
+                 abandon: Callable[[str], None] | None = None):
         self.handle_signals = handle_signals
         self.deadline = deadlines[0] if deadlines else None
         self.save_interval_s = 60 * save_interval_minutes if save_interval_minutes else None
         self.timing, self.device, self.clock = timing, device, clock
+        self.grace_s, self.abandon = grace_s, abandon
         self.last_save = clock()
         self.received: int | None = None
+        self.in_step: tuple[int, float] | None = None
+        """(step, its start) while a step runs."""
         self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS} if handle_signals else {}
+
+    def begin_step(self, step: int) -> None:
+        self.in_step = (step, self.clock())
+
+    def end_step(self) -> None:
+        self.in_step = None
 
     def _on_signal(self, signum, frame) -> None:
         self.received = signum
+        reason = self.too_late_to_finish(signum)
+        if reason is not None and self.abandon is not None:
+            self.abandon(reason)
+
+    def too_late_to_finish(self, signum: int) -> str | None:
+        """Why the step in progress cannot finish and save within the grace time after signal `signum` (None: it
+        can, no step runs, or no grace time is given)."""
+        if self.in_step is None or self.grace_s is None:
+            return None
+        step, started = self.in_step
+        name = signal.Signals(signum).name
+        measured, save = self.timing.step_s(), self.timing.save_s() or 0.0
+        if measured is None:
+            return (f"signal {name} during step {step}, whose length nothing has measured yet, with "
+                    f"{self.grace_s:g} s before the scheduler's SIGKILL (--exit-signal-grace-secs)")
+        left = max(measured - (self.clock() - started), 0.0)
+        if (left + save) * SAFETY <= self.grace_s:
+            return None
+        return (f"signal {name} during step {step}: what is left of it (~{left:.0f} s) and its save ({save:.0f} s), "
+                f"x{SAFETY:g}, pass the {self.grace_s:g} s before the scheduler's SIGKILL (--exit-signal-grace-secs)")
 
     def saved(self) -> None:
         self.last_save = self.clock()

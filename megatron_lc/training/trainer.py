@@ -7,15 +7,18 @@
 from __future__ import annotations
 
 import math
+import os
 import resource
+import sys
 import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron_lc.attention.kernel_selection import running_kernel
-from megatron_lc.errors import ConfigError
+from megatron_lc.errors import EXIT_RESUME, ConfigError
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
 from megatron_lc.training.preflight import check_host_memory, preflight
@@ -224,6 +227,17 @@ def _check_finite(step: int, loss: float, grad_norm: float, skip: bool) -> bool:
     raise NonFiniteError(f"{message}; lower --lr, check the data, or pass --skip-nonfinite")
 
 
+def exit_now(code: int) -> NoReturn:
+    """Leave from inside a step (a signal handler): flush what was written and skip every teardown, since
+    other ranks may be inside a collective this rank will not join."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def train_one_step(run: Run, step: int) -> dict:
     start = time.perf_counter()
     if run.offload is not None:
@@ -312,9 +326,19 @@ def _train_run(run: Run, started: float) -> History:
     say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
               f"seq {cfg.data.seq_length} | attention: {kernel} | metrics in {log_dir}/metrics.jsonl")
     c = cfg.checkpoint
+    resumable = [start]  # the step of the checkpoint a resume would go on from
+
+    def abandon(reason: str) -> None:  # from the signal handler, inside a step: leave now, exit 3
+        text = f"stopping inside the step: {reason}; the run resumes from step {resumable[0]}'s checkpoint"
+        if c.save and run.is_logging_rank:
+            mark_stopped(c.save, resumable[0], text)
+        say(run, text)
+        exit_now(EXIT_RESUME)
+
     stop = StopRequest(cfg.train.exit_signal_handler,
                        deadlines(cfg.train.exit_duration_in_mins, started, current_job()),
-                       c.save_interval_minutes, run.timing, run.devices.accelerator)
+                       c.save_interval_minutes, run.timing, run.devices.accelerator,
+                       grace_s=cfg.train.exit_signal_grace_secs, abandon=abandon)
     history, step_times, began = History(), [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
     progress = StepProgress(list(run.model.layers), print_flushed) if run.is_logging_rank else None
@@ -328,7 +352,9 @@ def _train_run(run: Run, started: float) -> History:
                 break
             if progress is not None:
                 progress.begin(step, cfg.train.train_iters, run.accumulation, run.timing.step_s())
+            stop.begin_step(step)
             metrics = train_one_step(run, step)
+            stop.end_step()
             metrics["attention_kernel"] = kernel
             step_times.append(metrics["step_time_s"])
             run.timing.step_times.append(metrics["step_time_s"])
@@ -359,6 +385,7 @@ def _train_run(run: Run, started: float) -> History:
                            or (decision and decision.save)):
                 save(run, step)
                 stop.saved()
+                resumable[0] = step
             if exiting and not history.stopped:  # asked for: this invocation is done (exit 0)
                 say(run, f"stopping after step {step}: --exit-interval {cfg.train.exit_interval}"
                          + ("" if c.save else " (no --save: nothing saved)"))

@@ -225,3 +225,70 @@ def test_the_resume_status_leaves_the_entry_point_as_3(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 3, out.stderr[-2000:]
     assert "stopping before step 1: --exit-duration-in-mins 1e-09 reached" in out.stdout
+
+
+def _signalled_inside_a_step(timing: StepTiming, grace_s: float, elapsed: float) -> list[str]:
+    """The reasons StopRequest gave for leaving at once when SIGTERM arrived `elapsed` s into step 7."""
+    now = [1000.0]
+    abandoned: list[str] = []
+    stop = StopRequest(True, [], None, timing, torch.device("cpu"), clock=lambda: now[0], grace_s=grace_s,
+                       abandon=abandoned.append)
+    try:
+        stop.begin_step(7)
+        now[0] += elapsed
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs in the main thread at the next bytecode
+        stop.end_step()
+        if not abandoned:
+            assert stop.decide(may_save=True) == Decision("signal SIGTERM", True)  # finished, saved, stopped
+    finally:
+        stop.close()
+    return abandoned
+
+
+def test_a_signal_inside_a_step_too_long_for_the_grace_time_stops_the_run_at_once():
+    """A step of hours cannot finish and save in the 30 s a scheduler leaves after its signal: the run leaves
+    inside the step (exit 3, resuming from its last checkpoint) instead of being killed in the middle of a save;
+    a step that can finish in time finishes, saves and stops at its boundary as before."""
+    long_steps = StepTiming(step_times=[5.0, 3600.0], save_times=[20.0])
+    (reason,) = _signalled_inside_a_step(long_steps, grace_s=30, elapsed=600)
+    assert reason.startswith("signal SIGTERM during step 7: what is left of it (~3000 s) and its save (20 s)")
+    assert "--exit-signal-grace-secs" in reason
+    near_the_end = _signalled_inside_a_step(long_steps, grace_s=30, elapsed=3595)  # (5 + 20) x 1.2 <= 30
+    assert near_the_end == []
+    short_steps = StepTiming(step_times=[0.5, 1.0], save_times=[2.0])
+    assert _signalled_inside_a_step(short_steps, grace_s=30, elapsed=0.2) == []
+    (unmeasured,) = _signalled_inside_a_step(StepTiming(), grace_s=30, elapsed=1)
+    assert "nothing has measured yet" in unmeasured
+
+
+def test_a_run_signalled_inside_a_long_step_leaves_at_once_with_the_resume_status(tmp_path):
+    """The third step is made long (a stand-in for a step of hours); SIGTERM inside it ends the process within
+    seconds, exit 3, and the file says to resume from step 2's checkpoint."""
+    driver = ("import sys, time\n"
+              "from megatron_lc.training import trainer\n"
+              "real, calls = trainer.train_step, []\n"
+              "def slow(*args, **kwargs):\n"
+              "    calls.append(1)\n"
+              "    if len(calls) == 3:\n"
+              "        time.sleep(60)\n"
+              "    return real(*args, **kwargs)\n"
+              "trainer.train_step = slow\n"
+              "from megatron_lc.train import main\n"
+              "main(sys.argv[1:])\n")
+    args = BASE + ["--train-iters", "10", "--save", "ckpt", "--save-interval", "2", "--exit-signal-handler",
+                   "--exit-signal-grace-secs", "0", "--log-dir", "a"]
+    proc = subprocess.Popen([sys.executable, "-c", driver, *args], env=ENV, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_metrics(tmp_path / "a")) < 2 or not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its third step"
+        time.sleep(0.05)
+    time.sleep(1.0)  # inside the third step
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 3 and time.monotonic() - signalled < 20, stderr[-3000:]
+    stopped = json.loads((tmp_path / "ckpt" / STOPPED_FILE).read_text())
+    assert stopped["step"] == 2 and stopped["reason"].startswith("stopping inside the step: signal SIGTERM during step 3")
+    assert "stopping inside the step" in stdout and len(_metrics(tmp_path / "a")) == 2
