@@ -7,15 +7,14 @@
 #   bash examples/sft_llama3_8b_long.sh HF_DIR CHAT_JSONL WORK_DIR [extra training flags...]
 #
 # CHAT_JSONL: one {"messages": [{"role": ..., "content": ...}, ...]} per line (docs/sft.md for the other formats).
-# The stack: cp 8 Untied Ulysses, full recompute with block inputs offloaded, tiled MLP and loss, bf16. Predicted
-# per GPU of a DGX H100 (planner, not yet measured on a GPU): 28.30 GiB GPU, 248 GiB host per node, 489 s per step
-# at FA2's kernel rates (286 s at FA3's), 1,048,576 tokens a step:
-#   python tools/estimate_memory.py --model llama3-8b --bf16 --context-parallel-size 8 --cp-impl untied_ulysses \
-#       --recompute-granularity full --offload-mode prefetch --tiled-mlp --tiled-loss --num-gpus 8 \
-#       --seq-length 1048576 --packing documents
-# The planner's auto-fit plans packed runs too and prints --packing documents in the command it recommends:
-#   python tools/estimate_memory.py --model llama3-8b --bf16 --num-gpus 8 --seq-length 1048576 \
-#       --packing documents --data-path DATA --auto-fit
+# The stack is the planner's auto-fit answer for one 1M-token sample a step (predicted on a DGX H100, not yet
+# measured on a GPU): cp 8 ring attention, full recompute with each block's input and attention output offloaded
+# early (the recompute runs no attention forward), tiled MLP and loss, bf16: 34.0 GiB GPU, 500 GiB host per node,
+# 229 s per step at FA3's kernel rates (390 s at FA2's), 1.023x the step's floor; the default full stack (Untied
+# Ulysses, input-only offload) is predicted at 286 s (FA3). Auto-fit's own first answer, cp 4 ring with 2 data-
+# parallel replicas, trains 2 samples a step at the same tokens per second.
+#   python tools/estimate_memory.py --model llama3-8b --bf16 --num-gpus 8 --machine dgx-h100 \
+#       --seq-length 1048576 --packing documents --data-path DATA --with-fa3 --auto-fit
 # Environment variables for another run: SEQ_LENGTH, STEPS, GPUS_PER_NODE, CP, LAUNCH ("torchrun" or "python"),
 # MEMORY_FLAGS, LONG_DOCUMENTS (stop, truncate or drop: conversations longer than a sample), WORKERS.
 set -euo pipefail
@@ -30,7 +29,7 @@ CP=${CP:-8}
 LAUNCH=${LAUNCH:-torchrun}
 LONG_DOCUMENTS=${LONG_DOCUMENTS:-stop}
 WORKERS=${WORKERS:-16}
-read -r -a MEMORY <<< "${MEMORY_FLAGS:---cp-impl untied_ulysses --recompute-granularity full --offload-mode prefetch --tiled-mlp --tiled-loss --bf16}"
+read -r -a MEMORY <<< "${MEMORY_FLAGS:---cp-comm-type p2p --recompute-granularity full --offload-mode early --keep-attention-output --tiled-mlp --tiled-loss --bf16}"
 
 source "$(dirname "$0")/run_module.sh"
 source "$(dirname "$0")/nccl_settings.sh"
