@@ -370,8 +370,9 @@ class TrainConfig:
                             ("--save-interval-minutes", self.checkpoint.save_interval_minutes)):
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} {value} must be > 0")
-        if t.exit_signal_grace_secs < 0:
-            raise ConfigError(f"--exit-signal-grace-secs {t.exit_signal_grace_secs:g} must be >= 0")
+        if t.exit_signal_grace_secs is not None and (t.exit_signal_grace_secs < 0 or not t.exit_signal_handler):
+            raise ConfigError(f"--exit-signal-grace-secs {t.exit_signal_grace_secs:g} is the time a signal leaves: it "
+                              "must be >= 0 and needs --exit-signal-handler")
         if self.checkpoint.save_interval_minutes and not self.checkpoint.save:
             raise ConfigError(f"--save-interval-minutes {self.checkpoint.save_interval_minutes:g} saves checkpoints: "
                               "give --save DIR")

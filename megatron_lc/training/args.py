@@ -61,8 +61,8 @@ class TrainArgs:
                                                "(Slurm's own time limit is read too)")
     exit_signal_handler: bool = flag(False, "on SIGTERM or SIGUSR1 (preemption, scancel, a time limit with "
                                      "--signal), save at the next step boundary on every rank and exit 3 (resume me)")
-    exit_signal_grace_secs: float = flag(30.0, "with --exit-signal-handler: the seconds the scheduler leaves between "
-                                         "its signal and SIGKILL (torchrun's and Slurm's default: 30); a signal "
+    exit_signal_grace_secs: float | None = flag(None, "with --exit-signal-handler: the seconds the scheduler leaves between "
+                                         "its signal and SIGKILL (default 30, torchrun's and Slurm's); a signal "
                                          "inside a step that cannot finish and save within them stops the run at "
                                          "once (exit 3), to resume from the last checkpoint")
 

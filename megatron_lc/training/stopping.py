@@ -44,6 +44,9 @@ SAFETY = 1.2
 RECENT_STEPS = 5
 """Steps whose slowest time predicts the next one (the first step of a run, warm-up, is left out once
 others exist)."""
+DEFAULT_GRACE_S = 30.0
+"""Seconds between a scheduler's signal and its SIGKILL unless --exit-signal-grace-secs says otherwise: torchrun's
+shutdown timeout and Slurm's default KillWait."""
 STOPPED_FILE = "stopped_to_resume.json"
 """Written into --save when the run stopped to be resumed; removed when a run takes the --save lock. A
 launcher that hides the exit status (torchrun exits 1 when any worker exits non-zero) is read by it."""

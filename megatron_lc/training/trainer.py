@@ -42,7 +42,7 @@ from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.training.startup import start_processes
 from megatron_lc.scheduler import current_job
 from megatron_lc.training.step_progress import StepProgress
-from megatron_lc.training.stopping import StopRequest, clear_stopped, deadlines, mark_stopped
+from megatron_lc.training.stopping import DEFAULT_GRACE_S, StopRequest, clear_stopped, deadlines, mark_stopped
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
 
 
@@ -338,7 +338,8 @@ def _train_run(run: Run, started: float) -> History:
     stop = StopRequest(cfg.train.exit_signal_handler,
                        deadlines(cfg.train.exit_duration_in_mins, started, current_job()),
                        c.save_interval_minutes, run.timing, run.devices.accelerator,
-                       grace_s=cfg.train.exit_signal_grace_secs, abandon=abandon)
+                       grace_s=DEFAULT_GRACE_S if cfg.train.exit_signal_grace_secs is None
+                       else cfg.train.exit_signal_grace_secs, abandon=abandon)
     history, step_times, began = History(), [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
     progress = StepProgress(list(run.model.layers), print_flushed) if run.is_logging_rank else None

@@ -292,3 +292,10 @@ def test_a_run_signalled_inside_a_long_step_leaves_at_once_with_the_resume_statu
     stopped = json.loads((tmp_path / "ckpt" / STOPPED_FILE).read_text())
     assert stopped["step"] == 2 and stopped["reason"].startswith("stopping inside the step: signal SIGTERM during step 3")
     assert "stopping inside the step" in stdout and len(_metrics(tmp_path / "a")) == 2
+
+
+def test_a_grace_time_without_the_signal_handler_is_refused_in_one_line():
+    for flags in (["--exit-signal-grace-secs", "60"], ["--exit-signal-handler", "--exit-signal-grace-secs", "-1"]):
+        with pytest.raises(ConfigError, match="--exit-signal-grace-secs .* needs --exit-signal-handler"):
+            parse_config(BASE + flags).validate(1)
+    parse_config(BASE + ["--exit-signal-handler", "--exit-signal-grace-secs", "60"]).validate(1)
