@@ -61,10 +61,16 @@ LOGGING_ARGS=(
     --tensorboard-dir "$CHECKPOINT_DIR/tensorboard"
 )
 
+source "$(dirname "$0")/memory_plan.sh"
+# The planner's estimate of this run, made once (seconds): each step's peak is logged beside it.
+memory_plan "$CHECKPOINT_DIR/memory_plan.json" "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
+    "${MEMORY_ARGS[@]}" "${TRAINING_ARGS[@]}" --num-gpus "$GPUS_PER_NODE" --machine dgx-h100 \
+    --nccl-channels 16 --nccl-p2p-channels-per-peer 16 "$@"
+
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 source "$(dirname "$0")/nccl_settings.sh"  # the NCCL settings the memory plan assumes, the same for every launcher
 # Exit status 3 (torchrun: 1, with CHECKPOINT_DIR/stopped_to_resume.json): saved and stopped to be resumed;
 # run the same command again.
 torchrun --nproc-per-node "$GPUS_PER_NODE" -m megatron_lc.train \
     "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${MEMORY_ARGS[@]}" \
-    "${TRAINING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"
+    "${TRAINING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" "${PLAN_FLAGS[@]}" "$@"

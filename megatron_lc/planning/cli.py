@@ -27,6 +27,7 @@ from megatron_lc.errors import ConfigError
 from megatron_lc.cli import ArgumentParser, run_tool
 from megatron_lc.arguments import build_parser, parse_config
 from megatron_lc.planning.estimate import Machine, planning_config
+from megatron_lc.training.memory_plan import planned_run
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
 from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, TOLERANCE
 from megatron_lc.planning.estimator import CACHE_ENV, MAX_WORKERS
@@ -358,6 +359,7 @@ def run_plan(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str]
     if not (planner.ablate or planner.plot or planner.find_max_seq_length or planner.auto_fit):
         e = estimator(cfg, machine)
         out.update(e.to_json())
+        out["run"] = planned_run(cfg, machine.num_gpus)  # what a run given this plan (--memory-plan) checks
         if not planner.json:
             print(report.estimate_table(cfg, e))
     return fits

@@ -112,5 +112,8 @@ class LoggingArgs:
                                  "is evaluated once at the end of training over as many")
     wandb_project: str | None = flag(None, "Weights & Biases project to log to (needs the wandb package)")
     wandb_exp_name: str | None = flag(None, "Weights & Biases run name")
+    memory_plan: str | None = flag(None, "the planner's estimate of this run (tools/estimate_memory.py with the "
+                                   "same flags and --json > FILE): each step's peak is logged beside its "
+                                   "prediction, and its step time judges the deadline before a step is measured")
     log_validation_ppl_to_tensorboard: bool = flag(False, "also write the validation perplexity to tensorboard "
                                                    "('lm loss validation ppl')")

@@ -138,8 +138,9 @@ class MetricsLogger:
             parts.append(f"{m['tflops_per_gpu']:.0f} TFLOP/s ({m['mfu']:.0%} MFU)")
         if "params_norm" in m:  # --log-params-norm
             parts.append(f"params norm: {m['params_norm']:.3f}")
-        parts.append(f"peak {m['peak_memory_gib']:.2f} GiB" + (f" (reserved {m['peak_reserved_gib']:.2f})"
-                                                                if "peak_reserved_gib" in m else ""))
+        beside = ([f"reserved {m['peak_reserved_gib']:.2f}"] if "peak_reserved_gib" in m else []) + (
+            [f"planned {m['planned_peak_gib']:.2f}"] if "planned_peak_gib" in m else [])
+        parts.append(f"peak {m['peak_memory_gib']:.2f} GiB" + (f" ({', '.join(beside)})" if beside else ""))
         if m.get("host_offload_gib"):
             parts.append(f"host {m['host_offload_gib']:.2f} GiB")
         if "eta_s" in m:

@@ -11,6 +11,7 @@ from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.samples import SampleSource
 from megatron_lc.devices import Devices
 from megatron_lc.parallel_state import LaunchInfo, ParallelState
+from megatron_lc.training.memory_plan import MemoryPlan
 from megatron_lc.training.save_lock import SaveLock
 from megatron_lc.training.schedule import LRSchedule
 from megatron_lc.training.stopping import StepTiming
@@ -41,6 +42,8 @@ class Run:
         """The loader reading `source`, repositioned by each evaluation."""
         return next(loader for known, loader in self.eval_loaders if known is source)
 
+    memory_plan: MemoryPlan | None = None
+    """The planner's estimate of this run (--memory-plan)."""
     timing: StepTiming = field(default_factory=StepTiming)
     """Measured step and save times (and the resumed checkpoint's), for the deadline."""
 

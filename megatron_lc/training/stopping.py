@@ -8,9 +8,10 @@ limit (Slurm's SLURM_JOB_END_TIME, `scheduler.py`).
 
 Whether a step fits is judged from measured times: the slowest of the last steps of this run
 and the slowest save, each x SAFETY, or before the first of them, the times the resumed
-checkpoint recorded (its `timing`). A run with a deadline and no save time known yet saves
-after its first step to learn it. A fresh run's first step has nothing to be judged by: it is
-started (the checkpoint loaded, if any, stays the one to resume).
+checkpoint recorded (its `timing`), or the planner's predicted step (--memory-plan). A run
+with a deadline and no save time known yet saves after its first step to learn it. A fresh
+run's first step with no plan has nothing to be judged by: it is started (the checkpoint
+loaded, if any, stays the one to resume).
 
 The only point at which every rank holds a consistent state to save is a step boundary; a
 signal is acted on there when what is left of the step and its save fit the scheduler's grace
@@ -60,6 +61,8 @@ class StepTiming:
     save_times: list[float] = field(default_factory=list)
     recorded_step_s: float | None = None
     recorded_save_s: float | None = None
+    planned_step_s: float | None = None
+    """The planner's prediction (--memory-plan), used until a step is measured or recorded."""
 
     @classmethod
     def resumed(cls, recorded: dict | None) -> StepTiming:
@@ -69,7 +72,9 @@ class StepTiming:
     def step_s(self) -> float | None:
         """The next step's predicted time, before the margin (None: nothing measured or recorded)."""
         times = self.step_times[1:] or self.step_times
-        return max(times[-RECENT_STEPS:]) if times else self.recorded_step_s
+        if times:
+            return max(times[-RECENT_STEPS:])
+        return self.recorded_step_s if self.recorded_step_s is not None else self.planned_step_s
 
     def save_s(self) -> float | None:
         return max(self.save_times) if self.save_times else self.recorded_save_s
@@ -104,6 +109,8 @@ class Decision:
     """Why the run stops here (None: go on)."""
     save: bool = False
     """Save at this boundary for time's sake (the deadline, --save-interval-minutes, or to measure a save)."""
+    for_time: bool = False
+    """The stop is the deadline's (no signal): the next step would not finish and save before it."""
 
 
 class StopRequest:
@@ -186,7 +193,7 @@ class StopRequest:
             name = signal.Signals(self.received).name if self.received else "on another rank"
             return Decision(f"signal {name}", True)
         if timed_out:
-            return Decision(late or "the deadline of another rank", True)
+            return Decision(late or "the deadline of another rank", True, for_time=True)
         return Decision(None, bool(save))
 
     def close(self) -> None:

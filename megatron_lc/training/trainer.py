@@ -28,6 +28,7 @@ from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
 from megatron_lc.models.llama import count_parameters
 from megatron_lc.parallel_state import ParallelState, require_launcher
+from megatron_lc.training.memory_plan import read_memory_plan
 from megatron_lc.training.logging import (
     MetricsLogger,
     show_library_log,
@@ -112,6 +113,7 @@ def build_run(cfg: TrainConfig) -> Run:
     launch = require_launcher()  # before any process group: a run without its launcher is refused
     show_library_log(launch.local_rank == 0)  # e.g. page-locking progress, once per node
     cfg.validate(launch.world_size)  # before any process group or accelerator memory
+    plan = read_memory_plan(cfg.logging.memory_plan, cfg, launch.world_size) if cfg.logging.memory_plan else None
     cfg = cfg.resolved(launch.world_size)  # --train-samples, --data-args-path, ... filled in
     preflight(cfg, launch.world_size)  # what the run needs of this machine's disks, packages, devices and host memory
     tokenizer_spec = cfg.tokenizer_spec()
@@ -137,7 +139,8 @@ def build_run(cfg: TrainConfig) -> Run:
     optimizer = build_run_optimizer(model, cfg, devices)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg, launch.world_size), offload,
-               loader, valid_source, eod, accumulation, test_source=test_source, eval_loaders=eval_loaders)
+               loader, valid_source, eod, accumulation, test_source=test_source, eval_loaders=eval_loaders,
+               memory_plan=plan)
 
 
 def _autocast(run: Run):
@@ -261,6 +264,8 @@ def train_one_step(run: Run, step: int) -> dict:
     mfu = model_flops_utilization(run.devices, flops_per_gpu)
     metrics = {"step": step, "loss": loss, "loss_tokens": int(result.num_valid_tokens.item()), "lr": lr,
                "grad_norm": norm, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed, **step_peak_memory(run)}
+    if run.memory_plan is not None:  # the planner's allocated peak, beside the measured one
+        metrics["planned_peak_gib"] = run.memory_plan.gpu_peak_gib
     if weight_decay is not None and run.schedule.wd_incr_style != "constant":
         metrics["weight_decay"] = weight_decay
     if mfu is not None:
@@ -325,6 +330,9 @@ def _train_run(run: Run, started: float) -> History:
                             torch.bfloat16 if cfg.train.bf16 else torch.float32)
     say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
               f"seq {cfg.data.seq_length} | attention: {kernel} | metrics in {log_dir}/metrics.jsonl")
+    if run.memory_plan is not None:
+        say(run, run.memory_plan.describe())
+        run.timing.planned_step_s = run.memory_plan.step_s
     c = cfg.checkpoint
     resumable = [start]  # the step of the checkpoint a resume would go on from
 
@@ -344,7 +352,11 @@ def _train_run(run: Run, started: float) -> History:
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
     progress = StepProgress(list(run.model.layers), print_flushed) if run.is_logging_rank else None
     try:
-        before = stop.decide(may_save=False)  # the resumed checkpoint's step time may already not fit
+        before = stop.decide(may_save=False)  # the recorded or planned step time may already not fit
+        if before.for_time:  # a new incarnation of the job gets the same time: it would not either
+            raise ConfigError(f"before step {start + 1}: {before.stop}; no step fits in this job's time, so a "
+                              "requeue could not make progress either: ask for more time (--time, "
+                              "--exit-duration-in-mins)")
         if before.stop:
             history.stopped = f"stopping before step {start + 1}: {before.stop}"
             say(run, history.stopped + " (the checkpoint loaded is the one to resume)")

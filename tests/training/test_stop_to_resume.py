@@ -138,7 +138,8 @@ def test_a_run_stops_before_slurms_end_time_saved_and_resumes_exactly(tmp_path, 
         assert loss == pytest.approx(expected[step][0], rel=1e-5) and norm == pytest.approx(expected[step][1], rel=1e-4)
 
 
-def test_a_resumed_run_whose_recorded_step_does_not_fit_stops_before_it(tmp_path, monkeypatch, capsys):
+def test_a_resumed_run_whose_recorded_step_cannot_fit_the_jobs_time_is_refused(tmp_path, monkeypatch):
+    """Every incarnation of the job gets the same time: a requeue (exit 3) would loop without progress."""
     ckpt = tmp_path / "ckpt"
     train(parse_config(BASE + ["--train-iters", "10", "--exit-interval", "2", "--save", str(ckpt),
                                "--log-dir", str(tmp_path / "a")]))
@@ -148,11 +149,11 @@ def test_a_resumed_run_whose_recorded_step_does_not_fit_stops_before_it(tmp_path
     meta_path.write_text(json.dumps(meta))
     monkeypatch.setenv("SLURM_JOB_ID", "78")
     monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 3600))
-    history = train(parse_config(BASE + ["--train-iters", "10", "--save", str(ckpt), "--load", str(ckpt),
-                                         "--log-dir", str(tmp_path / "b")]))
-    assert history == [] and history.stopped.startswith("stopping before step 3: the next step (7200 s)")
-    assert "(the checkpoint loaded is the one to resume)" in capsys.readouterr().out
-    assert json.loads((ckpt / STOPPED_FILE).read_text())["step"] == 2
+    with pytest.raises(ConfigError, match=r"before step 3: the next step \(7200 s\).*could not make progress"):
+        train(parse_config(BASE + ["--train-iters", "10", "--save", str(ckpt), "--load", str(ckpt),
+                                   "--log-dir", str(tmp_path / "b")]))
+    assert not (ckpt / STOPPED_FILE).exists()
+    assert checkpointing.latest_checkpoint(ckpt) == checkpointing.checkpoint_dir(ckpt, 2)
 
 
 def test_save_interval_minutes_saves_by_time(tmp_path):
@@ -219,12 +220,13 @@ def test_sigterm_mid_step_saves_exits_with_the_resume_status_and_the_resume_is_e
         assert loss == pytest.approx(expected[s], rel=1e-5), s
 
 
-def test_the_resume_status_leaves_the_entry_point_as_3(tmp_path):
+def test_a_deadline_passed_before_the_first_step_leaves_the_entry_point_as_a_configuration_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "megatron_lc.train", *BASE, "--train-iters", "100",
                           "--exit-duration-in-mins", "1e-9", "--save", "ckpt", "--log-dir", "a"], env=ENV, cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 3, out.stderr[-2000:]
-    assert "stopping before step 1: --exit-duration-in-mins 1e-09 reached" in out.stdout
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "before step 1: --exit-duration-in-mins 1e-09 reached; no step fits" in out.stderr
+    assert not (tmp_path / "ckpt" / STOPPED_FILE).exists()
 
 
 def _signalled_inside_a_step(timing: StepTiming, grace_s: float, elapsed: float) -> list[str]:
