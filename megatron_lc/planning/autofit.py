@@ -279,6 +279,8 @@ class _Search:
         known = self.known[layout].status(point)
         if known is not None:
             return known
+        if self._host_fails_at_this_cp((layout, point)):
+            return False
         mine, column = self.layouts[layout], self._column((layout, self.probe((layout, point))))
         for other, failed, margin, by_gpu in self.column_fails:
             theirs = self.layouts[other]
@@ -286,6 +288,23 @@ class _Search:
                     and _weaker(column, failed, by_gpu, any_kind=mine.cp == 1):
                 return False
         return None
+
+    def _host_fails_at_this_cp(self, option: Option) -> bool:
+        """An offloading stack that overflowed the host in another layout of the same cp overflows it here too:
+        what each rank offloads and keeps on the host is its `S/cp` share, whichever way the cp group exchanges
+        (all-to-all, ring or both), and the model states on the host are sharded over the same world."""
+        layout, point = option
+        space, mine = self.spaces[layout], self.layouts[layout]
+        if point[0] not in self.known[layout].offload_modes:
+            return False
+        k, keep = space.offload_every[point[4]], space.keep_attention[point[5]]
+        for i, theirs in enumerate(self.layouts):
+            other = self.spaces[i]
+            if i == layout or theirs.cp != mine.cp or k not in other.offload_every or keep not in other.keep_attention:
+                continue
+            if self.known[i].host_fits(other.offload_every.index(k), other.keep_attention.index(keep)) is False:
+                return True
+        return False
 
     def probe(self, option: Option) -> tuple[int, ...]:
         """The option with its tiles and Untied stages at their most memory-saving levels."""
