@@ -61,7 +61,7 @@ from megatron_lc.attention.varlen import (
     state_per_call,
     varlen_args,
 )
-from megatron_lc.memory import kept_attention
+from megatron_lc.memory.kept_attention import KeptAttention
 
 FLASH_ATTN_MIN_VERSION = (2, 7)
 """The private `_flash_attn_varlen_*` signatures used below are those of flash-attn 2.7 and later."""
@@ -505,18 +505,17 @@ def flash_attn_available() -> bool:
 class _Attention(torch.autograd.Function):
     """Autograd around a kernel pair; saves q, k, v, out and lse only.
 
-    Inside a checkpointed block that keeps its attention (`memory/kept_attention.py`), the forward keeps
-    out and lse (and the kernel's state), and the block's recompute takes them back instead of calling
-    the kernel's forward again."""
+    Given the kept attention store of a checkpointed block (`memory/kept_attention.py`), the block's forward
+    keeps out and lse (and the kernel's state) in it, and the block's recompute takes them back instead of
+    calling the kernel's forward again; outside those the store is off and the kernel runs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, kernel, scale):
-        kept = kept_attention.active()
+    def forward(ctx, q, k, v, cu_seqlens, kernel, scale, kept):
         if kept is not None and kept.replay:
             (out, lse, *state), _ = kept.take()
         else:
             out, lse, state = kernel.forward(q, k, v, cu_seqlens, scale)
-            if kept is not None:  # out and lse to the host with the block input; the rng state stays
+            if kept is not None and kept.keep:  # out and lse to the host with the block input; the rng state stays
                 kept.put((out, lse, *state), (True, True, *(False for _ in state)))
         ctx.save_for_backward(q, k, v, out, lse, *state)
         ctx.cu_seqlens, ctx.kernel, ctx.scale = cu_seqlens, kernel, scale
@@ -527,14 +526,16 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, *state = ctx.saved_tensors
         dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, ctx.cu_seqlens, ctx.scale,
                                          tuple(state))
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def attention(q, k, v, cu_seqlens: CuSeqlens, kernel: Kernel, scale: float | None = None) -> torch.Tensor:
-    """Differentiable causal attention over packed segments: q [T, H, d] -> out [T, H, d]."""
+def attention(q, k, v, cu_seqlens: CuSeqlens, kernel: Kernel, scale: float | None = None,
+              kept: KeptAttention | None = None) -> torch.Tensor:
+    """Differentiable causal attention over packed segments: q [T, H, d] -> out [T, H, d]. `kept`: the calling
+    block's kept attention store (`memory/kept_attention.py`; None: computed, nothing kept)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    return _Attention.apply(q, k, v, tuple(cu_seqlens), kernel, scale)
+    return _Attention.apply(q, k, v, tuple(cu_seqlens), kernel, scale, kept)
 
 
 def naive_attention(q, k, v, cu_seqlens: CuSeqlens, scale: float | None = None):

@@ -24,7 +24,8 @@ class LocalAttention:
     head_dim: int
     kernel: Kernel
 
-    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens):
+    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, kept=None):
         B, S, _ = x.shape
         q, k, v = project_qkv(x, wq, wk, wv, cos, sin, self.head_dim)
-        return attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, self.kernel).reshape(B, S, -1)
+        return attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, self.kernel,
+                         kept=kept).reshape(B, S, -1)

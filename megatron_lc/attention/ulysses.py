@@ -101,13 +101,13 @@ class UlyssesAttention:
     group: object
     cp: int
 
-    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens):
+    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, kept=None):
         B, s, _ = x.shape
         q, k, v = project_qkv(x, wq, wk, wv, cos, sin, self.head_dim)
         rep = kv_replication(k.shape[2], self.cp)
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         q, k, v = (gather_sequence(t, self.group, self.cp) for t in (q, k, v))
-        out = attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, self.kernel)
+        out = attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, self.kernel, kept=kept)
         out = scatter_sequence(out.unflatten(0, (B, s * self.cp)), self.group, self.cp)
         return out.reshape(B, s, -1)

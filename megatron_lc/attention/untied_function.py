@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lc.attention.untied_norm import InputNorm, rms_norm_backward_
-from megatron_lc.memory import kept_attention
+from megatron_lc.memory.kept_attention import KeptAttention
 
 
 @dataclass
@@ -26,11 +26,11 @@ class UntiedUlyssesFunction(torch.autograd.Function):
     projection `wo` when given (its input gradient is then made stage by stage, never whole)."""
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, wo, norm_weight, cos, sin, cu_seqlens, norm_eps, backend):
+    def forward(ctx, x, wq, wk, wv, wo, norm_weight, cos, sin, cu_seqlens, norm_eps, backend,
+                kept: KeptAttention | None):
         norm = None if norm_weight is None else InputNorm.of(x, norm_weight, norm_eps, backend.tile_bounds)
         # lean: the output is kept as its stages' heads, and the backward frees each once sent
         by_stage = wo is not None and backend.backward_memory == "lean"
-        kept = kept_attention.active()
         if kept is not None and kept.replay:  # a recompute: the forward's output and lses, no stage run again
             flat, (outputs, sizes) = kept.take()
             ends = list(itertools.accumulate(sizes))
@@ -38,7 +38,7 @@ class UntiedUlyssesFunction(torch.autograd.Function):
             lses = [tuple(flat[outputs + end - size:outputs + end]) for size, end in zip(sizes, ends)]
         else:
             out, lses = backend.forward_stages(x, wq, wk, wv, cos, sin, cu_seqlens, norm, by_stage=by_stage)
-            if kept is not None:  # the output and each stage's lse to the host with the block input
+            if kept is not None and kept.keep:  # the output and each stage's lse to the host with the block input
                 outs = out if by_stage else [out]
                 kept.put((*outs, *itertools.chain.from_iterable(lses)),
                          ((True,) * len(outs) + tuple(i == 0 for stage in lses for i in range(len(stage)))),
@@ -78,4 +78,4 @@ class UntiedUlyssesFunction(torch.autograd.Function):
         if norm is not None:  # dx holds the gradient of the normed input: through the norm, in place
             dnorm = rms_norm_backward_(dx, x, norm, ctx.backend.tile_bounds)
             dnorm = dnorm.to(norm_weight.dtype) if needs[5] else None
-        return dx if needs[0] else None, dwq, dwk, dwv, dwo, dnorm, None, None, None, None, None
+        return dx if needs[0] else None, dwq, dwk, dwv, dwo, dnorm, None, None, None, None, None, None

@@ -18,8 +18,8 @@ all the stages whose q heads use them (one exchange per GQA group), which requir
 to divide, or be a multiple of, the number of q heads per (replicated) kv head.
 
 Backward saves only x, the weights, the output and each stage's log-sum-exp. In the recompute of a
-block that keeps its attention (`memory/kept_attention.py`), the op takes the output and the
-lses its forward kept and runs no stage: no projection, exchange or kernel of the forward again. Per stage
+block that keeps its attention (its store passed as `kept`, `memory/kept_attention.py`), the op takes the
+output and the lses its forward kept and runs no stage: no projection, exchange or kernel of the forward again. Per stage
 it recomputes the projections, rotary and the exchange of q (k and v once per round),
 exchanges the stage's output and output-gradient slices, calls the kernel's backward
 (no attention-forward recompute), sums dK/dV over the round (or, with `backward_memory="lean"`,
@@ -256,11 +256,12 @@ class UntiedUlyssesAttention:
     fuses_input_norm = True
     """Takes the block input and its RMSNorm (`norm_weight=`, `norm_eps=`): the normed input is never stored."""
 
-    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, wo=None, norm_weight=None, norm_eps=None):
+    def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, kept=None, wo=None, norm_weight=None, norm_eps=None):
         """x [B, S/cp, hidden] (normed, or the block input with `norm_weight`), cos/sin [B, S/cp, d] ->
-        pre-`o_proj` output [B, S/cp, H*d], or with `wo` the projected output [B, S/cp, hidden]."""
+        pre-`o_proj` output [B, S/cp, H*d], or with `wo` the projected output [B, S/cp, hidden]. `kept`: the
+        block's kept attention store (None: nothing kept)."""
         return UntiedUlyssesFunction.apply(x, wq, wk, wv, wo, norm_weight, cos, sin, tuple(cu_seqlens), norm_eps,
-                                            self)
+                                            self, kept)
 
     # --- forward ---
 

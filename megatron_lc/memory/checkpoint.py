@@ -45,14 +45,16 @@ and FSDP would gather them now anyway, so r(r-1)/2 - (r-1) extra all-gathers per
 k = 2). The replay is bit-identical to the forward (same ops, same inputs, no randomness), so
 losses and gradients equal those of k = 1 exactly.
 
-Kept attention (``keep_attention``, ``--keep-attention-output``): the block's forward runs with a
-``KeptAttention`` store active, in which its attention op keeps its output and log-sum-exp (offloaded
-with the block input when the layer offloads); the recompute runs with the same store replaying, so
-the attention op takes them back instead of running its forward kernel (`memory/kept_attention.py`).
-A sparse segment's replays run outside any store: they compute attention as the forward did; with
-``--replay-kept-attention`` each replayed block reads its own store without consuming it
-(``kept_attention.peeking``), so the input of block l+1 is rebuilt from block l's input and kept attention
-output by the projections, norms and MLP alone, and attention runs once forward and once backward per block.
+Kept attention (``kept``, ``--keep-attention-output``): the caller passes the block's ``KeptAttention``
+store, the one its attention op is handed too. Each forward opens a ``KeptRecord`` of its own, held by its
+autograd node, and runs the block with the store keeping into it: the attention op keeps its output and
+log-sum-exp there (offloaded with the block input when the layer offloads). The recompute runs with the
+store replaying that record, so the attention op takes them back instead of running its forward kernel
+(`memory/kept_attention.py`). The store is in a mode only inside these calls: a sparse segment's replays find
+it off and compute attention as the forward did; with ``--replay-kept-attention`` each replayed block's store
+peeks at its own record without consuming it, so the input of block l+1 is rebuilt from block l's input and
+kept attention output by the projections, norms and MLP alone, and attention runs once forward and once
+backward per block.
 
 RNG state is not saved or restored: LLaMA blocks have no dropout or other randomness,
 so the recompute is deterministic. A block that draws random numbers would recompute
@@ -67,8 +69,7 @@ from collections.abc import Callable
 
 import torch
 
-import megatron_lc.memory.kept_attention as kept_attention
-from .kept_attention import KeptAttention
+from .kept_attention import KeptAttention, KeptRecord
 from .offload import OffloadScheduler
 
 
@@ -99,10 +100,10 @@ class _CheckpointBlock(torch.autograd.Function):
     """One block, recomputed in backward; saves only the block input (maybe on the host)."""
 
     @staticmethod
-    def forward(ctx, fn, x, offload, layer_idx, replay_params, keep_attention, _grad_anchor):
+    def forward(ctx, fn, x, offload, layer_idx, replay_params, kept, _grad_anchor):
         ctx.fn = fn
-        _keep_input(ctx, x, offload, layer_idx, _replay(fn, replay_params), keep_attention)
-        with torch.no_grad(), kept_attention.keeping(ctx.kept):
+        _keep_input(ctx, x, offload, layer_idx, _replay(fn, replay_params), kept)
+        with torch.no_grad(), _keeping(ctx):
             y = fn(x)
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"checkpoint_block: fn must return a Tensor, got {type(y).__name__}")
@@ -118,7 +119,7 @@ class _CheckpointBlock(torch.autograd.Function):
         x = _restore_input(ctx)
         _prefetch_previous(ctx, early=True)
         x = x.detach().requires_grad_(True)
-        with torch.enable_grad(), contextlib.ExitStack() as stack, kept_attention.replaying(ctx.kept):
+        with torch.enable_grad(), contextlib.ExitStack() as stack, _replaying(ctx):
             _replay_autocast(ctx.autocast, stack)
             y = ctx.fn(x)
         if y.requires_grad:
@@ -134,12 +135,10 @@ class _CheckpointResidualBlock(torch.autograd.Function):
     """A block of residual branches, recomputed in backward; saves only the block input (maybe on the host)."""
 
     @staticmethod
-    def forward(ctx, branches, x, offload, layer_idx, owns_output_grad, replay_params, keep_attention,
-                _grad_anchor):
+    def forward(ctx, branches, x, offload, layer_idx, owns_output_grad, replay_params, kept, _grad_anchor):
         ctx.branches, ctx.owns_output_grad = branches, owns_output_grad
-        _keep_input(ctx, x, offload, layer_idx, _replay(lambda t: _residual_chain(branches, t), replay_params),
-                    keep_attention)
-        with torch.no_grad(), kept_attention.keeping(ctx.kept):
+        _keep_input(ctx, x, offload, layer_idx, _replay(lambda t: _residual_chain(branches, t), replay_params), kept)
+        with torch.no_grad(), _keeping(ctx):
             return _residual_chain(branches, x)
 
     @staticmethod
@@ -152,7 +151,7 @@ class _CheckpointResidualBlock(torch.autograd.Function):
         x = _restore_input(ctx)
         _prefetch_previous(ctx, early=True)
         leaves, edges = [], []
-        with torch.enable_grad(), contextlib.ExitStack() as stack, kept_attention.replaying(ctx.kept):
+        with torch.enable_grad(), contextlib.ExitStack() as stack, _replaying(ctx):
             _replay_autocast(ctx.autocast, stack)
             for i, branch in enumerate(ctx.branches):
                 leaf = x.detach().requires_grad_(True)
@@ -208,8 +207,10 @@ class _Segment:
 
     def __init__(self, first: int, handle) -> None:
         self.first, self.handle = first, handle
-        self.replays: list[tuple[Callable[[torch.Tensor, bool], torch.Tensor], KeptAttention | None]] = []
-        """Per layer: how to run it again, and the kept attention store its replay reads (None: it computes)."""
+        self.replays: list[tuple[Callable[[torch.Tensor, bool], torch.Tensor],
+                                 tuple[KeptAttention, KeptRecord] | None]] = []
+        """Per layer: how to run it again, and the kept attention store and record its replay reads (None: it
+        computes its attention)."""
 
 
 _OPEN_SEGMENTS: "weakref.WeakKeyDictionary[OffloadScheduler, _Segment]" = weakref.WeakKeyDictionary()
@@ -226,16 +227,17 @@ def _replay(fn: Callable[[torch.Tensor], torch.Tensor], replay_params) -> Callab
 
 
 def _keep_input(ctx, x: torch.Tensor, offload: OffloadScheduler | None, layer_idx: int, replay,
-                keep_attention: bool = False) -> None:
+                kept: KeptAttention | None = None) -> None:
     """Keep the block input for backward (on the host when offloaded; with sparse offload only at a
-    segment's first layer), the autocast state to replay, and with `keep_attention` a store for the
-    attention results (``ctx.kept``; on the host when the layer offloads).
+    segment's first layer), the autocast state to replay, and with the block's `kept` store a record of
+    this forward's attention results (``ctx.kept_record``; on the host when the layer offloads).
 
     Offloading starts before the block runs, so the copy overlaps this block's compute."""
     ctx.offload, ctx.layer_idx, ctx.segment = offload, layer_idx, None
     ctx.autocast = _autocast_states(x.device)
     ctx.offloaded = offload is not None and offload.should_offload(layer_idx)
-    ctx.kept = KeptAttention(offload if ctx.offloaded else None, layer_idx) if keep_attention else None
+    ctx.kept = kept
+    ctx.kept_record = KeptRecord(offload if ctx.offloaded else None) if kept is not None else None
     if ctx.offloaded and offload.every_k > 1:
         if offload.keeps_input(layer_idx):
             ctx.handle = offload.offload(layer_idx, x)
@@ -244,7 +246,8 @@ def _keep_input(ctx, x: torch.Tensor, offload: OffloadScheduler | None, layer_id
         if segment is None or segment.first + len(segment.replays) != layer_idx:
             raise RuntimeError(f"checkpoint_block: sparse offload needs the layers of a segment in order; layer "
                                f"{layer_idx} ran without layer {offload.segment_start(layer_idx)} before it")
-        segment.replays.append((replay, ctx.kept if offload.replay_kept_attention else None))
+        reads_kept = ctx.kept is not None and offload.replay_kept_attention
+        segment.replays.append((replay, (ctx.kept, ctx.kept_record) if reads_kept else None))
         ctx.segment = segment
         if layer_idx + 1 == offload.segment_end(layer_idx):
             del _OPEN_SEGMENTS[offload]  # complete: only its layers' backward holds it now
@@ -252,6 +255,16 @@ def _keep_input(ctx, x: torch.Tensor, offload: OffloadScheduler | None, layer_id
         ctx.handle = offload.offload(layer_idx, x)
     else:
         ctx.save_for_backward(x)
+
+
+def _keeping(ctx) -> contextlib.AbstractContextManager:
+    """The block's forward: its attention op keeps into this forward's record (nothing without a store)."""
+    return ctx.kept.keeping(ctx.kept_record) if ctx.kept is not None else contextlib.nullcontext()
+
+
+def _replaying(ctx) -> contextlib.AbstractContextManager:
+    """The block's recompute: its attention op takes back what this forward kept (nothing without a store)."""
+    return ctx.kept.replaying(ctx.kept_record) if ctx.kept is not None else contextlib.nullcontext()
 
 
 def _restore_input(ctx) -> torch.Tensor:
@@ -286,7 +299,7 @@ def _recompute_input(ctx) -> torch.Tensor:
     with torch.no_grad(), contextlib.ExitStack() as stack:
         _replay_autocast(ctx.autocast, stack)
         for i, (replay, kept) in enumerate(replays):
-            with kept_attention.peeking(kept):  # None: attention computed, whatever the enclosing context
+            with kept[0].peeking(kept[1]) if kept is not None else contextlib.nullcontext():
                 x = replay(x, i == len(replays) - 1)  # the previous input is dropped here
     return x
 
@@ -321,7 +334,7 @@ def checkpoint_block(
     offload: OffloadScheduler | None = None,
     layer_idx: int = 0,
     replay_params: Callable[[bool], contextlib.AbstractContextManager] | None = None,
-    keep_attention: bool = False,
+    kept: KeptAttention | None = None,
 ) -> torch.Tensor:
     """Run ``fn(x)`` keeping only ``x`` for backward, where the block is recomputed.
 
@@ -332,15 +345,15 @@ def checkpoint_block(
     RNG state is not (see the module docstring). With grad disabled, ``fn(x)`` runs
     plainly. ``replay_params(keep)``: a context in which ``fn``'s parameters can be used outside
     its own forward (sparse offload replays it in a later block's backward); None: they always can.
-    ``keep_attention``: also keep what ``fn``'s attention ops compute, so the recompute does not run
-    their forward kernels again (see the module docstring).
+    ``kept``: the store ``fn`` hands its attention op; each forward keeps what the op computes into it, so
+    the recompute does not run the op's forward kernel again (see the module docstring).
     """
     if not torch.is_grad_enabled():
         return fn(x)
     # A leaf that requires grad makes the output require grad even when x does not
     # (e.g. the first block on a frozen embedding), so parameter grads are not lost.
     grad_anchor = torch.empty(0, device=x.device, requires_grad=True)
-    return _CheckpointBlock.apply(fn, x, offload, layer_idx, replay_params, keep_attention, grad_anchor)
+    return _CheckpointBlock.apply(fn, x, offload, layer_idx, replay_params, kept, grad_anchor)
 
 
 def checkpoint_residual_block(
@@ -351,14 +364,14 @@ def checkpoint_residual_block(
     layer_idx: int = 0,
     owns_output_grad: bool = False,
     replay_params: Callable[[bool], contextlib.AbstractContextManager] | None = None,
-    keep_attention: bool = False,
+    kept: KeptAttention | None = None,
 ) -> torch.Tensor:
     """``checkpoint_block`` of the block ``x -> x + b1(x) -> ... `` given as its residual branches.
 
     The same function and gradients as ``checkpoint_block(lambda t: chain(t), x)``; its
     backward adds each branch's input gradient in place (see the module docstring).
     ``owns_output_grad``: the output's gradient reaches this block alone (the output has a
-    single consumer), so its buffer may be accumulated into. ``replay_params``, ``keep_attention``: as for
+    single consumer), so its buffer may be accumulated into. ``replay_params``, ``kept``: as for
     ``checkpoint_block``.
     """
     if not branches:
@@ -367,4 +380,4 @@ def checkpoint_residual_block(
         return _residual_chain(branches, x)
     grad_anchor = torch.empty(0, device=x.device, requires_grad=True)
     return _CheckpointResidualBlock.apply(tuple(branches), x, offload, layer_idx, owns_output_grad, replay_params,
-                                         keep_attention, grad_anchor)
+                                         kept, grad_anchor)

@@ -16,23 +16,30 @@ slot per offloaded layer, copied on the side stream, prefetched with the layer's
 otherwise they stay on the accelerator. Under sparse offload every offloaded layer keeps its
 own (the layers that keep no input too); the blocks a sparse segment replays to rebuild an input
 compute their attention as before, or with ``--replay-kept-attention`` read their kept results
-(``peeking(store)``: the entries stay, a host copy is fetched and kept on the host), so that a replay
+(``store.peeking(record)``: the entries stay, a host copy is fetched and kept on the host), so that a replay
 runs no attention forward either.
 
 Exact by construction: the kept tensors are those the forward computed; the recompute of a
 deterministic kernel would give the same ones bit for bit.
 
-The attention ops (``attention.kernels.attention``, Untied Ulysses' function) find the block's
-store through ``active()``: ``keeping(store)`` around a block's forward asks them to ``put``
-what they compute, ``replaying(store)`` around its recompute to ``take`` it back, in the same
-order. The context is per thread: a block's forward and its recompute each run in one call.
+Each block that keeps its attention holds one ``KeptAttention`` (set by the memory stack's ``apply``, on
+``BlockMemory.kept_attention``), and hands it to its attention op as an argument (``attention.kernels.attention``'s
+``kept=``, Untied Ulysses' function likewise): nothing is read from module or thread state, so two models, or a
+block run outside its checkpoint, never see another block's tensors. The recompute wrapper
+(`memory/checkpoint.py`) sets what the op does with it, on the store itself and only around its own calls:
+``store.keeping(record)`` around the block's forward (the op ``put``s what it computes into that forward's
+``KeptRecord``, which the wrapper's autograd node holds), ``store.replaying(record)`` around its recompute (the op
+``take``s them back, in the same order), ``store.peeking(record)`` around a sparse replay. Outside these the op
+computes as usual and keeps nothing. A record per forward, not one per block, so that a forward whose backward
+never runs leaves nothing for the next one to take.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import Counter, deque
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 
@@ -41,8 +48,6 @@ from .offload import OffloadScheduler
 ATTENTION_KIND = "attention"
 """The offload scheduler's kind for kept attention tensors (their own arenas, pending set and prefetch)."""
 
-_STATE = threading.local()
-
 
 def kept_bytes_per_layer(tokens: int, heads: int, head_dim: int, itemsize: int) -> int:
     """What one block keeps for one rank: its attention output `[tokens, heads, head_dim]` in the compute dtype and
@@ -50,74 +55,97 @@ def kept_bytes_per_layer(tokens: int, heads: int, head_dim: int, itemsize: int) 
     return tokens * heads * (head_dim * itemsize + 4)
 
 
-class KeptAttention:
-    """One block's kept attention results, first in first out, on the host (offloaded) or the accelerator."""
+KeptMode = Literal["off", "keep", "take", "peek"]
+"""What the attention op does with its block's store: compute only (outside the recompute wrapper's contexts),
+compute and keep (the block's forward), take back (its recompute), read and leave in place (a sparse replay)."""
 
-    def __init__(self, offload: OffloadScheduler | None, layer_idx: int) -> None:
-        self.offload, self.layer_idx = offload, layer_idx
-        self.replay = False
-        self.peek = False
-        """With replay: read the entries in order without consuming them (a sparse offload replay)."""
+
+class KeptRecord:
+    """What one forward of a block kept, first in first out, on the host (offloaded) or the accelerator."""
+
+    def __init__(self, offload: OffloadScheduler | None) -> None:
+        self.offload = offload
+        """The scheduler that takes the host copies (None: everything stays on the accelerator)."""
+        self.entries: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class KeptAttention:
+    """One block's kept attention store, handed to its attention op; in a mode only inside the recompute wrapper's
+    contexts, and then reading or writing the record of the forward they name."""
+
+    def __init__(self, layer_idx: int) -> None:
+        self.layer_idx = layer_idx
+        self.mode: KeptMode = "off"
+        self._record: KeptRecord | None = None
         self._cursor = 0
-        self._entries: deque = deque()
+
+    @property
+    def keep(self) -> bool:
+        """The op puts what it computes."""
+        return self.mode == "keep"
+
+    @property
+    def replay(self) -> bool:
+        """The op takes its results instead of computing them."""
+        return self.mode in ("take", "peek")
+
+    @property
+    def peek(self) -> bool:
+        """With replay: read the entries in order without consuming them (a sparse offload replay)."""
+        return self.mode == "peek"
+
+    def keeping(self, record: KeptRecord) -> contextlib.AbstractContextManager[KeptRecord]:
+        """The attention op in this context keeps what it computes in `record` (the block's forward)."""
+        return self._in("keep", record)
+
+    def replaying(self, record: KeptRecord) -> contextlib.AbstractContextManager[KeptRecord]:
+        """The attention op in this context takes its results from `record` (the block's recompute)."""
+        return self._in("take", record)
+
+    def peeking(self, record: KeptRecord) -> contextlib.AbstractContextManager[KeptRecord]:
+        """The attention op in this context reads its results from `record` and leaves them there, for the
+        block's own recompute later (a sparse offload replay)."""
+        return self._in("peek", record)
+
+    @contextlib.contextmanager
+    def _in(self, mode: KeptMode, record: KeptRecord) -> Iterator[KeptRecord]:
+        previous = self.mode, self._record, self._cursor
+        self.mode, self._record, self._cursor = mode, record, 0
+        try:
+            yield record
+        finally:
+            self.mode, self._record, self._cursor = previous
 
     def put(self, tensors, to_host, meta=None) -> None:
-        """Keep `tensors` (those with `to_host[i]` on the host when this block offloads) and `meta`."""
+        """Keep `tensors` (those with `to_host[i]` on the host when this forward offloads) and `meta`."""
+        if not self.keep:
+            raise RuntimeError(f"layer {self.layer_idx}: kept attention put outside the block's forward")
+        offload = self._record.offload
         counts = Counter((tuple(t.shape), t.dtype) for t, h in zip(tensors, to_host) if h)
         items = []
         for t, host in zip(tensors, to_host):
-            if host and self.offload is not None:
-                slots = self.offload.attention_layers * counts[(tuple(t.shape), t.dtype)]
-                items.append(self.offload.offload(self.layer_idx, t, kind=ATTENTION_KIND, slots=slots))
+            if host and offload is not None:
+                slots = offload.attention_layers * counts[(tuple(t.shape), t.dtype)]
+                items.append(offload.offload(self.layer_idx, t, kind=ATTENTION_KIND, slots=slots))
             else:
                 items.append(t)
-        self._entries.append((items, meta))
+        self._record.entries.append((items, meta))
 
     def take(self):
-        """The oldest kept (tensors, meta), back on the accelerator."""
-        if len(self._entries) <= (self._cursor if self.peek else 0):
+        """The oldest kept (tensors, meta) of the record replayed, back on the accelerator."""
+        if not self.replay:
+            raise RuntimeError(f"layer {self.layer_idx}: kept attention taken outside the block's recompute")
+        entries = self._record.entries
+        if len(entries) <= (self._cursor if self.peek else 0):
             raise RuntimeError(f"layer {self.layer_idx}: its recompute ran more attention calls than its forward "
                                "kept (retain_graph and double backward are unsupported with --keep-attention-output)")
         if self.peek:
-            items, meta = self._entries[self._cursor]
+            items, meta = entries[self._cursor]
             self._cursor += 1
         else:
-            items, meta = self._entries.popleft()
-        return [item if isinstance(item, torch.Tensor) else self.offload.fetch(item, keep=self.peek)
+            items, meta = entries.popleft()
+        return [item if isinstance(item, torch.Tensor) else self._record.offload.fetch(item, keep=self.peek)
                 for item in items], meta
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-def active() -> KeptAttention | None:
-    """The store of the block running now (None: attention runs as usual)."""
-    return getattr(_STATE, "kept", None)
-
-
-@contextlib.contextmanager
-def _using(kept: KeptAttention | None, replay: bool, peek: bool = False):
-    previous = active()
-    if kept is not None:
-        kept.replay, kept.peek, kept._cursor = replay, peek, 0
-    _STATE.kept = kept
-    try:
-        yield kept
-    finally:
-        _STATE.kept = previous
-
-
-def keeping(kept: KeptAttention | None):
-    """Attention ops in this context keep what they compute in `kept` (None: a no-op context)."""
-    return _using(kept, False) if kept is not None else contextlib.nullcontext()
-
-
-def replaying(kept: KeptAttention | None):
-    """Attention ops in this context take their results from `kept` (None: a no-op context)."""
-    return _using(kept, True) if kept is not None else contextlib.nullcontext()
-
-
-def peeking(kept: KeptAttention | None):
-    """Attention ops in this context read their results from `kept` and leave them there, for the block's own
-    recompute later (None: attention computed as usual, whatever the enclosing context)."""
-    return _using(kept, True, peek=True)

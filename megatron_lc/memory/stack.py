@@ -19,6 +19,7 @@ from typing import Literal, get_args
 from megatron_lc.errors import ConfigError
 from megatron_lc.flags import flag
 from megatron_lc.memory.chunks import ChunkPlan
+from megatron_lc.memory.kept_attention import KeptAttention
 from megatron_lc.memory.offload import OffloadScheduler
 from megatron_lc.memory.tiling import TileBounds, tile_bounds
 
@@ -177,7 +178,8 @@ class MemoryStack:
         for i, layer in enumerate(model.layers):
             layer.memory.recompute = self.block_recompute(i, num_layers)
             layer.memory.offload = offload if layer.memory.recompute == "full" else None
-            layer.memory.keep_attention = layer.memory.recompute == "full" and i < self.kept_attention_layers(num_layers)
+            keeps = layer.memory.recompute == "full" and i < self.kept_attention_layers(num_layers)
+            layer.memory.kept_attention = KeptAttention(layer.layer_idx) if keeps else None
             layer.mlp.num_tiles, layer.mlp.tile_bounds, layer.mlp.fp32_out_gemm = self.mlp_tiles, bounds, fp32_out_gemm
         model.head.loss_tiles, model.head.tile_bounds, model.head.fp32_out_gemm = self.loss_tiles, bounds, fp32_out_gemm
         return offload

@@ -26,6 +26,7 @@ from torch import nn
 from megatron_lc.attention.kernel_selection import select_kernel
 from megatron_lc.attention.local import LocalAttention
 from megatron_lc.attention.rotary import RopeScaling, rope_cos_sin, rope_inv_freq
+from megatron_lc.memory.kept_attention import KeptAttention
 from megatron_lc.memory.tiling import (
     TileBounds,
     linear_cross_entropy,
@@ -92,8 +93,10 @@ class AttentionBackend(Protocol):
     input and `norm_weight=`, `norm_eps=` as well."""
 
     def __call__(self, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: tuple[int, ...]) -> torch.Tensor:
-        """x [B, S_local, hidden], cos/sin [B, S_local, d] -> [B, S_local, heads * d]."""
+                 cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: tuple[int, ...],
+                 kept: KeptAttention | None = None) -> torch.Tensor:
+        """x [B, S_local, hidden], cos/sin [B, S_local, d] -> [B, S_local, heads * d]. `kept`: the block's kept
+        attention store, handed to the attention op (`memory/kept_attention.py`; None: it computes as usual)."""
         ...
 
 
@@ -107,17 +110,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
         self.backend: AttentionBackend = LocalAttention(d, select_kernel(torch.device("cpu")))
 
-    def forward(self, x, cos, sin, cu_seqlens, norm: "RMSNorm | None" = None):
+    def forward(self, x, cos, sin, cu_seqlens, norm: "RMSNorm | None" = None, kept: KeptAttention | None = None):
         """Attention of x, or with `norm` of norm(x). A backend may take more of the layer to save memory
-        in backward: o_proj's weight (`projects_output`), the norm too (`fuses_input_norm`)."""
+        in backward: o_proj's weight (`projects_output`), the norm too (`fuses_input_norm`). `kept`: the
+        block's kept attention store, passed to the backend."""
         weights, backend = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight), self.backend
         if norm is not None and getattr(backend, "fuses_input_norm", False):
-            return backend(x, *weights, cos, sin, cu_seqlens, wo=self.o_proj.weight, norm_weight=norm.weight,
+            return backend(x, *weights, cos, sin, cu_seqlens, kept, wo=self.o_proj.weight, norm_weight=norm.weight,
                            norm_eps=norm.eps)
         x = norm(x) if norm is not None else x
         if getattr(backend, "projects_output", False):
-            return backend(x, *weights, cos, sin, cu_seqlens, wo=self.o_proj.weight)
-        return self.o_proj(backend(x, *weights, cos, sin, cu_seqlens))
+            return backend(x, *weights, cos, sin, cu_seqlens, kept, wo=self.o_proj.weight)
+        return self.o_proj(backend(x, *weights, cos, sin, cu_seqlens, kept))
 
 
 # --- MLP and block ------------------------------------------------------------------------
@@ -171,9 +175,15 @@ class BlockMemory:
     """none | full (keep only the block input) | selective (keep attention, recompute the MLP half)."""
     offload: object | None = None
     """An OffloadScheduler for the kept block inputs (full recompute only)."""
-    keep_attention: bool = False
-    """Full recompute: keep the attention output and lse too (with the input: on the host when offloaded), so
-    the recompute does not run the attention forward kernel again (--keep-attention-output)."""
+    kept_attention: KeptAttention | None = None
+    """Full recompute: the block's store of its attention output and lse (with the input: on the host when
+    offloaded), so the recompute does not run the attention forward kernel again (--keep-attention-output);
+    handed to the checkpoint wrapper and the attention op. None: the block keeps none."""
+
+    @property
+    def keep_attention(self) -> bool:
+        """Whether the block keeps its attention output and lse."""
+        return self.kept_attention is not None
 
 
 class TransformerBlock(nn.Module):
@@ -195,7 +205,7 @@ class TransformerBlock(nn.Module):
                                               self._mlp_branch), x, offload=self.memory.offload,
                                              layer_idx=self.layer_idx, owns_output_grad=True,
                                              replay_params=self.gathered_parameters,
-                                             keep_attention=self.memory.keep_attention)
+                                             kept=self.memory.kept_attention)
         return self._forward(x, cos, sin, cu_seqlens)
 
     @contextlib.contextmanager
@@ -215,7 +225,7 @@ class TransformerBlock(nn.Module):
                 self.reshard()
 
     def _attention_branch(self, x, cos, sin, cu_seqlens):
-        return self.self_attn(x, cos, sin, cu_seqlens, norm=self.input_layernorm)
+        return self.self_attn(x, cos, sin, cu_seqlens, norm=self.input_layernorm, kept=self.memory.kept_attention)
 
     def _mlp_branch(self, h):
         return self.mlp(self.post_attention_layernorm(h))
