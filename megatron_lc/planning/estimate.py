@@ -344,9 +344,9 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
 
 def _estimate(cfg: TrainConfig, machine: Machine) -> Estimate:
     start = time.perf_counter()
-    if cfg.parallel.fsdp_cpu_offload:
-        raise ValueError("--fsdp-cpu-offload: the planner does not model FSDP's CPU offload yet")
     spec = cfg.run_spec(machine.num_gpus)
+    if spec.parallelize.fsdp.cpu_offload:
+        raise ValueError("--fsdp-cpu-offload: the planner does not model FSDP's CPU offload yet")
     counts = traced_layer_counts(spec)
     flash_impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call()) \
         if machine.device == "cuda" else "default"
