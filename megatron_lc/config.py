@@ -1,11 +1,11 @@
 """One dataclass tree for a training run, composed of the sections that live beside the rooms applying them.
 
 Each section is a dataclass of flag fields (`flags.flag`) in its room: the model's in `models.llama.zoo`,
-context parallelism's in `attention.context_parallel`, FSDP's in `models.llama.parallelize`, the memory stack's
-in `memory.stack`, the data's in `data.sources`, the optimizer's, the run's, checkpoints' and logging's in `training.args`. This module
-keeps `TrainConfig`, the sections' list and the rules that span sections: `TrainConfig.validate(world_size)`
-rejects impossible combinations before any process group or accelerator memory is touched, naming the flag and
-the fix. The command line and `--config` presets are `arguments`'.
+context parallelism's in `attention.context_parallel`, FSDP's in `models.llama.parallelize`, the memory
+stack's in `memory.stack`, the data's in `data.sources`, the optimizer's, the run's, checkpoints' and logging's
+in `training.args`. This module keeps `TrainConfig`, the sections' list and the rules that span sections:
+`TrainConfig.validate(world_size)` rejects impossible combinations before any process group or accelerator memory
+is touched, naming the flag and the fix. The command line and `--config` presets are `arguments`'.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from megatron_lc.data.packing import PackingArgs, check_packing
 
 
 SECTIONS = {
-    "model": ModelArgs, "parallel": ParallelArgs, "fsdp": FSDPArgs, "memory": MemoryArgs, "data": DataArgs, "packing": PackingArgs,
+    "model": ModelArgs, "parallel": ParallelArgs, "fsdp": FSDPArgs, "memory": MemoryArgs, "data": DataArgs,
+    "packing": PackingArgs,
     "optim": OptimArgs, "train": TrainArgs, "checkpoint": CheckpointArgs, "logging": LoggingArgs,
 }
 

@@ -30,8 +30,8 @@ TINY = ["--model", "debug", "--seq-length", "16384", "--context-parallel-size", 
         "--vocab-size", "4096", "--num-layers", "2", "--device", "cpu"]
 
 
-def _machine(gpu_bytes: float, host_gib: float = 1907.0) -> Machine:
-    return Machine(num_gpus=2, gpu_memory_gib=gpu_bytes / GIB, reserve_gib=0, host_memory_gib=host_gib,
+def _machine(gpu_bytes: float, host_gib: float = 1907.0, num_gpus: int = 2) -> Machine:
+    return Machine(num_gpus=num_gpus, gpu_memory_gib=gpu_bytes / GIB, reserve_gib=0, host_memory_gib=host_gib,
                    host_reserve_gib=0, device="cpu")
 
 
@@ -134,7 +134,7 @@ def _synthetic(space: SearchSpace, cfg):
         by_category = dict.fromkeys(("parameters", "gradients", "optimizer state", "activations",
                                      "communication buffers", "temporaries"), 0)
         by_category["activations"] = gpu
-        return Estimate(seq_length, by_category, 0, host // 2, "test", [], 0, (1,), machine)
+        return Estimate(seq_length, by_category, 0, host // machine.gpus_on_node, "test", [], 0, (1,), machine)
     return evaluate
 
 
@@ -164,11 +164,11 @@ def test_search_matches_brute_force_on_a_synthetic_planner(host_gib, tolerance):
     # Pipelined stages are tried on the answer, not searched: their test is the one below.
     space = dataclasses.replace(space, attention=tuple(a for a in space.attention if not a.overlap))
     evaluate = _synthetic(space, cfg)
-    everything = {c: evaluate(c.apply(cfg), _machine(GIB), 0) for c in map(space.candidate, space.points())}
-    step_s = {c: _step_s(c, cfg, _machine(GIB, host_gib)) for c in everything}  # the rates do not depend on the budget
-    time_model = _Memo(TimeModel.for_machine(_machine(GIB, host_gib), cfg))
+    everything = {c: evaluate(c.apply(cfg), _machine(GIB, num_gpus=8), 0) for c in map(space.candidate, space.points())}
+    step_s = {c: _step_s(c, cfg, _machine(GIB, host_gib, 8)) for c in everything}  # rates do not depend on the budget
+    time_model = _Memo(TimeModel.for_machine(_machine(GIB, host_gib, 8), cfg))
     for budget in sorted({e.gpu_peak_bytes for e in everything.values()}):
-        machine = _machine(budget, host_gib)
+        machine = _machine(budget, host_gib, 8)
         calls = []
         result = auto_fit(cfg, machine, time_model, evaluate=lambda *a: calls.append(a) or evaluate(*a), space=space,
                           tolerance=tolerance, max_traces=100)
@@ -295,11 +295,11 @@ def test_an_untied_answer_is_pipelined_where_the_pipelined_stages_fit():
     space = dataclasses.replace(whole, modes=whole.modes[2:5], mlp_tiles=whole.mlp_tiles[-2:],
                                 loss_tiles=whole.loss_tiles[-2:], offload_every=(1,), keep_attention=(False,))
     synchronous = dataclasses.replace(space, attention=tuple(a for a in space.attention if not a.overlap))
-    peaks = sorted({evaluate(c.apply(cfg), _machine(GIB), 0).gpu_peak_bytes
+    peaks = sorted({evaluate(c.apply(cfg), _machine(GIB, num_gpus=8), 0).gpu_peak_bytes
                     for c in map(space.candidate, space.points())})
     chosen_pipelined = 0
     for budget in peaks:
-        machine = _machine(budget)
+        machine = _machine(budget, num_gpus=8)
         answer = auto_fit(cfg, machine, evaluate=evaluate, space=synchronous, partial_keep=False).choice
         want = answer
         if answer is not None:
