@@ -39,8 +39,9 @@ SECTIONS = {
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What a run is built from, derived from its TrainConfig once (`TrainConfig.run_spec`): the trainer,
-    evaluate and the planner's traces build from it rather than deriving each piece again."""
+    """What a run is built from, derived from its TrainConfig once (`TrainConfig.run_spec`): the trainer and
+    evaluate build from it, and the planner (its traces, layer counts, time model and search) reads the model, the
+    memory stack, the cp spec and the degrees from it, rather than deriving each piece again."""
 
     model: LlamaConfig
     """The model: the flavour with the overrides (or a checkpoint's), the vocabulary padded."""

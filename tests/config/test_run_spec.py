@@ -41,3 +41,11 @@ def test_the_fsdp_flags_are_the_specs_fsdp_settings_and_replicas():
     assert spec.parallelize.fsdp == FSDPSettings(torch.bfloat16, torch.float32, reshard_after_forward=False,
                                                  cpu_offload=True)
     assert spec.dims.dp_replicate == 2 and spec.dims.dp_shard == 2
+
+
+def test_a_preset_groups_the_fsdp_flags_under_fsdp_or_as_before_under_parallel(tmp_path):
+    for section in ("fsdp", "parallel"):
+        preset = tmp_path / f"{section}.yaml"
+        preset.write_text(f"{section}:\n  fsdp_cpu_offload: true\n  data_parallel_replicate: 2\n")
+        cfg = parse_config(["--config", str(preset)])
+        assert cfg.fsdp.fsdp_cpu_offload and cfg.fsdp.data_parallel_replicate == 2
