@@ -1,11 +1,11 @@
 """One dataclass tree for a training run, composed of the sections that live beside the rooms applying them.
 
 Each section is a dataclass of flag fields (`flags.flag`) in its room: the model's in `models.llama.zoo`,
-context parallelism's (and FSDP's) in `attention.context_parallel`, the memory stack's in `memory.stack`, the
-data's in `data.sources`, the optimizer's, the run's, checkpoints' and logging's in `training.args`. This module
-keeps `TrainConfig`, the sections' list and the rules that span sections: `TrainConfig.validate(world_size)`
-rejects impossible combinations before any process group or accelerator memory is touched, naming the flag and
-the fix. The command line and `--config` presets are `arguments`'.
+context parallelism's in `attention.context_parallel`, FSDP's in `models.llama.parallelize`, the memory
+stack's in `memory.stack`, the data's in `data.sources`, the optimizer's, the run's, checkpoints' and logging's
+in `training.args`. This module keeps `TrainConfig`, the sections' list and the rules that span sections:
+`TrainConfig.validate(world_size)` rejects impossible combinations before any process group or accelerator memory
+is touched, naming the flag and the fix. The command line and `--config` presets are `arguments`'.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megatron_lc.errors import ConfigError
 from megatron_lc.memory.chunks import plan_chunks
 from megatron_lc.memory.stack import MemoryArgs, MemoryStack
 from megatron_lc.models.llama.model import LlamaConfig
-from megatron_lc.models.llama.parallelize import FSDPSettings, ParallelizeOptions
+from megatron_lc.models.llama.parallelize import FSDPArgs, ParallelizeOptions
 from megatron_lc.models.llama.zoo import (FLAVOURS, ModelArgs, config_from_dict, get_config, padded_vocab_size,
                                           rope_scaling_from_flags)
 from megatron_lc.parallel_state import ParallelDims
@@ -31,15 +31,17 @@ from megatron_lc.data.packing import PackingArgs, check_packing
 
 
 SECTIONS = {
-    "model": ModelArgs, "parallel": ParallelArgs, "memory": MemoryArgs, "data": DataArgs, "packing": PackingArgs,
+    "model": ModelArgs, "parallel": ParallelArgs, "fsdp": FSDPArgs, "memory": MemoryArgs, "data": DataArgs,
+    "packing": PackingArgs,
     "optim": OptimArgs, "train": TrainArgs, "checkpoint": CheckpointArgs, "logging": LoggingArgs,
 }
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What a run is built from, derived from its TrainConfig once (`TrainConfig.run_spec`): the trainer,
-    evaluate and the planner's traces build from it rather than deriving each piece again."""
+    """What a run is built from, derived from its TrainConfig once (`TrainConfig.run_spec`): the trainer and
+    evaluate build from it, and the planner (its traces, layer counts, time model and search) reads the model, the
+    memory stack, the cp spec and the degrees from it, rather than deriving each piece again."""
 
     model: LlamaConfig
     """The model: the flavour with the overrides (or a checkpoint's), the vocabulary padded."""
@@ -55,6 +57,7 @@ class RunSpec:
 class TrainConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
     memory: MemoryArgs = field(default_factory=MemoryArgs)
     data: DataArgs = field(default_factory=DataArgs)
     packing: PackingArgs = field(default_factory=PackingArgs)
@@ -132,17 +135,14 @@ class TrainConfig:
 
     def parallelize_options(self) -> ParallelizeOptions:
         """The ParallelizeOptions of the run: its context parallelism, memory stack and FSDP settings."""
-        par = self.parallel
-        fsdp = FSDPSettings(param_dtype=torch.bfloat16 if self.train.bf16 else torch.float32,
-                            reduce_dtype=torch.float32, reshard_after_forward=not par.no_reshard_after_forward,
-                            cpu_offload=par.fsdp_cpu_offload)
+        fsdp = self.fsdp.settings(torch.bfloat16 if self.train.bf16 else torch.float32)
         return ParallelizeOptions(cp=self.context_parallel(), memory=self.memory_stack(), fsdp=fsdp,
                                   seq_length=self.data.seq_length)
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """The run's parallel degrees on `world_size` ranks (`parallel_state.ParallelDims`)."""
         p = self.parallel
-        return ParallelDims(world_size, cp=p.context_parallel_size, dp_replicate=p.data_parallel_replicate,
+        return ParallelDims(world_size, cp=p.context_parallel_size, dp_replicate=self.fsdp.data_parallel_replicate,
                             cp_ring=self.context_layout().ring_size)
 
     def run_spec(self, world_size: int, vocab_size: int | None = None, model: LlamaConfig | None = None) -> RunSpec:
@@ -264,14 +264,14 @@ class TrainConfig:
         check_packing(self.packing)
 
     def _check_parallel(self, world_size: int) -> None:
-        p, d = self.parallel, self.data
+        p, d, replicas = self.parallel, self.data, self.fsdp.data_parallel_replicate
         cp = p.context_parallel_size
-        if p.fsdp_cpu_offload and self.optim.optimizer_cpu_offload:
+        if self.fsdp.fsdp_cpu_offload and self.optim.optimizer_cpu_offload:
             raise ConfigError("--optimizer-cpu-offload with --fsdp-cpu-offload: FSDP's offload keeps the whole "
                               "optimizer on the host already; give one")
-        if cp < 1 or world_size % (cp * p.data_parallel_replicate):
+        if cp < 1 or world_size % (cp * replicas):
             raise ValueError(f"world size {world_size} is not divisible by --context-parallel-size {cp} x "
-                             f"--data-parallel-replicate {p.data_parallel_replicate}")
+                             f"--data-parallel-replicate {replicas}")
         c = self.model_config()
         self.context_parallel().validate(c.num_attention_heads, c.num_query_groups, d.seq_length)
         if p.attention_kernel in ("flash_attn", "sdpa_flash") and not self.train.bf16:
@@ -405,7 +405,7 @@ class TrainConfig:
         if p.sequence_parallel:
             raise ConfigError("--sequence-parallel: Megatron's sequence parallelism belongs to tensor parallelism, "
                               "which is not here; --context-parallel-size N splits the sequence over N ranks instead")
-        if p.use_distributed_optimizer:
+        if self.fsdp.use_distributed_optimizer:
             raise ConfigError("--use-distributed-optimizer: FSDP2 + context parallelism shard the optimizer state "
                               "over all ranks already, always; drop the flag")
 

@@ -144,7 +144,6 @@ class ParallelArgs:
                               "arrives) or in_place (rotated in place after each step through a small staging "
                               "buffer, the shares added as made: one pair held, the rotation not hidden)",
                               choices=RING_KV_GRADS)
-    data_parallel_replicate: int = flag(1, "HSDP replicas (outer data-parallel dimension); the rest is sharded")
     attention_kernel: str = flag("auto", "local attention kernel",
                                  choices=("auto", "flash_attn", "sdpa_flash", "sdpa_efficient", "cpu_flash",
                                           "reference"))
@@ -155,13 +154,9 @@ class ParallelArgs:
                                      choices=("auto", "default", "fa3", "fa4"))
     distributed_timeout_minutes: int = flag(10, "timeout of the process group's collectives, in minutes "
                                                 "(init_process_group's timeout, as Megatron-LM)")
-    fsdp_cpu_offload: bool = flag(False, "keep sharded parameters, gradients and optimizer state in host memory")
-    no_reshard_after_forward: bool = flag(False, "keep gathered parameters between forward and backward")
     tensor_model_parallel_size: int = flag(1, "Megatron-LM's tensor parallelism: only 1 (FSDP2 + context "
                                            "parallelism shard the model and the sequence instead)")
     pipeline_model_parallel_size: int = flag(1, "Megatron-LM's pipeline parallelism: only 1 (FSDP2 shards the "
                                              "layers' parameters instead)")
     sequence_parallel: bool = flag(False, "Megatron-LM's sequence parallelism (of tensor parallelism): refused; "
                                    "--context-parallel-size splits the sequence instead")
-    use_distributed_optimizer: bool = flag(False, "Megatron-LM's sharded optimizer: refused, as FSDP2 always shards "
-                                           "the optimizer state (drop the flag)")

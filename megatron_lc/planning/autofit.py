@@ -208,7 +208,7 @@ def _auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None, 
     time_model = time_model or TimeModel.for_machine(machine, cfg)
     searched = layouts is not None
     layouts = layouts or [layout_of(cfg)]
-    spaces = [space or search_space(layout.apply(cfg)) for layout in layouts]
+    spaces = [space or search_space(layout.apply(cfg), machine.num_gpus) for layout in layouts]
     estimator = evaluate if isinstance(evaluate, Estimator) else Estimator(evaluate)
     search = _Search(cfg, machine, time_model, max_traces, estimator, on_estimate, layouts, spaces, tolerance)
     best = search.run()
@@ -482,7 +482,7 @@ class _Search:
         answer = space.attention[point[3]]
         if answer.impl not in ("ulysses", "untied_ulysses") or answer.overlap:
             return best
-        u = answer.heads_per_stage or self.cfg.model_config().num_attention_heads
+        u = answer.heads_per_stage or self.configs[layout].run_spec(self.machine.num_gpus).model.num_attention_heads
         for level, other in enumerate(space.attention):
             option = (layout, space.canonical((*point[:3], level, *point[4:])))
             if other.impl == "untied_ulysses" and other.overlap and other.lean == answer.lean \
@@ -504,21 +504,22 @@ class _Search:
         choice, e = result.choice, result.estimate
         if choice.recompute != "full" or choice.offload == "none":
             return
-        cfg = self.configs[layout]
-        c = cfg.model_config()
+        cfg, num_gpus = self.configs[layout], self.machine.num_gpus
+        spec = cfg.run_spec(num_gpus)
+        c = spec.model
         on_node = self.machine.gpus_on_node
-        per_block = kept_attention_bytes_per_gpu(cfg) * on_node
-        per_input = block_input_bytes_per_gpu(cfg) * on_node
+        per_block = kept_attention_bytes_per_gpu(cfg, spec) * on_node
+        per_input = block_input_bytes_per_gpu(cfg, spec) * on_node
 
         def host_of(candidate: Candidate) -> float:
-            stack = candidate.apply(cfg).memory_stack()
+            stack = candidate.apply(cfg).run_spec(num_gpus).parallelize.memory
             offloaded = stack.offloaded_layers(c.num_layers)
             return (stack.host_slots(c.num_layers) * per_input
                     + min(stack.kept_attention_layers(c.num_layers), offloaded) * per_block)
 
         base = e.host_bytes_per_node - host_of(choice)  # what the answer's host holds besides inputs and outputs
         room = 0.99 * e.host_budget_bytes - base  # its reserve grows a little with what is page-locked
-        offloaded = choice.apply(cfg).memory_stack().offloaded_layers(c.num_layers)
+        offloaded = choice.apply(cfg).run_spec(num_gpus).parallelize.memory.offloaded_layers(c.num_layers)
         faster = []
         modes = [m for m in OFFLOAD_ORDER if OFFLOAD_ORDER.index(m) >= OFFLOAD_ORDER.index(choice.offload)]
         for k, mode in itertools.product(sorted({1, choice.offload_every}), modes):

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lc.config import TrainConfig
+from megatron_lc.config import RunSpec, TrainConfig
 from megatron_lc.planning.rates import FA2_BACKWARD_WORK, Rates
 
 
@@ -41,9 +41,10 @@ class CalibrationShapes:
     head_dim: int = 64
 
     @staticmethod
-    def of(cfg: TrainConfig) -> "CalibrationShapes":
-        c, layout = cfg.model_config(), cfg.context_layout()
-        S, cp = cfg.data.seq_length, cfg.parallel.context_parallel_size
+    def of(cfg: TrainConfig, spec: RunSpec) -> "CalibrationShapes":
+        """The shapes of `cfg`'s step (`spec`: its run spec)."""
+        c, layout = spec.model, spec.parallelize.cp.layout
+        S, cp = cfg.data.seq_length, spec.dims.cp
         return CalibrationShapes(
             tokens=min(cfg.data.micro_batch_size * S // cp, 8192), hidden=c.hidden_size, ffn=c.ffn_hidden_size,
             vocab=c.vocab_size, qkv=(c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels,

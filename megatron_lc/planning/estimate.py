@@ -21,7 +21,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from megatron_lc.config import TrainConfig
+from megatron_lc.config import RunSpec, TrainConfig
 from megatron_lc.models.llama import build_model, count_parameters
 from megatron_lc.planning.standins import NcclSettings, nccl_bytes
 from megatron_lc.planning.timing import StepTime, TimeModel, kept_attention_bytes_per_gpu
@@ -208,13 +208,13 @@ def planning_config(cfg: TrainConfig, seq_length: int | None = None) -> TrainCon
     return dataclasses.replace(cfg, data=data, logging=logging, train=train)
 
 
-def anchor_depth(cfg: TrainConfig) -> int:
+def anchor_depth(spec: RunSpec) -> int:
     """m: the layers counted from each end whose phases are anchors (the rest are middle layers).
 
     2, or one more than the layers whose block input stays on the GPU under offload; with sparse offload
     (k > 1) at least those layers plus one whole segment, so that every position in a segment is an anchor
     at each end."""
-    stack = cfg.memory_stack()
+    stack = spec.parallelize.memory
     if not stack.offloads:
         return 2
     m = max(2, stack.offload_keep_last + 1)
@@ -222,15 +222,15 @@ def anchor_depth(cfg: TrainConfig) -> int:
     return m if k == 1 else max(m, stack.offload_keep_last + k)
 
 
-def traced_layer_counts(cfg: TrainConfig) -> tuple[int, ...]:
+def traced_layer_counts(spec: RunSpec) -> tuple[int, ...]:
     """Layer counts to trace: all layers, or two small counts to extrapolate from.
 
     2m and 2m + 1 layers; with sparse offload (k > 1) the smallest count of at least 2m layers that is
     congruent to the model's modulo k, and k more: the traces and the model then end in the same partial
     segment, and each trace's k more layers add one whole segment (one host slot, k layers of state)."""
-    stack = cfg.memory_stack()
-    m, k = anchor_depth(cfg), stack.offload_every_k_layers if stack.offloads else 1
-    num_layers = cfg.model_config().num_layers
+    stack = spec.parallelize.memory
+    m, k = anchor_depth(spec), stack.offload_every_k_layers if stack.offloads else 1
+    num_layers = spec.model.num_layers
     first = 2 * m + (num_layers - 2 * m) % k
     return (num_layers,) if num_layers <= first + k else (first, first + k)
 
@@ -319,13 +319,14 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     plus N blocks' outputs bounds it too, and the smaller bound is taken."""
     cfg = planning_config(cfg, seq_length)
     cfg.validate(machine.num_gpus)
-    stack, num_layers = cfg.memory_stack(), cfg.model_config().num_layers
+    spec = cfg.run_spec(machine.num_gpus)
+    stack, num_layers = spec.parallelize.memory, spec.model.num_layers
     if stack.keep_attention_layers is None or stack.kept_attention_layers(num_layers) == stack.checkpointed_layers(
             num_layers):
         return _estimate(cfg, machine)
     every = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, keep_attention_output_layers=None))
     e = _estimate(every, machine)
-    per_block = kept_attention_bytes_per_gpu(cfg)
+    per_block = kept_attention_bytes_per_gpu(cfg, spec)
     kept = stack.kept_attention_layers(num_layers)
     not_keeping = stack.offloaded_layers(num_layers) - min(kept, stack.offloaded_layers(num_layers))
     by_category = e.gpu_bytes_by_category
@@ -343,33 +344,36 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
 
 def _estimate(cfg: TrainConfig, machine: Machine) -> Estimate:
     start = time.perf_counter()
-    if cfg.parallel.fsdp_cpu_offload:
+    spec = cfg.run_spec(machine.num_gpus)
+    if spec.parallelize.fsdp.cpu_offload:
         raise ValueError("--fsdp-cpu-offload: the planner does not model FSDP's CPU offload yet")
-    counts = traced_layer_counts(cfg)
+    counts = traced_layer_counts(spec)
     flash_impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call()) \
         if machine.device == "cuda" else "default"
     traces = [trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn, flash_impl) for n in counts]
-    num_layers = cfg.model_config().num_layers
-    step = combine(traces, num_layers, anchor_depth(cfg))
+    num_layers = spec.model.num_layers
+    step = combine(traces, num_layers, anchor_depth(spec))
     analysis = step.trace.analysis
     communicators = len(analysis.communicators)
     nccl = nccl_bytes(analysis.communicator_sizes, analysis.all_to_all_groups, machine.nccl,
                       min(machine.gpus_per_node, machine.num_gpus), analysis.point_to_point_groups,
-                      ring_on_node=cfg.parallel.context_parallel_size <= machine.gpus_per_node) \
+                      ring_on_node=spec.dims.cp <= machine.gpus_per_node) \
         if machine.device == "cuda" else 0
     by_category = dict(step.peak.by_category)
     by_category["communication buffers"] += nccl
     top = step.trace.analysis.top_buffers(step.peak.event_index, lambda d: d == "meta")
     return Estimate(cfg.data.seq_length, by_category, nccl, step.host_bytes, describe_phase(step.anchor, num_layers),
                     top, communicators, counts, machine, time.perf_counter() - start, step.extra_layer_bytes,
-                    state_bytes_per_gpu(cfg, machine.num_gpus), TimeModel.for_machine(machine, cfg).predict(
+                    state_bytes_per_gpu(cfg, machine.num_gpus, spec), TimeModel.for_machine(machine, cfg).predict(
                         cfg, machine.num_gpus))
 
 
-def state_bytes_per_gpu(cfg: TrainConfig, num_gpus: int) -> int:
+def state_bytes_per_gpu(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> int:
     """fp32 weights and Adam state of one rank's FSDP shards (sharded over all but the replicas) that a save
-    stages on the host: the weights only where the optimizer's state is on the host already."""
-    shards = num_gpus // cfg.parallel.data_parallel_replicate
-    parameters = count_parameters(build_model(cfg.model_config(), device="meta"))
+    stages on the host: the weights only where the optimizer's state is on the host already (`spec`: `cfg`'s
+    run spec on `num_gpus`, when the caller has it)."""
+    spec = spec or cfg.run_spec(num_gpus)
+    shards = num_gpus // spec.dims.dp_replicate
+    parameters = count_parameters(build_model(spec.model, device="meta"))
     staged = 4 if cfg.optim.optimizer_cpu_offload else machine_terms.STATE_BYTES_PER_PARAMETER
     return -(-parameters // shards) * staged

@@ -159,7 +159,7 @@ def default_cp(cfg: TrainConfig, num_gpus: int) -> int:
     """The cp degree of the Ulysses rows: the configured one, else the largest that the GPUs and heads allow."""
     if cfg.parallel.context_parallel_size > 1:
         return cfg.parallel.context_parallel_size
-    c = cfg.model_config()
+    c = cfg.run_spec(num_gpus).model
     for cp in range(num_gpus, 1, -1):
         kv_ok = c.num_query_groups % cp == 0 or cp % c.num_query_groups == 0
         if num_gpus % cp == 0 and c.num_attention_heads % cp == 0 and kv_ok:
@@ -195,8 +195,8 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
     if "untied_ulysses" in CP_IMPLS and cp > 1:
         layers.append(StackLayer("+ Untied Ulysses", with_(tiling, cp_impl="untied_ulysses")))
     layers.append(StackLayer("+ offload fetched on demand", with_(layers[-1].config, offload_mode="on_demand")))
-    lean = {"untied_backward": "lean"} if layers[-1].config.context_parallel().untied else {}
-    if ulysses.context_layout().ring_size > 1:
+    lean = {"untied_backward": "lean"} if layers[-1].config.run_spec(num_gpus).parallelize.cp.untied else {}
+    if ulysses.run_spec(num_gpus).dims.cp_ring > 1:
         lean["ring_kv_grads"] = "in_place"
     if lean:
         layers.append(StackLayer("+ lean backward", with_(layers[-1].config, **lean)))

@@ -231,12 +231,13 @@ class SearchSpace:
         return [p for p in itertools.product(*(range(n) for n in self.sizes)) if self.canonical(p) == p]
 
 
-def search_space(cfg: TrainConfig) -> SearchSpace:
-    """The candidates for `cfg`: its model, length and cp degree fixed."""
-    c, cp = cfg.model_config(), cfg.parallel.context_parallel_size
+def search_space(cfg: TrainConfig, num_gpus: int) -> SearchSpace:
+    """The candidates for `cfg` on `num_gpus` GPUs: its model, length and cp degree fixed."""
+    spec = cfg.run_spec(num_gpus)
+    c, cp = spec.model, spec.dims.cp
     tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cp
     plan = plan_chunks(tokens, c.hidden_size, c.ffn_hidden_size, c.vocab_size, 2 if cfg.train.bf16 else 4)
-    layout = cfg.context_layout()
+    layout = spec.parallelize.cp.layout
     a2a, ring = layout.a2a_size, layout.ring_size > 1  # the all-to-all level (the whole cp group without a ring)
     attention = [AttentionLevel(None)]
     if a2a > 1:
@@ -252,7 +253,7 @@ def search_space(cfg: TrainConfig) -> SearchSpace:
         if untied or ring:
             lean.append(level._replace(untied_backward="lean" if untied else "fast", ring_kv_grads=ring_kv_grads))
     attention += lean
-    offloading = dataclasses.replace(cfg.memory_stack(), recompute_granularity="full", offload_mode="prefetch")
+    offloading = dataclasses.replace(spec.parallelize.memory, recompute_granularity="full", offload_mode="prefetch")
     slots = {}  # k levels that change the host slots (a model of few layers has fewer)
     for k in OFFLOAD_EVERY:
         slots.setdefault(dataclasses.replace(offloading, offload_every_k_layers=k).host_slots(c.num_layers), k)

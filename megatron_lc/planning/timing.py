@@ -54,7 +54,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_lc.attention.untied_plan import StagePlan
-from megatron_lc.config import TrainConfig
+from megatron_lc.config import RunSpec, TrainConfig
 from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.planning.calibration import CalibrationShapes, calibrate_local
 from megatron_lc.planning.rates import FA2_BACKWARD_WORK, RATES, Rates
@@ -151,24 +151,26 @@ class PipelinedExchange:
         return t / n + self.exposed_bytes / link + (n - 1) / n * max(0.0, t - a)
 
 
-def block_input_bytes_per_gpu(cfg: TrainConfig) -> int:
-    """One block input of one rank, `[B*S/cp, hidden]` in the compute dtype (what offload copies per block)."""
-    c = cfg.model_config()
-    tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
-    return tokens * c.hidden_size * (2 if cfg.train.bf16 else 4)
+def block_input_bytes_per_gpu(cfg: TrainConfig, spec: RunSpec) -> int:
+    """One block input of one rank, `[B*S/cp, hidden]` in the compute dtype (what offload copies per block);
+    `spec` is `cfg`'s."""
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_length // spec.dims.cp
+    return tokens * spec.model.hidden_size * (2 if cfg.train.bf16 else 4)
 
 
-def kept_attention_bytes_per_gpu(cfg: TrainConfig) -> int:
-    """One block's kept attention output and lse on one rank (`--keep-attention-output`)."""
-    c = cfg.model_config()
-    tokens = cfg.data.micro_batch_size * cfg.data.seq_length // cfg.parallel.context_parallel_size
+def kept_attention_bytes_per_gpu(cfg: TrainConfig, spec: RunSpec) -> int:
+    """One block's kept attention output and lse on one rank (`--keep-attention-output`); `spec` is `cfg`'s."""
+    c = spec.model
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_length // spec.dims.cp
     return kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels, 2 if cfg.train.bf16 else 4)
 
 
-def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
-    """The work of one micro-batch on one rank of `cfg` on `num_gpus` GPUs."""
-    c, par = cfg.model_config(), cfg.parallel
-    cp, layout = par.context_parallel_size, cfg.context_layout()
+def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> Work:
+    """The work of one micro-batch on one rank of `cfg` on `num_gpus` GPUs (`spec`: its run spec there, when the
+    caller has it)."""
+    spec = spec or cfg.run_spec(num_gpus)
+    c, stack, cp_spec = spec.model, spec.parallelize.memory, spec.parallelize.cp
+    cp, layout = spec.dims.cp, cp_spec.layout
     B, S = cfg.data.micro_batch_size, cfg.data.seq_length
     T, h, f, H, Hkv, d, V, L = B * S // cp, c.hidden_size, c.ffn_hidden_size, c.num_attention_heads, \
         c.num_query_groups, c.kv_channels, c.vocab_size, c.num_layers
@@ -178,9 +180,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
     layer_gemm = qkv + 2 * T * H * d * h + mlp
     head_gemm = 2 * T * h * V
     attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
-    stack = cfg.memory_stack()
     full, selective = stack.recompute_granularity == "full", stack.recompute_granularity == "selective"
-    cp_spec = cfg.context_parallel()
     untied = cp_spec.untied
     mlp_tiles = stack.mlp_tiles
     R = stack.checkpointed_layers(L)  # blocks checkpointed under full recompute (--recompute-method block: the first N)
@@ -210,7 +210,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
         if cp_spec.ring_kv_grads == "in_place":  # rotated after each step, waited for
             ring_bwd, ring_exposed = ring_fwd, accumulators * L
     params_layer = h * d * (H + 2 * Hkv) + H * d * h + 3 * h * f + 2 * h
-    shards = num_gpus // par.data_parallel_replicate
+    shards = num_gpus // spec.dims.dp_replicate
     share = (shards - 1) / shards if shards > 1 else 0.0
     fsdp = (params_layer * item * share, params_layer * 4 * share)
     offloaded = stack.offloaded_layers(L)
@@ -259,7 +259,7 @@ def step_work(cfg: TrainConfig, num_gpus: int) -> Work:
         optimizer_bytes=0.0 if host_optimizer else 28 * total_params / max(shards, 1),
         host_optimizer_params=total_params / max(shards, 1) if host_optimizer else 0.0,
         model_flops=3 * (L * layer_gemm + head_gemm + L * attention), kept_inputs=kept, replayed_blocks=replayed,
-        replay_gathers=replay_gathers, kept_attention_bytes_per_layer=kept_attention_bytes_per_gpu(cfg) if keep else 0.0,
+        replay_gathers=replay_gathers, kept_attention_bytes_per_layer=kept_attention_bytes_per_gpu(cfg, spec) if keep else 0.0,
         kept_attention_reads=reading,
         attention_keeping_offloaded=min(K, offloaded),
         attention_keeping_kept_inputs=min(kept, -(-min(K, offloaded) // stack.offload_every_k_layers)),
@@ -345,12 +345,13 @@ def attention_family(cfg: TrainConfig, flash_attn: bool, flash_impl: str = "defa
 def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 8, family: str = "fa2"
             ) -> StepTime:
     """The step time of `cfg` on `num_gpus` GPUs at `rates`, by cause."""
-    w = step_work(cfg, num_gpus)
-    cp = cfg.parallel.context_parallel_size
+    spec = cfg.run_spec(num_gpus)
+    w = step_work(cfg, num_gpus, spec)
+    cp = spec.dims.cp
     dp = max(1, num_gpus // cp)
     mbs = cfg.data.micro_batch_size
     micro = max(1, (cfg.data.global_batch_size or mbs * dp) // (mbs * dp))
-    layout = cfg.context_layout()
+    layout = spec.parallelize.cp.layout
     fwd_rate, bwd_rate = rates.attention_rates(family, cfg.data.seq_length)  # one document per sample
     gemm = w.gemm_fwd * 3 / rates.gemm_flops
     a_fwd, a_re, a_bwd = w.attention_fwd / fwd_rate, w.attention_recompute / fwd_rate, w.attention_bwd / bwd_rate
@@ -420,7 +421,7 @@ class TimeModel:
         """The model of `machine` (a planning.estimate.Machine): its node's published rates, or for `local`
         this machine's measured ones shared by `num_gpus` processes."""
         if machine.node == "local":
-            shapes = CalibrationShapes.of(cfg)
+            shapes = CalibrationShapes.of(cfg, cfg.run_spec(machine.num_gpus))
             return TimeModel(calibrate_local(processes=machine.num_gpus, shapes=shapes), machine.gpus_per_node, "cpu")
         impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call())
         family = attention_family(cfg, machine.flash_attn, impl)  # the node's GPUs, whatever was traced
@@ -432,7 +433,8 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
     """The time each memory layer of `cfg` costs: its step against the same step without it (seconds)."""
     base = predict(cfg, num_gpus, rates, gpus_per_node, family).step_s
     mem, par = cfg.memory, cfg.parallel
-    stack = cfg.memory_stack()
+    spec = cfg.run_spec(num_gpus)
+    stack = spec.parallelize.memory
     without = []
     if stack.replay_kept_attention:
         without.append(("replays reading kept attention (against computing it)", dataclasses.replace(
@@ -468,7 +470,7 @@ def layer_costs(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: in
     if par.untied_overlap_stages:
         without.append(("pipelined Untied stages (against synchronous)",
                         dataclasses.replace(cfg, parallel=dataclasses.replace(par, untied_overlap_stages=False))))
-    if cfg.context_parallel().untied:
+    if spec.parallelize.cp.untied:
         without.append(("Untied Ulysses (against Ulysses)", dataclasses.replace(
             cfg, parallel=dataclasses.replace(par, cp_impl="ulysses", untied_overlap_stages=False,
                                               untied_heads_per_stage=None, untied_backward="fast"))))

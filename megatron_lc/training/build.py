@@ -27,7 +27,7 @@ def build_sharded_model(cfg: TrainConfig, spec: RunSpec, pstate: ParallelState,
                         devices: Devices) -> tuple[Transformer, OffloadScheduler | None]:
     """The run's model (`spec`) on this rank with its (sharded) initial weights, and its offload scheduler."""
     model, offload = build_parallel_model(spec.model, spec.parallelize, pstate, devices)
-    materialize(model, devices, seed=cfg.train.seed, fsdp_cpu_offload=cfg.parallel.fsdp_cpu_offload)
+    materialize(model, devices, seed=cfg.train.seed, fsdp_cpu_offload=spec.parallelize.fsdp.cpu_offload)
     return model, offload
 
 

@@ -52,8 +52,8 @@ def host_share_bytes(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     activations = cfg.memory_stack().host_slots(model.num_layers) * tokens * model.hidden_size * (
         2 if cfg.train.bf16 else 4)
     states = 0
-    if cfg.optim.optimizer_cpu_offload or cfg.parallel.fsdp_cpu_offload:
-        shards = max(1, world_size // cfg.parallel.data_parallel_replicate)
+    if cfg.optim.optimizer_cpu_offload or cfg.fsdp.fsdp_cpu_offload:
+        shards = max(1, world_size // cfg.fsdp.data_parallel_replicate)
         states = -(-count_parameters(build_model(model, device="meta")) // shards) * HOST_STATE_BYTES_PER_PARAMETER
     return activations, states
 

@@ -30,8 +30,8 @@ TINY = ["--model", "debug", "--seq-length", "16384", "--context-parallel-size", 
         "--vocab-size", "4096", "--num-layers", "2", "--device", "cpu"]
 
 
-def _machine(gpu_bytes: float, host_gib: float = 1907.0) -> Machine:
-    return Machine(num_gpus=2, gpu_memory_gib=gpu_bytes / GIB, reserve_gib=0, host_memory_gib=host_gib,
+def _machine(gpu_bytes: float, host_gib: float = 1907.0, num_gpus: int = 2) -> Machine:
+    return Machine(num_gpus=num_gpus, gpu_memory_gib=gpu_bytes / GIB, reserve_gib=0, host_memory_gib=host_gib,
                    host_reserve_gib=0, device="cpu")
 
 
@@ -43,7 +43,7 @@ def _key(cfg) -> str:
 def tiny():
     """The tiny config, a small search space (Ulysses only) and every candidate of it traced once."""
     cfg = parse_config([*TINY, "--mock-data"])
-    full = search_space(cfg)
+    full = search_space(cfg, 2)
     space = SearchSpace(full.modes, (None, full.mlp_tiles[-1]), (None, 1), full.attention[:1])
     machine = _machine(100 * GIB)
     traced = {}
@@ -134,7 +134,7 @@ def _synthetic(space: SearchSpace, cfg):
         by_category = dict.fromkeys(("parameters", "gradients", "optimizer state", "activations",
                                      "communication buffers", "temporaries"), 0)
         by_category["activations"] = gpu
-        return Estimate(seq_length, by_category, 0, host // 2, "test", [], 0, (1,), machine)
+        return Estimate(seq_length, by_category, 0, host // machine.gpus_on_node, "test", [], 0, (1,), machine)
     return evaluate
 
 
@@ -157,18 +157,18 @@ def test_search_matches_brute_force_on_a_synthetic_planner(host_gib, tolerance):
     """The answer is the fastest stack that fits, or within the tolerance of it."""
     cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "262144", "--context-parallel-size", "8",
                         "--mock-data"])
-    space = search_space(cfg)
+    space = search_space(cfg, 8)
     assert [a.impl for a in space.attention] == ["ulysses", *["untied_ulysses"] * 8]
     assert [a.overlap for a in space.attention] == [False, False, False, True, True, False, False, True, True]
     assert [a.untied_backward for a in space.attention] == ["fast"] * 5 + ["lean"] * 4  # no ring: no lean Ulysses
     # Pipelined stages are tried on the answer, not searched: their test is the one below.
     space = dataclasses.replace(space, attention=tuple(a for a in space.attention if not a.overlap))
     evaluate = _synthetic(space, cfg)
-    everything = {c: evaluate(c.apply(cfg), _machine(GIB), 0) for c in map(space.candidate, space.points())}
-    step_s = {c: _step_s(c, cfg, _machine(GIB, host_gib)) for c in everything}  # the rates do not depend on the budget
-    time_model = _Memo(TimeModel.for_machine(_machine(GIB, host_gib), cfg))
+    everything = {c: evaluate(c.apply(cfg), _machine(GIB, num_gpus=8), 0) for c in map(space.candidate, space.points())}
+    step_s = {c: _step_s(c, cfg, _machine(GIB, host_gib, 8)) for c in everything}  # rates do not depend on the budget
+    time_model = _Memo(TimeModel.for_machine(_machine(GIB, host_gib, 8), cfg))
     for budget in sorted({e.gpu_peak_bytes for e in everything.values()}):
-        machine = _machine(budget, host_gib)
+        machine = _machine(budget, host_gib, 8)
         calls = []
         result = auto_fit(cfg, machine, time_model, evaluate=lambda *a: calls.append(a) or evaluate(*a), space=space,
                           tolerance=tolerance, max_traces=100)
@@ -261,11 +261,11 @@ def test_untied_stage_widths_follow_the_all_to_all_level_of_a_hierarchical_layou
     hierarchical = parse_config(base + ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4",
                                         "2"])
     lean = {"untied_backward": "lean", "ring_kv_grads": "in_place"}
-    assert search_space(hierarchical).attention == (
+    assert search_space(hierarchical, 8).attention == (
         AttentionLevel("ulysses"), AttentionLevel("untied_ulysses", 4), AttentionLevel("untied_ulysses", 4, True),
         AttentionLevel("ulysses", ring_kv_grads="in_place"), AttentionLevel("untied_ulysses", 4, **lean),
         AttentionLevel("untied_ulysses", 4, True, **lean))
-    assert search_space(parse_config(base + ["--cp-comm-type", "p2p"])).attention == (
+    assert search_space(parse_config(base + ["--cp-comm-type", "p2p"]), 8).attention == (
         AttentionLevel(None), AttentionLevel(None, ring_kv_grads="in_place"))
 
 
@@ -289,17 +289,17 @@ def test_an_untied_answer_is_pipelined_where_the_pipelined_stages_fit():
     the widest narrower one (any, for a Ulysses answer) that fits and is predicted faster, else as it was."""
     cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "1048576", "--context-parallel-size", "8",
                         "--mock-data"])
-    whole = search_space(cfg)
+    whole = search_space(cfg, 8)
     evaluate = _synthetic(dataclasses.replace(whole, attention=tuple(a for a in whole.attention if not a.overlap)), cfg)
     # Full recompute and offload, where Untied holds less than Ulysses; every attention level.
     space = dataclasses.replace(whole, modes=whole.modes[2:5], mlp_tiles=whole.mlp_tiles[-2:],
                                 loss_tiles=whole.loss_tiles[-2:], offload_every=(1,), keep_attention=(False,))
     synchronous = dataclasses.replace(space, attention=tuple(a for a in space.attention if not a.overlap))
-    peaks = sorted({evaluate(c.apply(cfg), _machine(GIB), 0).gpu_peak_bytes
+    peaks = sorted({evaluate(c.apply(cfg), _machine(GIB, num_gpus=8), 0).gpu_peak_bytes
                     for c in map(space.candidate, space.points())})
     chosen_pipelined = 0
     for budget in peaks:
-        machine = _machine(budget)
+        machine = _machine(budget, num_gpus=8)
         answer = auto_fit(cfg, machine, evaluate=evaluate, space=synchronous, partial_keep=False).choice
         want = answer
         if answer is not None:
@@ -375,7 +375,7 @@ def test_layout_search_answers_the_fastest_layout_and_stack_that_fit(tolerance):
     everything = []
     for layout in layouts:
         base = layout.apply(cfg)
-        space = search_space(base)
+        space = search_space(base, 4)
         for point in space.points():
             if not space.attention[point[3]].overlap:
                 c = space.candidate(point).apply(base)
@@ -422,7 +422,7 @@ def test_an_offloading_answer_keeps_the_attention_of_as_many_first_blocks_as_the
 
     cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "1048576", "--context-parallel-size", "8",
                         "--mock-data"])
-    whole = search_space(cfg)
+    whole = search_space(cfg, 8)
     space = dataclasses.replace(whole, modes=(("full", "prefetch"),), mlp_tiles=whole.mlp_tiles[-1:],
                                 loss_tiles=whole.loss_tiles[-1:], attention=whole.attention[:1], offload_every=(1,))
     tokens = 1048576 // 8
@@ -456,7 +456,7 @@ def test_a_sparse_answer_that_keeps_every_attention_output_reads_it_in_its_repla
 
     cfg = parse_config(["--model", "llama3-8b", "--bf16", "--seq-length", "4194304", "--context-parallel-size", "8",
                         "--mock-data"])
-    whole = search_space(cfg)
+    whole = search_space(cfg, 8)
     space = dataclasses.replace(whole, modes=(("full", "early"),), mlp_tiles=whole.mlp_tiles[-1:],
                                 loss_tiles=whole.loss_tiles[-1:], attention=whole.attention[:1], offload_every=(1, 2))
     tokens = 4194304 // 8
@@ -496,7 +496,7 @@ def test_search_answers_the_fastest_fitting_stack_of_random_monotone_planners(wo
     cfg = parse_config(["--model", "debug", "--num-layers", "16", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
                         "--num-attention-heads", "16", "--num-query-groups", "4", "--vocab-size", "32000",
                         "--mock-data", "--seq-length", "262144", "--bf16", "--context-parallel-size", "8"])
-    space = search_space(cfg)
+    space = search_space(cfg, 8)
     points = [p for p in space.points() if not space.attention[p[3]].overlap]
     by_config = {repr(space.candidate(p).apply(cfg)): p for p in space.points()}
     machine = Machine(num_gpus=8)
@@ -579,7 +579,7 @@ def test_auto_fit_moves_the_optimizer_to_the_host_only_where_nothing_fits_with_i
     cfg = parse_config(["--model", "debug", "--seq-length", "512", "--hidden-size", "512", "--ffn-hidden-size", "2048",
                         "--num-attention-heads", "8", "--num-query-groups", "2", "--kv-channels", "64",
                         "--vocab-size", "16384", "--num-layers", "2", "--device", "cpu", "--mock-data"])
-    space = search_space(cfg)
+    space = search_space(cfg, 2)
     saving = Candidate("full", "on_demand", space.mlp_tiles[-1], space.loss_tiles[-1], None, None)
     plain_on_host = dataclasses.replace(Candidate("none", "none", None, None, None, None), optimizer_on_host=True)
     budget = estimate(plain_on_host.apply(cfg), _machine(100 * GIB)).gpu_peak_bytes * 1.01

@@ -22,6 +22,7 @@ from megatron_lc.attention.context_parallel import ContextParallel
 from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.registry import build_attention_backend
 from megatron_lc.devices import Devices
+from megatron_lc.flags import flag
 from megatron_lc.memory.offload import OffloadScheduler
 from megatron_lc.memory.stack import MemoryStack
 from megatron_lc.memory.tiling import TileBounds, tile_bounds
@@ -41,6 +42,24 @@ class FSDPSettings:
     """Free gathered parameters after each block's forward (re-gathered in backward)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (--fsdp-cpu-offload)."""
+
+
+@dataclass
+class FSDPArgs:
+    """The flags of data-parallel sharding (`TrainConfig.fsdp`): how FSDP2 shards (`settings`), its replicas
+    (HSDP's outer dimension of the process mesh), and Megatron-LM's sharded optimizer, which FSDP2 replaces."""
+
+    data_parallel_replicate: int = flag(1, "HSDP replicas (outer data-parallel dimension); the rest is sharded")
+    fsdp_cpu_offload: bool = flag(False, "keep sharded parameters, gradients and optimizer state in host memory")
+    no_reshard_after_forward: bool = flag(False, "keep gathered parameters between forward and backward")
+    use_distributed_optimizer: bool = flag(False, "Megatron-LM's sharded optimizer: refused, as FSDP2 always shards "
+                                           "the optimizer state (drop the flag)")
+
+    def settings(self, param_dtype: torch.dtype) -> FSDPSettings:
+        """FSDP2's settings, parameters computed in `param_dtype` (the run's compute dtype), gradients reduced
+        in fp32."""
+        return FSDPSettings(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                            reshard_after_forward=not self.no_reshard_after_forward, cpu_offload=self.fsdp_cpu_offload)
 
 
 @dataclass(frozen=True)
