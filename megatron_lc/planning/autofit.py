@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from megatron_lc.config import TrainConfig
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
-from megatron_lc.planning.estimator import Estimator
+from megatron_lc.planning.estimate_pool import EstimatePool
 from megatron_lc.planning.layouts import Layout, layout_of
 from megatron_lc.planning.search_space import (
     MODES,
@@ -174,7 +174,7 @@ Option = tuple[int, tuple[int, ...]]
 
 def auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None = None,
              max_traces: int = DEFAULT_MAX_TRACES,
-             evaluate: Callable[[TrainConfig, Machine, int], Estimate] | Estimator = estimate,
+             evaluate: Callable[[TrainConfig, Machine, int], Estimate] | EstimatePool = estimate,
              on_estimate: Callable[[Candidate, Estimate, Layout], None] | None = None,
              space: SearchSpace | None = None, layouts: list[Layout] | None = None,
              tolerance: float = TOLERANCE, partial_keep: bool = True) -> AutoFitResult:
@@ -209,7 +209,7 @@ def _auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None, 
     searched = layouts is not None
     layouts = layouts or [layout_of(cfg)]
     spaces = [space or search_space(layout.apply(cfg)) for layout in layouts]
-    estimator = evaluate if isinstance(evaluate, Estimator) else Estimator(evaluate)
+    estimator = evaluate if isinstance(evaluate, EstimatePool) else EstimatePool(evaluate)
     search = _Search(cfg, machine, time_model, max_traces, estimator, on_estimate, layouts, spaces, tolerance)
     best = search.run()
     best = search.pipelined(best)
@@ -238,7 +238,7 @@ class _Search:
     next options whose fit is unknown, as many as the estimator's workers, at once."""
 
     def __init__(self, cfg: TrainConfig, machine: Machine, time_model: TimeModel, max_traces: int,
-                 estimator: Estimator, on_estimate: Callable[[Candidate, Estimate, Layout], None] | None,
+                 estimator: EstimatePool, on_estimate: Callable[[Candidate, Estimate, Layout], None] | None,
                  layouts: list[Layout], spaces: list[SearchSpace], tolerance: float):
         self.cfg, self.machine, self.time_model, self.max_traces = cfg, machine, time_model, max_traces
         self.estimator, self.on_estimate, self.tolerance = estimator, on_estimate, tolerance

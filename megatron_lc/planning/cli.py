@@ -29,7 +29,7 @@ from megatron_lc.arguments import build_parser, parse_config
 from megatron_lc.planning.estimate import Machine, planning_config
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
 from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, TOLERANCE
-from megatron_lc.planning.estimator import CACHE_ENV, MAX_WORKERS
+from megatron_lc.planning.estimate_pool import CACHE_ENV, MAX_WORKERS
 from megatron_lc.planning.standins import NcclSettings
 
 NCCL = NcclSettings()
@@ -171,11 +171,11 @@ def estimator_of(planner: argparse.Namespace):
     """The estimator of this call: its workers and its cache."""
     from pathlib import Path
 
-    from megatron_lc.planning.estimator import EstimateCache, Estimator, default_cache_dir, default_workers
+    from megatron_lc.planning.estimate_pool import EstimateCache, EstimatePool, default_cache_dir, default_workers
 
     given = planner.planner_cache
     cache_dir = default_cache_dir() if given is None else (None if given == "off" else Path(given))
-    return Estimator(workers=planner.planner_workers or default_workers(), cache=EstimateCache(cache_dir))
+    return EstimatePool(workers=planner.planner_workers or default_workers(), cache=EstimateCache(cache_dir))
 
 
 def progress_printer(estimator):
