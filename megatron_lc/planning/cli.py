@@ -30,7 +30,7 @@ from megatron_lc.planning.estimate import Machine, planning_config
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
 from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, TOLERANCE
 from megatron_lc.planning.estimate_pool import CACHE_ENV, MAX_WORKERS
-from megatron_lc.planning.standins import NcclSettings
+from megatron_lc.planning.gpu_allocations import NcclSettings
 
 NCCL = NcclSettings()
 AUTO_FIT_HELP = (

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from megatron_lc.config import TrainConfig
 from megatron_lc.models.llama import build_model, count_parameters
-from megatron_lc.planning.standins import NcclSettings, nccl_bytes
+from megatron_lc.planning.gpu_allocations import NcclSettings, nccl_bytes
 from megatron_lc.planning.timing import StepTime, TimeModel, kept_attention_bytes_per_gpu
 from megatron_lc.planning.trace import StepTrace, trace_step
 import megatron_lc.planning.machine as machine_terms
