@@ -24,7 +24,7 @@ import json
 import sys
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.cli import ArgumentParser, run_tool
+from megatron_lc.command_line import ArgumentParser, run_tool
 from megatron_lc.arguments import build_parser, parse_config
 from megatron_lc.planning.estimate import Machine, planning_config
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
