@@ -283,7 +283,7 @@ class _Search:
         for other, failed, margin, by_gpu in self.column_fails:
             theirs = self.layouts[other]
             if theirs.cp > mine.cp and (theirs.chain == mine.chain or mine.cp == 1) and margin > 0 \
-                    and _weaker(column, failed, by_gpu, any_kind=mine.cp == 1):
+                    and _holds_at_least(column, failed, by_gpu, any_kind=mine.cp == 1):
                 return False
         return None
 
@@ -375,7 +375,7 @@ class _Search:
             if best is not None and self.per_token(option) * (1 + self.tolerance) >= self.per_token(best):
                 break
             status = self.status(option)
-            if status is False or self._twin_fits(option):
+            if status is False or self._beaten_by_fast_twin(option):
                 i += 1
                 continue
             if status is True:  # known to fit: confirmed by a trace of its own
@@ -409,9 +409,9 @@ class _Search:
             i += 1
         return self._fastest_traced_fit()
 
-    def _twin_fits(self, option: Option) -> bool:
-        """A lean option whose fast twin (the same stack with the fast backward) is known to fit: slower, never the
-        answer."""
+    def _beaten_by_fast_twin(self, option: Option) -> bool:
+        """Whether `option` is lean and its fast twin (the same stack with the fast backward) is known to fit and is
+        no slower: the lean option is then never the answer."""
         space, point = self.spaces[option[0]], option[1]
         level = space.attention[point[3]]
         if not level.lean:
@@ -432,7 +432,7 @@ class _Search:
         for option in order[start:]:
             if best is not None and self.per_token(option) * (1 + self.tolerance) >= self.per_token(best):
                 break
-            if self.status(option) is None and not self._twin_fits(option):
+            if self.status(option) is None and not self._beaten_by_fast_twin(option):
                 probes.add((option[0], self.probe(option)))
         return min(2 * len(probes) + 1, self.max_traces - len(self.result.traced))
 
@@ -442,7 +442,7 @@ class _Search:
         for option in order[start:]:
             if len(out) >= count:
                 break
-            if self.status(option) is None and not self._twin_fits(option):
+            if self.status(option) is None and not self._beaten_by_fast_twin(option):
                 probe = (option[0], self.probe(option))
                 if self.status(probe) is None:
                     target = self.target(probe)
@@ -557,10 +557,11 @@ class _Search:
         return out
 
 
-def _weaker(column: tuple, failed: tuple, by_gpu: bool, any_kind: bool) -> bool:
-    """A column (mode, k, attention held, attention kind) that holds at least what a failed one did: by the GPU,
-    a mode no stronger and attention held if it was (modes short of full recompute hold it anyway); by the host,
-    offloading with k no sparser and attention kept if it was (host bytes do not depend on the rest)."""
+def _holds_at_least(column: tuple, failed: tuple, by_gpu: bool, any_kind: bool) -> bool:
+    """Whether `column` (mode, k, attention held, attention kind) holds at least what the `failed` one did, and so
+    fails too: by the GPU, a mode no stronger and attention held if it was (modes short of full recompute hold it
+    anyway); by the host, offloading with k no sparser and attention kept if it was (host bytes do not depend on the
+    rest)."""
     mode, k, keep, kind = column
     their_mode, their_k, their_keep, their_kind = failed
     if by_gpu:
