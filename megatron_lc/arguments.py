@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 from typing import get_type_hints
 
-from megatron_lc.cli import ArgumentParser
+from megatron_lc.command_line import ArgumentParser
 from megatron_lc.config import SECTIONS, TrainConfig
 from megatron_lc.errors import ConfigError
 from megatron_lc.memory.stack import OFFLOAD_ALIASES, fold_offload_aliases

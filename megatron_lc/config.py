@@ -191,17 +191,18 @@ class TrainConfig:
                                          p.hierarchical_context_parallel_sizes)
 
     def attention_call(self):
-        """The largest attention kernel call of this run (`attention.flash_impl.AttentionCall`): a micro-batch's
-        sequences, whole after the all-to-all, a ring's share with one; one document per sample (with
+        """The shape of this run's largest attention kernel call (`attention.flash_impl.AttentionCallShape`): a
+        micro-batch's sequences, whole after the all-to-all, a ring's share with one; one document per sample (with
         --reset-attention-mask, the documents of a sample are not known before the data: one is assumed)."""
         import torch
 
-        from megatron_lc.attention.flash_impl import AttentionCall
+        from megatron_lc.attention.flash_impl import AttentionCallShape
 
         c = self.model_config()
-        return AttentionCall(self.data.micro_batch_size * self.data.seq_length // self.context_layout().ring_size,
-                             self.data.micro_batch_size, c.kv_channels, c.num_attention_heads // c.num_query_groups,
-                             torch.bfloat16 if self.train.bf16 else torch.float32)
+        return AttentionCallShape(
+            self.data.micro_batch_size * self.data.seq_length // self.context_layout().ring_size,
+            self.data.micro_batch_size, c.kv_channels, c.num_attention_heads // c.num_query_groups,
+            torch.bfloat16 if self.train.bf16 else torch.float32)
 
     def validate(self, world_size: int) -> None:
         """Every impossible combination, with the reason and the fix, before any GPU time is spent. Rules

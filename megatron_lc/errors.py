@@ -1,7 +1,7 @@
 """The error types every room raises for a setting that cannot work; a leaf module (imports nothing).
 
 An entry point reports a `ConfigError` as one line from rank 0 and exit status 2 (`entry.py`,
-`cli.run_tool`); any other exception is a defect and keeps its traceback.
+`command_line.run_tool`); any other exception is a defect and keeps its traceback.
 """
 
 EXIT_OK, EXIT_FAILURE, EXIT_CONFIG_ERROR, EXIT_RESUME = 0, 1, 2, 3

@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_lc.cli import ArgumentParser
+from megatron_lc.command_line import ArgumentParser
 from megatron_lc.errors import ConfigError
 from megatron_lc.arguments import add_section_flag, config_from_values
 from megatron_lc.data.loader import MicroBatchLoader

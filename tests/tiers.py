@@ -33,11 +33,11 @@ def planner_tracers() -> frozenset:
     from megatron_lc.planning import cli
     from megatron_lc.planning.autofit import auto_fit
     from megatron_lc.planning.estimate import estimate
-    from megatron_lc.planning.estimator import Estimator
+    from megatron_lc.planning.estimate_pool import EstimatePool
     from megatron_lc.planning.search import ablate, find_max_seq_length
     from megatron_lc.planning.trace import measure_real_step, trace_step
 
-    return frozenset({cli, estimate, find_max_seq_length, ablate, auto_fit, Estimator, trace_step, measure_real_step})
+    return frozenset({cli, estimate, find_max_seq_length, ablate, auto_fit, EstimatePool, trace_step, measure_real_step})
 
 
 TIERS = {"multiprocess": process_starters, "planner_trace": planner_tracers}

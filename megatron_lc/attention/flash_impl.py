@@ -28,8 +28,9 @@ FA3_BLOCK_M = 64
 """Rows of FA3's backward tile (sm90, head dim <= 128, causal): each segment pads the accumulator by one."""
 
 
-class AttentionCall(NamedTuple):
-    """The largest attention kernel call of a run: what a kernel's workspace limits and start-up check read."""
+class AttentionCallShape(NamedTuple):
+    """The shape of an attention kernel call (a run's largest): what a kernel's workspace limits and start-up check
+    read."""
 
     tokens: int
     """Query rows of the call (a micro-batch's sequences after the all-to-all; a ring's share with one)."""
@@ -69,7 +70,7 @@ def _why_unavailable_here(impl: str) -> str:
 
 
 def resolve_flash_impl(name: str, capability: tuple[int, int] | None,
-                       why_unavailable: Callable[[str], str] | None = None, call: AttentionCall | None = None
+                       why_unavailable: Callable[[str], str] | None = None, call: AttentionCallShape | None = None
                        ) -> tuple[str, str]:
     """(the implementation `--flash-attention-impl NAME` runs on a device of `capability`, why not the one asked
     for ('' when it is)). `capability` None: not CUDA, torch's own kernels. `auto` takes FA3, then FA4, where
@@ -131,7 +132,7 @@ def probe_flash_kernel(kernel: Kernel, device: torch.device, dtype: torch.dtype 
     return ""
 
 
-def activate_flash_impl(name: str, device: torch.device, call: AttentionCall | None = None,
+def activate_flash_impl(name: str, device: torch.device, call: AttentionCallShape | None = None,
                         probe: Callable[[torch.device], str] | None = None) -> str:
     """Put the implementation `--flash-attention-impl NAME` resolves to behind torch's flash operators, before
     the first attention, and prove it on a tiny forward and backward at the run's head dim (`probe`, default
@@ -153,7 +154,7 @@ def activate_flash_impl(name: str, device: torch.device, call: AttentionCall | N
         return impl
     if current == FLASH_IMPLS[impl][0]:
         return impl
-    shape = call or AttentionCall(96, 2, 64)
+    shape = call or AttentionCallShape(96, 2, 64)
     try:
         torch.nn.attention.activate_flash_attention_impl(FLASH_IMPLS[impl][0])
         why = (probe or (lambda dev: probe_flash_kernel(KERNELS["sdpa_flash"], dev, shape.dtype, shape.head_dim,

@@ -94,8 +94,8 @@ def _rotate_(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
 
 
 @dataclass
-class _Call:
-    """One forward or backward of the op: inputs viewed per sample, and what it fills in."""
+class _PassIO:
+    """One forward or backward pass of the op: its inputs viewed per sample, and the outputs it fills in."""
 
     x: torch.Tensor  # [B, s, hidden]
     cos: torch.Tensor  # [B, 1, s, 1, d]: broadcasts over [B, cp, s, heads, d]
@@ -117,7 +117,7 @@ class _Call:
 
 
 @dataclass
-class _Heads:
+class _HeadBlock:
     """One block of heads in an exchange; `width` = heads * d columns per token and rank.
 
     A block is built in one of three ways:
@@ -157,25 +157,25 @@ class _InFlight:
 
 
 @dataclass
-class _Sent:
+class _HeadExchange:
     """An exchange of blocks of heads, started. Only what the receiver needs is kept: the projected blocks
     (their weight rows, for the gradients' way back) and the column range of every block; the tensors
     that were packed are freed once sent."""
 
-    heads: list  # the projected blocks (_Heads), first in the exchange
+    heads: list  # the projected blocks (_HeadBlock), first in the exchange
     columns: list  # column slice of every block, projected first
     exchange: _InFlight
-    kv: _Sent | None = None  # the round's k and v, in an exchange of their own started just before
+    kv: _HeadExchange | None = None  # the round's k and v, in an exchange of their own started just before
     carried: tuple = ()  # forward: the stages whose outputs travel after the heads
 
 
 @dataclass
-class _BackwardSent:
+class _BackwardExchanges:
     """The exchanges one backward stage needs: q (maybe with k, v), its output, its output gradient."""
 
-    q: _Sent
-    o: _Sent
-    do: _Sent
+    q: _HeadExchange
+    o: _HeadExchange
+    do: _HeadExchange
 
 
 @dataclass
@@ -271,70 +271,70 @@ class UntiedUlyssesAttention:
         B, s, p = x.shape[0], x.shape[1], self.plan
         out = ([x.new_empty(B, s, self.cp, p.stage_heads_per_rank, self.head_dim) for _ in range(p.num_stages)]
                if by_stage else x.new_empty(B, s, p.num_heads * self.head_dim))
-        call = self._begin(x, cos, sin, cu_seqlens, out, [], norm)
+        io = self._begin(x, cos, sin, cu_seqlens, out, [], norm)
         weights = _Weights(wq, None, wk, None, wv, None)
         pending: list = []  # (output, stage) of stages attended whose output is not yet sent back
         sent, k, v = None, None, None
         for stage in range(self.plan.num_stages):
-            sent = sent or self._send_stage_inputs(call, weights, stage, pending)
-            q, round_k, round_v = self._receive_stage_inputs(call, sent)
+            sent = sent or self._send_stage_inputs(io, weights, stage, pending)
+            q, round_k, round_v = self._receive_stage_inputs(io, sent)
             k, v = (round_k, round_v) if round_k is not None else (k, v)
             sent = None
             if self.overlap and stage + 1 < self.plan.num_stages:  # in flight while this stage attends
-                sent = self._send_stage_inputs(call, weights, stage + 1, pending)
+                sent = self._send_stage_inputs(io, weights, stage + 1, pending)
             o, lse, state = self.kernel.forward(q, k, v, cu_seqlens)
-            call.lses.append((lse, *state))
+            io.lses.append((lse, *state))
             pending.append((o, stage))
             del q, o
-        self._receive_stage_inputs(call, self._send_with_outputs(call, [], pending, self._role("recv_stage", 0)))
+        self._receive_stage_inputs(io, self._send_with_outputs(io, [], pending, self._role("recv_stage", 0)))
         self.workspace.release()
-        return out, call.lses
+        return out, io.lses
 
-    def _send_stage_inputs(self, call: _Call, weights: _Weights, stage: int, pending: list) -> _Sent:
+    def _send_stage_inputs(self, io: _PassIO, weights: _Weights, stage: int, pending: list) -> _HeadExchange:
         """Start the exchange of a forward stage's q (with its round's k and v when they travel with it, or
         in an exchange of their own just before it when the stage opens a round) together with the
         `pending` outputs, which it empties."""
-        heads, kv_sent = self._stage_heads(call, weights, stage)
-        return self._send_with_outputs(call, heads, pending, self._role("recv_stage", stage), kv_sent)
+        heads, kv_sent = self._stage_heads(io, weights, stage)
+        return self._send_with_outputs(io, heads, pending, self._role("recv_stage", stage), kv_sent)
 
-    def _stage_heads(self, call: _Call, weights: _Weights, stage: int) -> tuple[list[_Heads], _Sent | None]:
+    def _stage_heads(self, io: _PassIO, weights: _Weights, stage: int) -> tuple[list[_HeadBlock], _HeadExchange | None]:
         """A stage's q heads (after its round's k and v when they travel with it), and when the stage opens
         a round whose k and v travel apart, their exchange, started here."""
         kv_round = stage // self.plan.stages_per_round
         kv = [self._k_heads(weights.wk, weights.dwk, kv_round), self._v_heads(weights.wv, weights.dwv, kv_round)]
         kv_sent = None
         if not self._kv_with_stage and stage == self.plan.stages(kv_round)[0]:
-            kv_sent = self._send(call, kv, self._role("recv_kv", kv_round))
+            kv_sent = self._send(io, kv, self._role("recv_kv", kv_round))
         return [*(kv if self._kv_with_stage else []), self._q_heads(weights.wq, weights.dwq, stage)], kv_sent
 
-    def _send_with_outputs(self, call: _Call, heads: list[_Heads], pending: list, role: str,
-                           kv_sent: _Sent | None = None) -> _Sent:
+    def _send_with_outputs(self, io: _PassIO, heads: list[_HeadBlock], pending: list, role: str,
+                           kv_sent: _HeadExchange | None = None) -> _HeadExchange:
         """Start exchanging `heads` and the `pending` (output, stage) pairs, which it empties."""
-        outputs = [_Heads(o.shape[1] * self.head_dim, full=o) for o, _ in pending]
+        outputs = [_HeadBlock(o.shape[1] * self.head_dim, full=o) for o, _ in pending]
         carried = tuple(stage for _, stage in pending)
         pending.clear()  # the send buffer holds the outputs now
-        return self._send(call, [*heads, *outputs], role, heads=heads, kv_sent=kv_sent, carried=carried)
+        return self._send(io, [*heads, *outputs], role, heads=heads, kv_sent=kv_sent, carried=carried)
 
-    def _send(self, call: _Call, blocks: list[_Heads], role: str, *, heads: list[_Heads] | None = None,
-              kv_sent: _Sent | None = None, carried: tuple = ()) -> _Sent:
-        """Start exchanging `blocks`; the `_Sent` keeps `heads` (default: `blocks`), not the packed tensors."""
-        return _Sent(blocks if heads is None else heads, self._columns(blocks),
-                     self._start_all_to_all(call, blocks, role), kv_sent, carried)
+    def _send(self, io: _PassIO, blocks: list[_HeadBlock], role: str, *, heads: list[_HeadBlock] | None = None,
+              kv_sent: _HeadExchange | None = None, carried: tuple = ()) -> _HeadExchange:
+        """Start exchanging `blocks`; the `_HeadExchange` keeps `heads` (default: `blocks`), not the packed tensors."""
+        return _HeadExchange(blocks if heads is None else heads, self._columns(blocks),
+                     self._start_all_to_all(io, blocks, role), kv_sent, carried)
 
-    def _receive_stage_inputs(self, call: _Call, sent: _Sent):
-        """Wait for `sent` and write the outputs it carried back into `call.out`. Returns the stage's q and
+    def _receive_stage_inputs(self, io: _PassIO, sent: _HeadExchange):
+        """Wait for `sent` and write the outputs it carried back into `io.out`. Returns the stage's q and
         its round's k, v when they came with it (else None), over the full sequence."""
         k_v = [self._full_sequence(t) for t in self._receive(sent.kv)] if sent.kv is not None else [None, None]
         received = self._receive(sent)
         n = len(sent.heads)
         for stage, back in zip(sent.carried, received[n:]):  # this rank's tokens, every source rank's heads
-            self._stage_output(call.out, stage).copy_(back.unflatten(-1, (-1, self.head_dim)).transpose(1, 2))
+            self._stage_output(io.out, stage).copy_(back.unflatten(-1, (-1, self.head_dim)).transpose(1, 2))
         heads = [self._full_sequence(t) for t in received[:n]]
         if self._kv_with_stage and heads:
             k_v = heads[:2]
         return (heads[-1] if heads else None), *k_v
 
-    def _receive(self, sent: _Sent) -> list[torch.Tensor]:
+    def _receive(self, sent: _HeadExchange) -> list[torch.Tensor]:
         """Wait for `sent`; each of its blocks as a view [B, cp, s, width] (index 1: the source rank)."""
         recv = sent.exchange.wait()
         return [recv[..., cols] for cols in sent.columns]
@@ -350,18 +350,18 @@ class UntiedUlyssesAttention:
                         norm=None):
         """dx (with `norm`: of the normed input), dWq, dWk, dWv (None where not needed), each one buffer
         filled stage by stage."""
-        call = self._begin(x, cos, sin, cu_seqlens, out, lses, norm)
-        call.dout = dout
-        call.dx, dwq, dwk, dwv = (torch.zeros_like(t) if need else None for t, need in zip((x, wq, wk, wv), needs))
+        io = self._begin(x, cos, sin, cu_seqlens, out, lses, norm)
+        io.dout = dout
+        io.dx, dwq, dwk, dwv = (torch.zeros_like(t) if need else None for t, need in zip((x, wq, wk, wv), needs))
         if self._kv_grads_per_stage:
             # Every stage writes its round's kv rows: summed in fp32 (a weight's size) and rounded once, at the end.
             dwk, dwv = (None if g is None else torch.zeros_like(g, dtype=torch.promote_types(g.dtype, torch.float32))
                         for g in (dwk, dwv))
         weights = _Weights(wq, dwq, wk, dwk, wv, dwv)
         sent, k, v, round_kv, sums = None, None, None, None, None
-        returning: list[_Sent] = []  # gradients on their way back (with overlap: while the next kernel runs)
+        returning: list[_HeadExchange] = []  # gradients on their way back (with overlap: while the next kernel runs)
         for stage in range(self.plan.num_stages):
-            sent = sent or self._send_backward_inputs(call, weights, stage)
+            sent = sent or self._send_backward_inputs(io, weights, stage)
             q, o, do, got_k, got_v = self._receive_backward_inputs(sent)
             if got_k is not None:
                 k, v = got_k, got_v
@@ -370,11 +370,11 @@ class UntiedUlyssesAttention:
             blocks = sent.q.heads
             sent = None
             if self.overlap and stage + 1 < self.plan.num_stages:  # in flight while this stage's kernel runs
-                sent = self._send_backward_inputs(call, weights, stage + 1)
-            lse, *state = call.lses[stage]
-            dq, dk, dv = self.kernel.backward(do, q, k, v, o, lse, call.cu_seqlens, state=tuple(state))
+                sent = self._send_backward_inputs(io, weights, stage + 1)
+            lse, *state = io.lses[stage]
+            dq, dk, dv = self.kernel.backward(do, q, k, v, o, lse, io.cu_seqlens, state=tuple(state))
             del q, o, do
-            self._finish_grads(call, returning)  # the previous stage's, in the order they were sent
+            self._finish_grads(io, returning)  # the previous stage's, in the order they were sent
             stage_kv = []
             if self._kv_with_stage:
                 grads = [dk, dv, dq]
@@ -385,42 +385,42 @@ class UntiedUlyssesAttention:
             del dq, dk, dv  # `grads` and `stage_kv` hold the kernel's gradients until they are sent
             # The received blocks are consumed: their buffer takes the gradients (with overlap, one of three:
             # this stage's gradients arrive while the next stage attends and the one after arrives).
-            returning.append(self._send_grads(call, blocks, grads, self._role("recv_stage", stage, period=3)))
+            returning.append(self._send_grads(io, blocks, grads, self._role("recv_stage", stage, period=3)))
             for head, role in zip(round_kv if stage_kv else (), ("recv_out", "recv_dout")):
                 # dk into the consumed output's buffer, dv into the output gradient's; each freed once sent
-                returning.append(self._send_grads(call, [head], [stage_kv.pop(0)],
+                returning.append(self._send_grads(io, [head], [stage_kv.pop(0)],
                                                   self._role(role, stage, self._out_period)))
             kv_round = stage // self.plan.stages_per_round
             if sums is not None and stage == self.plan.stages(kv_round)[-1]:
                 k = v = None  # consumed: their buffer takes dk, dv, summed over the round and sent back once
-                returning.append(self._send_grads(call, round_kv, list(sums), self._role("recv_kv", kv_round)))
+                returning.append(self._send_grads(io, round_kv, list(sums), self._role("recv_kv", kv_round)))
                 sums = None
             if not self.overlap:
-                self._finish_grads(call, returning)
-        self._finish_grads(call, returning)
+                self._finish_grads(io, returning)
+        self._finish_grads(io, returning)
         self.workspace.release()
         dwk, dwv = (None if g is None else g.to(w.dtype) for g, w in ((dwk, wk), (dwv, wv)))
-        return call.dx, dwq, dwk, dwv
+        return io.dx, dwq, dwk, dwv
 
-    def _send_backward_inputs(self, call: _Call, weights: _Weights, stage: int) -> _BackwardSent:
+    def _send_backward_inputs(self, io: _PassIO, weights: _Weights, stage: int) -> _BackwardExchanges:
         """Start the exchanges a backward stage needs: its q, re-projected (with its round's k and v when
         they travel with it, or in an exchange of their own just before it when the stage opens a round),
         then its output and its output gradient, each in an exchange of its own: torch's flash backward
         copies an `out` or `grad_out` whose rows are not contiguous (a column slice of a packed exchange),
         which at the backward's peak would cost two more [S, U/cp, d] tensors."""
         u = self.plan.stage_heads_per_rank * self.head_dim
-        heads, kv_sent = self._stage_heads(call, weights, stage)
-        q_sent = self._send(call, heads, self._role("recv_stage", stage, period=3), kv_sent=kv_sent)
-        # Pieces, not projections: the _Sent keeps none of them, so each is freed once packed.
-        o_sent = self._send(call, [_Heads(u, piece=self._stage_output(call.out, stage))],
+        heads, kv_sent = self._stage_heads(io, weights, stage)
+        q_sent = self._send(io, heads, self._role("recv_stage", stage, period=3), kv_sent=kv_sent)
+        # Pieces, not projections: the _HeadExchange keeps none of them, so each is freed once packed.
+        o_sent = self._send(io, [_HeadBlock(u, piece=self._stage_output(io.out, stage))],
                             self._role("recv_out", stage, self._out_period), heads=[])
-        if isinstance(call.out, list):
-            call.out[stage] = None  # packed and sent: the stage's output is needed no more
-        do_sent = self._send(call, [_Heads(u, piece=self._output_grad_piece(call.dout, stage))],
+        if isinstance(io.out, list):
+            io.out[stage] = None  # packed and sent: the stage's output is needed no more
+        do_sent = self._send(io, [_HeadBlock(u, piece=self._output_grad_piece(io.dout, stage))],
                              self._role("recv_dout", stage, self._out_period), heads=[])
-        return _BackwardSent(q_sent, o_sent, do_sent)
+        return _BackwardExchanges(q_sent, o_sent, do_sent)
 
-    def _receive_backward_inputs(self, sent: _BackwardSent):
+    def _receive_backward_inputs(self, sent: _BackwardExchanges):
         """Wait for a backward stage's exchanges: its q, o, do and its round's k, v when they came with it
         (else None), over the full sequence."""
         k_v = [self._full_sequence(t) for t in self._receive(sent.q.kv)] if sent.q.kv is not None else [None, None]
@@ -439,14 +439,14 @@ class UntiedUlyssesAttention:
                                                                                           ("dv_sum", dv)))
         return sums[0].add_(dk), sums[1].add_(dv)
 
-    def _send_grads(self, call: _Call, blocks: list[_Heads], grads: list[torch.Tensor], role: str) -> _Sent:
+    def _send_grads(self, io: _PassIO, blocks: list[_HeadBlock], grads: list[torch.Tensor], role: str) -> _HeadExchange:
         """Start sending each projected block's gradient [B*S, heads, d] back to its tokens' ranks, in one
         all-to-all. Empties `grads`, so the gradients are freed once sent."""
-        returned = [_Heads(b.width, full=g) for b, g in zip(blocks, grads)]
+        returned = [_HeadBlock(b.width, full=g) for b, g in zip(blocks, grads)]
         grads.clear()
-        return self._send(call, returned, role, heads=blocks)
+        return self._send(io, returned, role, heads=blocks)
 
-    def _finish_grads(self, call: _Call, returning: list[_Sent]) -> None:
+    def _finish_grads(self, io: _PassIO, returning: list[_HeadExchange]) -> None:
         """Wait for each returned gradient (this rank's tokens, every source rank's heads), in order, and
         accumulate dx (rounded once for all of them) and the blocks' weight-gradient rows; empties `returning`."""
         received_grads = []
@@ -454,19 +454,19 @@ class UntiedUlyssesAttention:
             received = sent.exchange.wait()
             for block, cols in zip(sent.heads, sent.columns):
                 if block.rotary:
-                    _rotate_(received[..., cols].unflatten(-1, (-1, self.head_dim)), call.cos, call.sin,
+                    _rotate_(received[..., cols].unflatten(-1, (-1, self.head_dim)), io.cos, io.sin,
                              inverse=True)
             received_grads.append((sent.heads, received))
         if received_grads:
-            self._project_back(call, received_grads)
+            self._project_back(io, received_grads)
         returning.clear()
 
     # --- blocks of heads ---
 
-    def _q_heads(self, w, grad, stage: int) -> _Heads:
+    def _q_heads(self, w, grad, stage: int) -> _HeadBlock:
         """Stage `stage`'s q heads: the j-th block of U/cp heads of every rank's H/cp."""
         u = self.plan.stage_heads_per_rank
-        return _Heads(u * self.head_dim, rows=self._q_rows(w, stage), grad_rows=self._q_rows(grad, stage),
+        return _HeadBlock(u * self.head_dim, rows=self._q_rows(w, stage), grad_rows=self._q_rows(grad, stage),
                       rotary=True)
 
     def _q_rows(self, w, stage: int):
@@ -477,13 +477,13 @@ class UntiedUlyssesAttention:
         per_rank = w.view(self.cp, self.plan.q_heads_per_rank, d, w.shape[-1])
         return per_rank[:, stage * u:(stage + 1) * u].flatten(1, 2)
 
-    def _k_heads(self, w, grad, kv_round: int) -> _Heads:
+    def _k_heads(self, w, grad, kv_round: int) -> _HeadBlock:
         return self._kv_heads(w, grad, kv_round, rotary=True)
 
-    def _v_heads(self, w, grad, kv_round: int) -> _Heads:
+    def _v_heads(self, w, grad, kv_round: int) -> _HeadBlock:
         return self._kv_heads(w, grad, kv_round, rotary=False)
 
-    def _kv_heads(self, w, grad, kv_round: int, rotary: bool) -> _Heads:
+    def _kv_heads(self, w, grad, kv_round: int, rotary: bool) -> _HeadBlock:
         """A kv round's heads of weight w: rank r takes its own block, or with replication
         (one round) kv head r // replication."""
         p, d, hidden = self.plan, self.head_dim, w.shape[-1]
@@ -491,13 +491,13 @@ class UntiedUlyssesAttention:
         if p.kv_replication > 1:
             rows = w.view(p.num_kv_heads, 1, d, hidden).expand(-1, p.kv_replication, -1, -1).reshape(self.cp, d, hidden)
             grad_rows = grad.view(p.num_kv_heads, d, hidden) if grad is not None else None
-            return _Heads(width, rows, grad_rows, replicas=p.kv_replication, rotary=rotary)
+            return _HeadBlock(width, rows, grad_rows, replicas=p.kv_replication, rotary=rotary)
         kh = p.kv_heads_per_round
 
         def block(t):
             return t.view(self.cp, p.kv_heads_per_rank, d, hidden)[:, kv_round * kh:(kv_round + 1) * kh].flatten(1, 2)
 
-        return _Heads(width, block(w), block(grad) if grad is not None else None, rotary=rotary)
+        return _HeadBlock(width, block(w), block(grad) if grad is not None else None, rotary=rotary)
 
     def _stage_output(self, out, stage: int) -> torch.Tensor:
         """Stage `stage`'s heads of the output, [B, S/cp, cp, U/cp, d]: its own tensor when kept by stage, else a
@@ -560,40 +560,40 @@ class UntiedUlyssesAttention:
 
     # --- exchanges ---
 
-    def _begin(self, x, cos, sin, cu_seqlens, out, lses, norm=None) -> _Call:
+    def _begin(self, x, cos, sin, cu_seqlens, out, lses, norm=None) -> _PassIO:
         self.workspace.begin(x)
         shape = (x.shape[0], 1, x.shape[1], 1, self.head_dim)
-        return _Call(x, cos.reshape(shape), sin.reshape(shape), cu_seqlens, out, lses, norm=norm)
+        return _PassIO(x, cos.reshape(shape), sin.reshape(shape), cu_seqlens, out, lses, norm=norm)
 
     def _full_sequence(self, received: torch.Tensor) -> torch.Tensor:
         """A received block [B, cp, s, width] (index 1: the source rank's tokens) as [B*S, heads, d]; a view."""
         return received.view(-1, received.shape[-1] // self.head_dim, self.head_dim)  # never a copy
 
-    def _start_all_to_all(self, call: _Call, blocks: list[_Heads], role: str) -> _InFlight:
+    def _start_all_to_all(self, io: _PassIO, blocks: list[_HeadBlock], role: str) -> _InFlight:
         """Build every block for every rank and start exchanging them in one all-to-all into role's buffer
         [B, cp, s, columns] (index 1: the source rank); asynchronous with overlap, else done on return."""
-        B, s = call.batch, call.local_len
-        if len(blocks) == 1 and blocks[0].full is not None and blocks[0].full.dtype == call.x.dtype:
+        B, s = io.batch, io.local_len
+        if len(blocks) == 1 and blocks[0].full is not None and blocks[0].full.dtype == io.x.dtype:
             # already in exchange layout
             send = blocks[0].full.contiguous().view(B, self.cp, s, -1)
         else:
-            send = self._pack(call, blocks)
+            send = self._pack(io, blocks)
         recv = self.workspace.get(role, send.shape, send)
         works = [dist.all_to_all_single(recv[b], send[b], group=self.group, async_op=self.overlap)
                  for b in range(B)]
         return _InFlight(recv, works, send) if self.overlap else _InFlight(recv, [], None)
 
-    def _pack(self, call: _Call, blocks: list[_Heads]) -> torch.Tensor:
+    def _pack(self, io: _PassIO, blocks: list[_HeadBlock]) -> torch.Tensor:
         """A send buffer [B, cp, s, columns] holding the blocks side by side (projected ones first)."""
-        B, s, d = call.batch, call.local_len, self.head_dim
-        send = call.x.new_empty(B, self.cp, s, sum(b.width for b in blocks))
+        B, s, d = io.batch, io.local_len, self.head_dim
+        send = io.x.new_empty(B, self.cp, s, sum(b.width for b in blocks))
         projected = [b for b in blocks if b.rows is not None]
         if projected:
-            self._project_into(call, projected, send[..., :sum(b.width for b in projected)])
+            self._project_into(io, projected, send[..., :sum(b.width for b in projected)])
         for block, cols in zip(blocks, self._columns(blocks)):
             part = send[..., cols]
             if block.rotary:
-                _rotate_(part.unflatten(-1, (-1, d)), call.cos, call.sin)
+                _rotate_(part.unflatten(-1, (-1, d)), io.cos, io.sin)
             elif block.piece is not None:
                 part.unflatten(-1, (-1, d)).copy_(block.piece.transpose(1, 2))
             elif block.full is not None:
@@ -601,7 +601,7 @@ class UntiedUlyssesAttention:
         return send
 
     @staticmethod
-    def _columns(blocks: list[_Heads]) -> list[slice]:
+    def _columns(blocks: list[_HeadBlock]) -> list[slice]:
         """Column range of each block in a packed exchange."""
         starts = [0]
         for block in blocks:
@@ -610,7 +610,7 @@ class UntiedUlyssesAttention:
 
     # --- projections ---
 
-    def _add_to_dx(self, call: _Call, terms: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _add_to_dx(self, io: _PassIO, terms: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """dx[b] += sum over (rows, grad) in `terms` and ranks r of grad[b, r] @ rows[r], summed in fp32 and
         rounded once per call.
 
@@ -619,58 +619,58 @@ class UntiedUlyssesAttention:
         backward's peak. dx is rounded once per backward stage (4 for that recipe), where summing in
         place would round once per rank and exchange (40 or more).
         """
-        acc_dtype = torch.promote_types(call.dx.dtype, torch.float32)
-        chunks = -(-call.local_len // DX_CHUNK_ROWS)
-        for b in range(call.batch):
-            for start, end in self.tile_bounds(call.local_len, chunks):
+        acc_dtype = torch.promote_types(io.dx.dtype, torch.float32)
+        chunks = -(-io.local_len // DX_CHUNK_ROWS)
+        for b in range(io.batch):
+            for start, end in self.tile_bounds(io.local_len, chunks):
                 rows_b = slice(start, end)
-                acc = call.dx[b, rows_b].to(acc_dtype)
+                acc = io.dx[b, rows_b].to(acc_dtype)
                 for rows, grad in terms:
                     for r in range(self.cp):
                         addmm_fp32_(acc, grad[b, r, rows_b], rows[r], self.fp32_out_gemm)
-                call.dx[b, rows_b].copy_(acc)
+                io.dx[b, rows_b].copy_(acc)
                 del acc
 
     @staticmethod
-    def _stacked_rows(blocks: list[_Heads]) -> torch.Tensor:
+    def _stacked_rows(blocks: list[_HeadBlock]) -> torch.Tensor:
         """The blocks' weight rows side by side: [cp, sum of widths, hidden]."""
         return blocks[0].rows if len(blocks) == 1 else torch.cat([block.rows for block in blocks], dim=1)
 
-    def _project_into(self, call: _Call, blocks: list[_Heads], send: torch.Tensor) -> None:
+    def _project_into(self, io: _PassIO, blocks: list[_HeadBlock], send: torch.Tensor) -> None:
         """send[b, r] = x[b] @ (blocks' rows for rank r)^T: one GEMM per sample and rank."""
         for r in range(self.cp):
             # One rank's rows at a time: stacking every rank's would add a weight-slice copy
             # to the moment both exchange buffers are full.
             rows = torch.cat([block.rows[r] for block in blocks]) if len(blocks) > 1 else blocks[0].rows[r]
-            if call.norm is not None:
-                rows = rows * call.norm.weight  # xn @ rows^T = rstd * (x @ (rows * weight)^T)
-            for b in range(call.batch):
-                torch.mm(call.x[b], rows.t(), out=send[b, r])
-                if call.norm is not None:
-                    send[b, r].mul_(call.norm.rstd[b].unsqueeze(-1))
+            if io.norm is not None:
+                rows = rows * io.norm.weight  # xn @ rows^T = rstd * (x @ (rows * weight)^T)
+            for b in range(io.batch):
+                torch.mm(io.x[b], rows.t(), out=send[b, r])
+                if io.norm is not None:
+                    send[b, r].mul_(io.norm.rstd[b].unsqueeze(-1))
 
-    def _project_back(self, call: _Call, received: list[tuple[list[_Heads], torch.Tensor]]) -> None:
+    def _project_back(self, io: _PassIO, received: list[tuple[list[_HeadBlock], torch.Tensor]]) -> None:
         """The transpose of `_project_into` for each (blocks, grad [B, cp, s, columns]) received (the blocks
         side by side): dx += grad @ rows, and the blocks' weight-gradient rows += grad^T x, both summed over
         ranks and samples in fp32 (see `_add_to_dx`)."""
-        if call.dx is not None:
-            self._add_to_dx(call, [(self._stacked_rows(blocks), grad) for blocks, grad in received])
+        if io.dx is not None:
+            self._add_to_dx(io, [(self._stacked_rows(blocks), grad) for blocks, grad in received])
         for blocks, grad in received:
-            self._project_weight_grads(call, blocks, grad)
+            self._project_weight_grads(io, blocks, grad)
 
-    def _project_weight_grads(self, call: _Call, blocks: list[_Heads], grad: torch.Tensor) -> None:
+    def _project_weight_grads(self, io: _PassIO, blocks: list[_HeadBlock], grad: torch.Tensor) -> None:
         """The blocks' weight-gradient rows += grad^T x (x normed), in fp32; consumes `grad`."""
         stacked = None  # the weight gradient of every rank's rows, [cp, columns, hidden], fp32
         if any(block.grad_rows is not None for block in blocks):
-            if call.norm is not None:  # grad^T @ xn = ((rstd * grad)^T @ x) * weight; grad is consumed here
-                grad.mul_(call.norm.rstd.view(call.batch, 1, -1, 1))
-            stacked = torch.zeros(self.cp, grad.shape[-1], call.x.shape[-1], device=grad.device,
+            if io.norm is not None:  # grad^T @ xn = ((rstd * grad)^T @ x) * weight; grad is consumed here
+                grad.mul_(io.norm.rstd.view(io.batch, 1, -1, 1))
+            stacked = torch.zeros(self.cp, grad.shape[-1], io.x.shape[-1], device=grad.device,
                                   dtype=torch.promote_types(grad.dtype, torch.float32))
             for r in range(self.cp):
-                for b in range(call.batch):
-                    addmm_fp32_(stacked[r], grad[b, r].t(), call.x[b], self.fp32_out_gemm)
-            if call.norm is not None:
-                stacked.mul_(call.norm.weight.to(stacked.dtype))
+                for b in range(io.batch):
+                    addmm_fp32_(stacked[r], grad[b, r].t(), io.x[b], self.fp32_out_gemm)
+            if io.norm is not None:
+                stacked.mul_(io.norm.weight.to(stacked.dtype))
         for block, cols in zip(blocks, self._columns(blocks)):
             if stacked is not None and block.grad_rows is not None:
                 per_rank = stacked[:, cols]

@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from megatron_lc.cli import ArgumentParser, check_writable, run_tool
+from megatron_lc.command_line import ArgumentParser, check_writable, run_tool
 from megatron_lc.errors import ConfigError
 from megatron_lc.data.indexed_dataset import IndexedDatasetError, idx_path
 from megatron_lc.data.loss_mask import LOSS_MASK_SUFFIX, merge_with_loss_masks

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Sequence
 
-from megatron_lc.cli import ArgumentParser, check_writable, report_tool_error
+from megatron_lc.command_line import ArgumentParser, check_writable, report_tool_error
 from megatron_lc.data import preprocess as preprocess_module
 from megatron_lc.data.chat import LOSS_ON_CHOICES, OWN_TEMPLATE, ChatSettings
 from megatron_lc.data.corpus import InvalidInputError

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator
 
-from megatron_lc.cli import ArgumentParser, check_writable, run_tool
+from megatron_lc.command_line import ArgumentParser, check_writable, run_tool
 from megatron_lc.errors import ConfigError
 from megatron_lc.data.corpus import InputProblems, InvalidInputError, ReadOptions, expand_inputs, read_documents
 from megatron_lc.data.tokenizers import SENTENCEPIECE_MAX_SENTENCE_BYTES, train_sentencepiece

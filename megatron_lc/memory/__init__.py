@@ -1,6 +1,6 @@
 """Memory techniques: block checkpointing with host offload, sequence tiling, chunk plans."""
 
-from .checkpoint import checkpoint_block
+from .recompute import checkpoint_block
 from .chunks import ChunkPlan, plan_chunks
 from .offload import OffloadHandle, OffloadScheduler
 from .tiling import linear_cross_entropy, tiled_linear_cross_entropy, tiled_swiglu_mlp

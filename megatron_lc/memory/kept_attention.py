@@ -26,7 +26,7 @@ Each block that keeps its attention holds one ``KeptAttention`` (set by the memo
 ``BlockMemory.kept_attention``), and hands it to its attention op as an argument (``attention.kernels.attention``'s
 ``kept=``, Untied Ulysses' function likewise): nothing is read from module or thread state, so two models, or a
 block run outside its checkpoint, never see another block's tensors. The recompute wrapper
-(`memory/checkpoint.py`) sets what the op does with it, on the store itself and only around its own calls:
+(`memory/recompute.py`) sets what the op does with it, on the store itself and only around its own calls:
 ``store.keeping(record)`` around the block's forward (the op ``put``s what it computes into that forward's
 ``KeptRecord``, which the wrapper's autograd node holds), ``store.replaying(record)`` around its recompute (the op
 ``take``s them back, in the same order), ``store.peeking(record)`` around a sparse replay. Outside these the op

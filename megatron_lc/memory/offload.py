@@ -22,7 +22,7 @@ copies into the arenas' slots, so the byte accounting is exercised too.
 
 Sparse offload (``every_k`` > 1): the offloaded layers are cut into segments of ``every_k``
 consecutive layers, and only each segment's first layer keeps its input (one host slot per
-segment); the others keep nothing and ``memory/checkpoint.py`` recomputes their input from the
+segment); the others keep nothing and ``memory/recompute.py`` recomputes their input from the
 segment's kept one. Such a kept input is fetched once per layer of its segment: ``fetch(handle,
 keep=True)`` copies it back and leaves the host slot in place, the last (its own layer's) fetch
 releases it. ``prefetch(i)`` brings back the input layer ``i``'s backward starts from: its
@@ -196,7 +196,7 @@ class OffloadScheduler:
             no memory at the peak); False: fetch each input only when its own layer's
             backward needs it.
         prefetch_early: with prefetch, start that copy when the next layer's backward starts
-            instead (``memory/checkpoint.py`` asks then): the side stream waits only for the
+            instead (``memory/recompute.py`` asks then): the side stream waits only for the
             compute queued before that backward, so the copy runs during it, at the cost of one
             more block input on the accelerator through its peak. Without it the copy waits for the
             whole backward queued before it and the layer that needs it waits for the copy.
@@ -205,7 +205,7 @@ class OffloadScheduler:
             the others are recomputed from it in backward (1: every offloaded layer keeps its input).
         attention_layers: the offloaded layers that keep their attention output (the first ones; None: all).
         replay_kept_attention: with every_k > 1, the layers a segment replays to rebuild its inputs read their
-            kept attention output instead of computing it (`memory/checkpoint.py`).
+            kept attention output instead of computing it (`memory/recompute.py`).
     """
 
     def __init__(

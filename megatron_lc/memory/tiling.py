@@ -33,7 +33,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 TileBounds = Callable[[int, int], Iterator[tuple[int, int]]]
 """A tile policy: (rows, num_tiles) -> the (start, end) row ranges a tile loop runs over. `tile_bounds` runs
-every tile; the planner passes one that runs representative tiles (`planning.fakes.representative_tile_bounds`)."""
+every tile; the planner passes one that runs representative tiles (`planning.fake_world.representative_tile_bounds`)."""
 
 
 def tile_bounds(rows: int, num_tiles: int) -> Iterator[tuple[int, int]]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from megatron_lc.config import TrainConfig
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
-from megatron_lc.planning.estimator import Estimator
+from megatron_lc.planning.estimate_pool import EstimatePool
 from megatron_lc.planning.layouts import Layout, layout_of
 from megatron_lc.planning.search_space import (
     MODES,
@@ -174,7 +174,7 @@ Option = tuple[int, tuple[int, ...]]
 
 def auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None = None,
              max_traces: int = DEFAULT_MAX_TRACES,
-             evaluate: Callable[[TrainConfig, Machine, int], Estimate] | Estimator = estimate,
+             evaluate: Callable[[TrainConfig, Machine, int], Estimate] | EstimatePool = estimate,
              on_estimate: Callable[[Candidate, Estimate, Layout], None] | None = None,
              space: SearchSpace | None = None, layouts: list[Layout] | None = None,
              tolerance: float = TOLERANCE, partial_keep: bool = True) -> AutoFitResult:
@@ -209,7 +209,7 @@ def _auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None, 
     searched = layouts is not None
     layouts = layouts or [layout_of(cfg)]
     spaces = [space or search_space(layout.apply(cfg), machine.num_gpus) for layout in layouts]
-    estimator = evaluate if isinstance(evaluate, Estimator) else Estimator(evaluate)
+    estimator = evaluate if isinstance(evaluate, EstimatePool) else EstimatePool(evaluate)
     search = _Search(cfg, machine, time_model, max_traces, estimator, on_estimate, layouts, spaces, tolerance)
     best = search.run()
     best = search.pipelined(best)
@@ -238,7 +238,7 @@ class _Search:
     next options whose fit is unknown, as many as the estimator's workers, at once."""
 
     def __init__(self, cfg: TrainConfig, machine: Machine, time_model: TimeModel, max_traces: int,
-                 estimator: Estimator, on_estimate: Callable[[Candidate, Estimate, Layout], None] | None,
+                 estimator: EstimatePool, on_estimate: Callable[[Candidate, Estimate, Layout], None] | None,
                  layouts: list[Layout], spaces: list[SearchSpace], tolerance: float):
         self.cfg, self.machine, self.time_model, self.max_traces = cfg, machine, time_model, max_traces
         self.estimator, self.on_estimate, self.tolerance = estimator, on_estimate, tolerance
@@ -285,7 +285,7 @@ class _Search:
         for other, failed, margin, by_gpu in self.column_fails:
             theirs = self.layouts[other]
             if theirs.cp > mine.cp and (theirs.chain == mine.chain or mine.cp == 1) and margin > 0 \
-                    and _weaker(column, failed, by_gpu, any_kind=mine.cp == 1):
+                    and _holds_at_least(column, failed, by_gpu, any_kind=mine.cp == 1):
                 return False
         return None
 
@@ -394,7 +394,7 @@ class _Search:
             if best is not None and self.per_token(option) * (1 + self.tolerance) >= self.per_token(best):
                 break
             status = self.status(option)
-            if status is False or self._twin_fits(option):
+            if status is False or self._beaten_by_fast_twin(option):
                 i += 1
                 continue
             if status is True:  # known to fit: confirmed by a trace of its own
@@ -428,9 +428,9 @@ class _Search:
             i += 1
         return self._fastest_traced_fit()
 
-    def _twin_fits(self, option: Option) -> bool:
-        """A lean option whose fast twin (the same stack with the fast backward) is known to fit: slower, never the
-        answer."""
+    def _beaten_by_fast_twin(self, option: Option) -> bool:
+        """Whether `option` is lean and its fast twin (the same stack with the fast backward) is known to fit and is
+        no slower: the lean option is then never the answer."""
         space, point = self.spaces[option[0]], option[1]
         level = space.attention[point[3]]
         if not level.lean:
@@ -451,7 +451,7 @@ class _Search:
         for option in order[start:]:
             if best is not None and self.per_token(option) * (1 + self.tolerance) >= self.per_token(best):
                 break
-            if self.status(option) is None and not self._twin_fits(option):
+            if self.status(option) is None and not self._beaten_by_fast_twin(option):
                 probes.add((option[0], self.probe(option)))
         return min(2 * len(probes) + 1, self.max_traces - len(self.result.traced))
 
@@ -461,7 +461,7 @@ class _Search:
         for option in order[start:]:
             if len(out) >= count:
                 break
-            if self.status(option) is None and not self._twin_fits(option):
+            if self.status(option) is None and not self._beaten_by_fast_twin(option):
                 probe = (option[0], self.probe(option))
                 if self.status(probe) is None:
                     target = self.target(probe)
@@ -577,10 +577,11 @@ class _Search:
         return out
 
 
-def _weaker(column: tuple, failed: tuple, by_gpu: bool, any_kind: bool) -> bool:
-    """A column (mode, k, attention held, attention kind) that holds at least what a failed one did: by the GPU,
-    a mode no stronger and attention held if it was (modes short of full recompute hold it anyway); by the host,
-    offloading with k no sparser and attention kept if it was (host bytes do not depend on the rest)."""
+def _holds_at_least(column: tuple, failed: tuple, by_gpu: bool, any_kind: bool) -> bool:
+    """Whether `column` (mode, k, attention held, attention kind) holds at least what the `failed` one did, and so
+    fails too: by the GPU, a mode no stronger and attention held if it was (modes short of full recompute hold it
+    anyway); by the host, offloading with k no sparser and attention kept if it was (host bytes do not depend on the
+    rest)."""
     mode, k, keep, kind = column
     their_mode, their_k, their_keep, their_kind = failed
     if by_gpu:

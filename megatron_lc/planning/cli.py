@@ -24,14 +24,14 @@ import json
 import sys
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.cli import ArgumentParser, run_tool
+from megatron_lc.command_line import ArgumentParser, run_tool
 from megatron_lc.arguments import build_parser, parse_config
 from megatron_lc.planning.estimate import Machine, planning_config
 from megatron_lc.training.memory_plan import planned_run
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
 from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, TOLERANCE
-from megatron_lc.planning.estimator import CACHE_ENV, MAX_WORKERS
-from megatron_lc.planning.standins import NcclSettings
+from megatron_lc.planning.estimate_pool import CACHE_ENV, MAX_WORKERS
+from megatron_lc.planning.gpu_allocations import NcclSettings
 
 NCCL = NcclSettings()
 AUTO_FIT_HELP = (
@@ -172,11 +172,11 @@ def estimator_of(planner: argparse.Namespace):
     """The estimator of this call: its workers and its cache."""
     from pathlib import Path
 
-    from megatron_lc.planning.estimator import EstimateCache, Estimator, default_cache_dir, default_workers
+    from megatron_lc.planning.estimate_pool import EstimateCache, EstimatePool, default_cache_dir, default_workers
 
     given = planner.planner_cache
     cache_dir = default_cache_dir() if given is None else (None if given == "off" else Path(given))
-    return Estimator(workers=planner.planner_workers or default_workers(), cache=EstimateCache(cache_dir))
+    return EstimatePool(workers=planner.planner_workers or default_workers(), cache=EstimateCache(cache_dir))
 
 
 def progress_printer(estimator):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from megatron_lc.config import RunSpec, TrainConfig
 from megatron_lc.models.llama import build_model, count_parameters
-from megatron_lc.planning.standins import NcclSettings, nccl_bytes
+from megatron_lc.planning.gpu_allocations import NcclSettings, nccl_bytes
 from megatron_lc.planning.timing import StepTime, TimeModel, kept_attention_bytes_per_gpu
 from megatron_lc.planning.trace import StepTrace, trace_step
 import megatron_lc.planning.machine as machine_terms
@@ -77,9 +77,9 @@ class Machine:
                 object.__setattr__(self, name, value)
 
     def flash_impl(self, asked: str, call=None) -> str:
-        """What `--flash-attention-impl ASKED` runs on these GPUs for a run whose largest kernel call is `call`
-        (an `AttentionCall`): an implementation named is taken as installed; `auto` finds FA3 where `fa3` says it
-        is installed; FA3 never takes a call past its backward's workspace limit."""
+        """What `--flash-attention-impl ASKED` runs on these GPUs for a run whose largest kernel call has the shape
+        `call` (an `AttentionCallShape`): an implementation named is taken as installed; `auto` finds FA3 where `fa3`
+        says it is installed; FA3 never takes a call past its backward's workspace limit."""
         from megatron_lc.attention.flash_impl import resolve_flash_impl
 
         installed = {asked} if asked != "auto" else ({"fa3"} if self.fa3 else set())

@@ -3,7 +3,7 @@
 A card's memory is what the driver hands out (`cudaMemGetInfo`'s total, the figure in
 PyTorch's own out-of-memory message), not the marketing size: an "80 GB" H100 offers
 79.11 GiB. From that the planner subtracts the traced step (tensors and NCCL buffers,
-see `standins.py`) and the terms below, each itemized in the report with how it is
+see `gpu_allocations.py`) and the terms below, each itemized in the report with how it is
 computed and where its figure comes from. Terms marked *assumed* are readings of
 sources and public reports that no GPU of ours has measured yet (`tests/gpu/run_gpu_checks.py`
 records what is needed to replace them).

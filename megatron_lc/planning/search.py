@@ -2,7 +2,7 @@
 
 Memory grows monotonically with the sequence length and is piecewise linear in it (tile and stage
 counts change in steps), so the search predicts the limit on lines through the estimates it has and
-traces in rounds of two, which an `Estimator` runs at once on two cores: first two far-apart lengths
+traces in rounds of two, which an `EstimatePool` runs at once on two cores: first two far-apart lengths
 (the first line), then a pair just either side of each predicted limit while the prediction rests on
 far-apart points, then the pair (L, L + one multiple) at the interpolated limit, which ends the search
 when L fits and L + one multiple does not. When interpolation lands on the same side twice it bisects.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from megatron_lc.attention.registry import CP_IMPLS
 from megatron_lc.config import TrainConfig
 from megatron_lc.planning.estimate import Estimate, Machine, estimate
-from megatron_lc.planning.estimator import Estimator
+from megatron_lc.planning.estimate_pool import EstimatePool
 
 TOKEN_GRANULE = 1024
 """Lengths searched are multiples of this (and of what the configuration requires)."""
@@ -71,12 +71,12 @@ def _predict(a: Estimate, b: Estimate) -> float | None:
 
 
 def find_max_seq_length(cfg: TrainConfig, machine: Machine, start: int = START_LENGTH,
-                        evaluate: Callable[[TrainConfig, Machine, int], Estimate] | Estimator = estimate,
+                        evaluate: Callable[[TrainConfig, Machine, int], Estimate] | EstimatePool = estimate,
                         on_estimate: Callable[[Estimate], None] | None = None) -> SearchResult:
     """The longest multiple of `length_multiple(cfg)` whose estimate fits `machine` (traced in rounds by
-    `evaluate`: an `Estimator` runs each round's two at once)."""
+    `evaluate`: an `EstimatePool` runs each round's two at once)."""
     step = length_multiple(cfg)
-    estimator = evaluate if isinstance(evaluate, Estimator) else Estimator(evaluate)
+    estimator = evaluate if isinstance(evaluate, EstimatePool) else EstimatePool(evaluate)
     known: dict[int, Estimate] = {}
 
     def run(lengths: list[int]) -> None:
@@ -204,7 +204,7 @@ def stack_layers(cfg: TrainConfig, num_gpus: int) -> list[StackLayer]:
 
 
 def ablate(cfg: TrainConfig, machine: Machine, on_estimate: Callable[[Estimate], None] | None = None,
-           evaluate: Callable[[TrainConfig, Machine, int], Estimate] | Estimator = estimate
+           evaluate: Callable[[TrainConfig, Machine, int], Estimate] | EstimatePool = estimate
            ) -> list[tuple[StackLayer, SearchResult]]:
     """The longest context with each layer of the stack added in turn."""
     rows = []

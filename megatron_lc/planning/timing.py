@@ -31,7 +31,7 @@ moves to the host and back. Each item's time is work over the machine's rate for
   exceeds that backward is exposed);
 - sparse offload (`--offload-every-k-layers k`): only one input per segment of k offloaded
   layers goes to the host, each layer's backward still brings one back (its segment's kept
-  one), and a segment of r layers replays r(r-1)/2 block forwards (memory/checkpoint.py):
+  one), and a segment of r layers replays r(r-1)/2 block forwards (memory/recompute.py):
   their GEMMs, attention, all-to-alls, ring exchange, memory-bound ops and tile launches are
   priced as a forward's, and the all-gathers of replayed blocks whose backward is not next
   ((r-1)(r-2)/2 per segment) as exposed communication;

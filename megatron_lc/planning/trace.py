@@ -6,7 +6,7 @@ weights, the optimizer state exists (as from step 2 on), and `train_step` runs
 forward/backward over the micro-batches, clips and steps AdamW. Tensors are fake
 (shapes and dtypes, no data), so the big matmuls cost nothing; the accelerator is a
 fake `cpu` and the offload host a fake `meta`, so the tracker tells GPU bytes from host
-bytes. For a CUDA target the attention kernels are the stand-ins of `standins.py`.
+bytes. For a CUDA target the attention kernels are the stand-ins of `gpu_allocations.py`.
 
 The same `run_tracked_step` drives the real CPU runs that validate the planner.
 """
@@ -25,8 +25,8 @@ from megatron_lc.data.loader import Batch
 from megatron_lc.devices import Devices
 from megatron_lc.models.llama.parallelize import materialize
 from megatron_lc.parallel_state import ParallelDims, ParallelState
-from megatron_lc.planning.fakes import fake_process_group, representative_tile_bounds
-from megatron_lc.planning.standins import (
+from megatron_lc.planning.fake_world import fake_process_group, representative_tile_bounds
+from megatron_lc.planning.gpu_allocations import (
     BufferNamer,
     cuda_rms_norm,
     planned_kernel_name,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lc.attention.flash_impl import FlashImplRefused, activate_flash_impl
-from megatron_lc.cli import check_writable
+from megatron_lc.command_line import check_writable
 from megatron_lc.config import TrainConfig
 from megatron_lc.errors import ConfigError
 from megatron_lc.models.llama import build_model, count_parameters

@@ -23,7 +23,7 @@ from megatron_lc.data.sources import parse_data_path, parse_split
 from megatron_lc.errors import ConfigError
 from megatron_lc.parallel_state import ParallelState
 from megatron_lc.training import checkpointing
-from megatron_lc.training.run import Run, global_batch_size, say
+from megatron_lc.training.run import Run, global_batch_size, print_rank_0
 from megatron_lc.training.save_lock import SaveLock, acquire_save_lock
 from megatron_lc.training.schedule import LRSchedule
 from megatron_lc.training.stopping import StepTiming
@@ -179,23 +179,23 @@ def resume(run: Run) -> int:
         return 0
     found = checkpointing.checkpoint_to_load(c.load, c.ckpt_step, required=c.exit_on_missing_checkpoint)
     if found is None:
-        say(run, f"--load {c.load}: no checkpoint there yet; training starts from scratch")
+        print_rank_0(run, f"--load {c.load}: no checkpoint there yet; training starts from scratch")
         return 0
     path, meta = found
     changed = checkpointing.check_model_matches(meta, run.model.config, path)
     if changed:
-        say(run, f"model settings changed on load from {path}: {changed}")
+        print_rank_0(run, f"model settings changed on load from {path}: {changed}")
     if meta.get("weights_only") or c.finetune:
         checkpointing.load_model_weights(path, run.model)
-        say(run, f"loaded weights from {path}; training starts at step 0")
+        print_rank_0(run, f"loaded weights from {path}; training starts at step 0")
         return 0
     if run.cfg.train.skip_train:  # evaluation only: the weights (Megatron-LM turns on --no-load-optim too)
         checkpointing.load_model_weights(path, run.model)
-        say(run, f"loaded weights from {path} (step {meta['step']})")
+        print_rank_0(run, f"loaded weights from {path} (step {meta['step']})")
         return int(meta["step"])
     overridden = check_data_settings(meta, run.cfg, run.pstate, path)
     if overridden:
-        say(run, f"--override-data-settings: continuing {path} with other data settings ({overridden})")
+        print_rank_0(run, f"--override-data-settings: continuing {path} with other data settings ({overridden})")
     try:
         continued = run.loader.load_state_dict(_layout_of(meta))
     except ValueError as e:
@@ -205,19 +205,20 @@ def resume(run: Run) -> int:
         run.loader.continue_by_sample_count(int(meta["data"]["consumed_samples"]))
         continued = f"--override-data-settings: {e}; continuing by sample count"
     if continued:
-        say(run, continued)
+        print_rank_0(run, continued)
     run.schedule = resumed_schedule(meta, run.cfg, run.schedule, path)
     has_optim, has_rng = meta.get("optimizer_saved", True), meta.get("rng_saved", True)
     if not has_optim and not c.no_load_optim:  # Megatron-LM loads such a checkpoint as with --no-load-optim
-        say(run, f"{path} holds no optimizer state (saved with --no-save-optim): a fresh optimizer, as with "
-                  "--no-load-optim")
+        print_rank_0(run, f"{path} holds no optimizer state (saved with --no-save-optim): a fresh optimizer, "
+                          "as with --no-load-optim")
     if not has_rng and not c.no_load_rng:
-        say(run, f"{path} holds no generator states (saved with --no-save-rng): not restored, as with --no-load-rng")
+        print_rank_0(run, f"{path} holds no generator states (saved with --no-save-rng): not restored, "
+                          "as with --no-load-rng")
     checkpointing.load_checkpoint(path, run.model, run.optimizer if has_optim and not c.no_load_optim else None)
     if has_rng and not c.no_load_rng and meta.get("world_size") == run.launch.world_size:  # rank r's is rank r's
         checkpointing.load_rng_state(path, run.launch.rank)
     run.timing = StepTiming.resumed(meta.get("timing"))
-    say(run, f"resumed from {path} at step {meta['step']}")
+    print_rank_0(run, f"resumed from {path} at step {meta['step']}")
     return int(meta["step"])
 
 
@@ -228,7 +229,7 @@ def save(run: Run, step: int) -> None:
                                          keep_last=c.keep_last_checkpoints, run_id=run.save_lock.run_id,
                                          save_optimizer=not c.no_save_optim, save_rng=not c.no_save_rng)
     run.timing.save_times.append(time.monotonic() - began)
-    say(run, f"saved {path}")
+    print_rank_0(run, f"saved {path}")
 
 
 def take_save_lock(run: Run) -> SaveLock | None:

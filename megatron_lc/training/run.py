@@ -52,8 +52,8 @@ class Run:
         return self.launch.rank == 0
 
 
-def say(run: Run, text: str) -> None:
-    """One line from the logging rank."""
+def print_rank_0(run: Run, text: str) -> None:
+    """One line from the logging rank (rank 0), as Megatron-LM's print_rank_0."""
     if run.is_logging_rank:
         print(text, flush=True)
 

@@ -38,7 +38,7 @@ from megatron_lc.training.logging import (
     validation_ppl,
 )
 from megatron_lc.training.resume import apply_checkpoint_args, resume, save, take_save_lock
-from megatron_lc.training.run import Run, global_batch_size, say
+from megatron_lc.training.run import Run, global_batch_size, print_rank_0
 from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.training.startup import start_processes
 from megatron_lc.scheduler import current_job
@@ -318,7 +318,8 @@ def _train_run(run: Run, started: float) -> History:
     if cfg.train.skip_train:
         return History([skip_train(run, start)])
     if start >= cfg.train.train_iters:
-        say(run, f"the checkpoint is at step {start}, --train-iters is {cfg.train.train_iters}: nothing left to do")
+        print_rank_0(run, f"the checkpoint is at step {start}, --train-iters is {cfg.train.train_iters}: "
+                          "nothing left to do")
         return History()
     g = cfg.logging
     log_dir = g.log_dir or str(default_log_dir())
@@ -328,10 +329,10 @@ def _train_run(run: Run, started: float) -> History:
     n = count_parameters(run.model)
     kernel = running_kernel(run.devices.accelerator.type, cfg.parallel.attention_kernel,
                             torch.bfloat16 if cfg.train.bf16 else torch.float32)
-    say(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
-              f"seq {cfg.data.seq_length} | attention: {kernel} | metrics in {log_dir}/metrics.jsonl")
+    print_rank_0(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
+                      f"seq {cfg.data.seq_length} | attention: {kernel} | metrics in {log_dir}/metrics.jsonl")
     if run.memory_plan is not None:
-        say(run, run.memory_plan.describe())
+        print_rank_0(run, run.memory_plan.describe())
         run.timing.planned_step_s = run.memory_plan.step_s
     c = cfg.checkpoint
     resumable = [start]  # the step of the checkpoint a resume would go on from
@@ -340,7 +341,7 @@ def _train_run(run: Run, started: float) -> History:
         text = f"stopping inside the step: {reason}; the run resumes from step {resumable[0]}'s checkpoint"
         if c.save and run.is_logging_rank:
             mark_stopped(c.save, resumable[0], text)
-        say(run, text)
+        print_rank_0(run, text)
         exit_now(EXIT_RESUME)
 
     stop = StopRequest(cfg.train.exit_signal_handler,
@@ -359,7 +360,7 @@ def _train_run(run: Run, started: float) -> History:
                               "--exit-duration-in-mins)")
         if before.stop:
             history.stopped = f"stopping before step {start + 1}: {before.stop}"
-            say(run, history.stopped + " (the checkpoint loaded is the one to resume)")
+            print_rank_0(run, history.stopped + " (the checkpoint loaded is the one to resume)")
         for step in range(start + 1, cfg.train.train_iters + 1):
             if history.stopped:
                 break
@@ -400,11 +401,11 @@ def _train_run(run: Run, started: float) -> History:
                 stop.saved()
                 resumable[0] = step
             if exiting and not history.stopped:  # asked for: this invocation is done (exit 0)
-                say(run, f"stopping after step {step}: --exit-interval {cfg.train.exit_interval}"
-                         + ("" if c.save else " (no --save: nothing saved)"))
+                print_rank_0(run, f"stopping after step {step}: --exit-interval {cfg.train.exit_interval}"
+                                  + ("" if c.save else " (no --save: nothing saved)"))
                 break
             if history.stopped:
-                say(run, history.stopped + ("" if c.save else " (no --save: nothing saved)"))
+                print_rank_0(run, history.stopped + ("" if c.save else " (no --save: nothing saved)"))
                 break
         if history.stopped:
             if c.save and run.is_logging_rank:
@@ -435,16 +436,16 @@ def skip_train(run: Run, step: int) -> dict:
     it with --full-validation) and the test part at the loaded step, print them, write nothing (as Megatron-LM,
     which does not write tensorboard then either); returns the results."""
     g, result = run.cfg.logging, {"step": step}
-    say(run, f"skipping training (--skip-train): evaluating the weights of step {step}")
+    print_rank_0(run, f"skipping training (--skip-train): evaluating the weights of step {step}")
     if run.valid_source is not None and (g.full_validation or g.eval_iters >= 1):
         rounds = full_validation_rounds(run, run.valid_source) if g.full_validation else None
         result["val_loss"] = validation_loss(run, g.eval_iters, run.valid_source, 0, rounds=rounds)
-        say(run, f"validation at step {step} | lm loss {result['val_loss']:.6E} | "
-                  f"lm loss PPL {validation_ppl(result['val_loss']):.6E}")
+        print_rank_0(run, f"validation at step {step} | lm loss {result['val_loss']:.6E} | "
+                          f"lm loss PPL {validation_ppl(result['val_loss']):.6E}")
     if run.test_source is not None and g.eval_iters >= 1:
         result["test_loss"] = validation_loss(run, g.eval_iters, run.test_source)
-        say(run, f"test at step {step} | lm loss {result['test_loss']:.6E} | "
-                  f"lm loss PPL {validation_ppl(result['test_loss']):.6E}")
+        print_rank_0(run, f"test at step {step} | lm loss {result['test_loss']:.6E} | "
+                          f"lm loss PPL {validation_ppl(result['test_loss']):.6E}")
     if len(result) == 1:
         raise ConfigError("--skip-train: nothing to evaluate (no validation or test part, or --eval-iters 0)")
     return result

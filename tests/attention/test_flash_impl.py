@@ -203,7 +203,7 @@ def test_a_kernel_call_past_fa3s_workspace_limit_is_not_given_to_fa3(monkeypatch
     """FA3's backward sizes its dq workspace, padded rows x rounded head dim, in a 32-bit int: a call past it goes to
     torch's kernels under auto, and is refused in one line when FA3 was asked for by name."""
     reg = _failing_registry(monkeypatch, None)
-    call = flash_impl.AttentionCall
+    call = flash_impl.AttentionCallShape
     limit = (1 << 31) // 128 - 128  # the longest one-segment call: with a tile of padding, rounded to a tile
     assert call(limit, 1, 128).fa3_workspace_fits() and not call(limit + 1, 1, 128).fa3_workspace_fits()
     assert not call(limit // 2 + 64, 1, 256).fa3_workspace_fits()  # a wider head halves it

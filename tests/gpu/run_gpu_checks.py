@@ -74,8 +74,8 @@ from megatron_lc.memory import offload as offload_module
 from megatron_lc.memory.tiling import addmm_fp32_, fp32_out_gemm_available
 from megatron_lc.parallel_state import ParallelState, run_collective
 from megatron_lc.planning.estimate import GIB, Machine, estimate, planning_config
-from megatron_lc.planning.fakes import fake_process_group
-from megatron_lc.planning import standins
+from megatron_lc.planning.fake_world import fake_process_group
+from megatron_lc.planning import gpu_allocations
 from megatron_lc.planning.rates import RATES
 from megatron_lc.planning.timing import predict as predict_step_time
 from megatron_lc.planning.trace import (
@@ -382,8 +382,8 @@ def case_efficient_workspace(s: Sizes) -> dict:
     out, lse, state = kernel.forward(q, k, v, cu)
     _, measured = peak_bytes_of(lambda: kernel.backward(dout, q, k, v, out, lse, cu, state=state), s.device)
     model_state = state if name == "sdpa_efficient" else (None, None)
-    planned = standins.planned_kernels(lambda tensor, label: None)  # the planner's models of the operators
-    _, modelled = peak_bytes_of(lambda: planned[standins.PLANNED_PREFIX + "sdpa_efficient"].backward(
+    planned = gpu_allocations.planned_kernels(lambda tensor, label: None)  # the planner's models of the operators
+    _, modelled = peak_bytes_of(lambda: planned[gpu_allocations.PLANNED_PREFIX + "sdpa_efficient"].backward(
         dout, q, k, v, out, lse, cu, state=model_state), s.device)
     return {**shape, "kernel": name, "measured_backward_peak_bytes": measured,
             "modelled_backward_peak_bytes": modelled, "modelled_over_measured": modelled / max(measured, 1),

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_lc.memory import OffloadScheduler, checkpoint_block
-from megatron_lc.memory.checkpoint import checkpoint_residual_block
+from megatron_lc.memory.recompute import checkpoint_residual_block
 from megatron_lc.memory.measure import measure_peak
 
 CPU = torch.device("cpu")

@@ -6,4 +6,4 @@ import pytest
 @pytest.fixture(autouse=True)
 def _planner_traces_here(monkeypatch):
     monkeypatch.setenv("MEGATRON_LC_PLAN_CACHE", "off")
-    monkeypatch.setattr("megatron_lc.planning.estimator.default_workers", lambda: 1)
+    monkeypatch.setattr("megatron_lc.planning.estimate_pool.default_workers", lambda: 1)

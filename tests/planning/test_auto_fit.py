@@ -491,7 +491,7 @@ def test_search_answers_the_fastest_fitting_stack_of_random_monotone_planners(wo
     import random
     import types
 
-    from megatron_lc.planning.estimator import Estimator
+    from megatron_lc.planning.estimate_pool import EstimatePool
 
     cfg = parse_config(["--model", "debug", "--num-layers", "16", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
                         "--num-attention-heads", "16", "--num-query-groups", "4", "--vocab-size", "32000",
@@ -518,7 +518,7 @@ def test_search_answers_the_fastest_fitting_stack_of_random_monotone_planners(wo
                                          host_bytes_per_node=1, host_budget_bytes=1, usage=1)
 
         fitting = [p for p in points if all(fits(p))]
-        result = auto_fit(cfg, machine, evaluate=Estimator(evaluate, workers=workers), space=space,
+        result = auto_fit(cfg, machine, evaluate=EstimatePool(evaluate, workers=workers), space=space,
                           partial_keep=False, tolerance=tolerance, max_traces=400)
         assert (result.choice is None) == (not fitting), seed
         if fitting:

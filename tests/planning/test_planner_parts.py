@@ -14,7 +14,7 @@ from megatron_lc.planning import cli as estimate_memory
 from megatron_lc.arguments import config_from_values, parse_config
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.search import find_max_seq_length, length_multiple, stack_layers
-from megatron_lc.planning.standins import (
+from megatron_lc.planning.gpu_allocations import (
     BufferNamer,
     NcclSettings,
     _flash_attn_kernel,
@@ -60,7 +60,7 @@ def test_fa3_standin_allocates_fa3s_backward_workspace_and_is_what_the_planner_t
     """hopper/flash_api.cpp's varlen mha_bwd: dq, dk, dv + fp32 softmax_d and softmax_lse_log2 [H, Tq] + fp32 dq
     accumulator [H, Tq * 128] + fp32 dk/dv accumulators [Hkv, Tk, 128] (GQA), Tq and Tk padded by a tile per
     segment; less than flash-attention 2 with GQA (no dk/dv expanded to every q head)."""
-    from megatron_lc.planning.standins import _fa3_varlen_kernel, planned_kernel_name
+    from megatron_lc.planning.gpu_allocations import _fa3_varlen_kernel, planned_kernel_name
 
     T, H, Hkv, d = 4096, 4, 1, 128
     peak, _, _, _ = _backward_peak(_fa3_varlen_kernel, T, H, Hkv, d, (0, 1000, T))
@@ -302,7 +302,7 @@ def test_sdpa_efficient_standin_allocates_each_calls_backward_workspace(monkeypa
     """torch's memory-efficient backward allocates an fp32 dq workspace of segments x heads x longest (whole
     128 x 64 tiles) per call; the wrapper's calls over a long document among short ones each stay bounded."""
     from megatron_lc.attention import kernels, varlen
-    from megatron_lc.planning.standins import efficient_backward_workspace_bytes, planned_kernels
+    from megatron_lc.planning.gpu_allocations import efficient_backward_workspace_bytes, planned_kernels
 
     monkeypatch.setattr(kernels, "EFFICIENT_MIN_ROWS", 0, raising=False)
     cu = (0, *range(2, 302, 2), 812, *range(814, 1114, 2))

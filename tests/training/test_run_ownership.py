@@ -211,12 +211,12 @@ def test_a_write_error_mid_save_is_one_line_and_leaves_no_temporary(tmp_path, mo
 
 
 def test_the_save_probe_writes_data(tmp_path, monkeypatch):
-    from megatron_lc import cli
+    from megatron_lc import command_line
 
     written = []
     real_open = open
-    monkeypatch.setattr(cli, "open", lambda p, m: written.append(p) or real_open(p, m), raising=False)
-    cli.check_writable(str(tmp_path), "--save")
+    monkeypatch.setattr(command_line, "open", lambda p, m: written.append(p) or real_open(p, m), raising=False)
+    command_line.check_writable(str(tmp_path), "--save")
     assert written and not list(tmp_path.iterdir())  # one probe, written (4 KiB, synced) and removed
 
 

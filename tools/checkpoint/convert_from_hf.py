@@ -10,7 +10,7 @@ that already holds checkpoints unless --force.
 import os
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.cli import ArgumentParser
+from megatron_lc.command_line import ArgumentParser
 from megatron_lc.entry import run_entry_point
 from megatron_lc.training.hf_conversion import hf_to_checkpoint
 from megatron_lc.models.llama.hf import UnsupportedHFConfig

@@ -12,7 +12,7 @@ import json
 import torch
 
 from megatron_lc.errors import ConfigError
-from megatron_lc.cli import ArgumentParser
+from megatron_lc.command_line import ArgumentParser
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
 from megatron_lc.entry import run_entry_point
 from megatron_lc.training.hf_conversion import checkpoint_to_hf

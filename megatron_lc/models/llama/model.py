@@ -198,7 +198,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, cos, sin, cu_seqlens):
         if self.memory.recompute == "full":
-            from megatron_lc.memory.checkpoint import checkpoint_residual_block
+            from megatron_lc.memory.recompute import checkpoint_residual_block
 
             # A block's output feeds only the next block or the head: its gradient is this block's alone.
             return checkpoint_residual_block((lambda t: self._attention_branch(t, cos, sin, cu_seqlens),
@@ -233,7 +233,7 @@ class TransformerBlock(nn.Module):
     def _forward(self, x, cos, sin, cu_seqlens):
         h = x + self._attention_branch(x, cos, sin, cu_seqlens)
         if self.memory.recompute == "selective":
-            from megatron_lc.memory.checkpoint import checkpoint_block
+            from megatron_lc.memory.recompute import checkpoint_block
 
             return checkpoint_block(self._mlp_residual, h)
         return self._mlp_residual(h)

@@ -83,7 +83,7 @@ class ParallelizeOptions:
     """How the tile loops sum 16-bit products in fp32 (`tiling.addmm_fp32_`): True, one GEMM writing fp32 (CUDA);
     False, fp32 copies of operand blocks (CPU); None: whichever the device runs. The planner states its target's."""
     rms_norm: RMSNormOp = F.rms_norm
-    """The op of every RMSNorm (the planner passes `planning.standins.cuda_rms_norm` when planning for CUDA:
+    """The op of every RMSNorm (the planner passes `planning.gpu_allocations.cuda_rms_norm` when planning for CUDA:
     traced on CPU, `F.rms_norm` decomposes and saves what torch's fused CUDA kernel does not)."""
 
     def validate(self) -> None:

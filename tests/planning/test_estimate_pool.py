@@ -1,10 +1,10 @@
-"""The estimator: estimates remembered on disk by configuration, machine and code; rounds traced on workers."""
+"""The estimate pool: estimates remembered on disk by configuration, machine and code; rounds traced on workers."""
 
 from __future__ import annotations
 
 from megatron_lc.arguments import parse_config
 from megatron_lc.planning.estimate import Machine, estimate
-from megatron_lc.planning.estimator import EstimateCache, Estimator
+from megatron_lc.planning.estimate_pool import EstimateCache, EstimatePool
 
 TINY = ["--model", "debug", "--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "2048", "--device", "cpu",
@@ -24,8 +24,8 @@ def _counting():
 def test_a_remembered_estimate_is_not_traced_again_across_estimators(tmp_path):
     cfg = parse_config(TINY)
     evaluate, calls = _counting()
-    first = Estimator(evaluate, cache=EstimateCache(tmp_path)).many([(cfg, MACHINE, 2048), (cfg, MACHINE, 4096)])
-    again = Estimator(evaluate, cache=EstimateCache(tmp_path))
+    first = EstimatePool(evaluate, cache=EstimateCache(tmp_path)).many([(cfg, MACHINE, 2048), (cfg, MACHINE, 4096)])
+    again = EstimatePool(evaluate, cache=EstimateCache(tmp_path))
     second = again.many([(cfg, MACHINE, 4096), (cfg, MACHINE, 2048)])
     assert calls == [2048, 4096] and again.cached == 2 and again.traced == 0
     assert [e.gpu_peak_bytes for e in second] == [first[1].gpu_peak_bytes, first[0].gpu_peak_bytes]
@@ -37,17 +37,17 @@ def test_a_remembered_estimate_is_not_traced_again_across_estimators(tmp_path):
 def test_an_unreadable_cache_file_is_traced_again(tmp_path):
     cfg = parse_config(TINY)
     evaluate, calls = _counting()
-    Estimator(evaluate, cache=EstimateCache(tmp_path))(cfg, MACHINE, 2048)
+    EstimatePool(evaluate, cache=EstimateCache(tmp_path))(cfg, MACHINE, 2048)
     for path in tmp_path.iterdir():
         path.write_bytes(b"not a pickle")
-    e = Estimator(evaluate, cache=EstimateCache(tmp_path))(cfg, MACHINE, 2048)
+    e = EstimatePool(evaluate, cache=EstimateCache(tmp_path))(cfg, MACHINE, 2048)
     assert calls == [2048, 2048] and e.fits
 
 
 def test_workers_trace_what_this_process_traces():
     cfg = parse_config(TINY)
     jobs = [(cfg, MACHINE, 2048), (cfg, MACHINE, 4096), (cfg, MACHINE, 6144)]
-    with Estimator(workers=2) as pool:
+    with EstimatePool(workers=2) as pool:
         parallel = pool.many(jobs)
     serial = [estimate(*job) for job in jobs]
     assert [(e.gpu_peak_bytes, e.host_bytes_per_gpu, e.peak_phase) for e in parallel] == \

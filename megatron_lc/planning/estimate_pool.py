@@ -2,7 +2,7 @@
 
 An estimate is two fake-tensor traces of a training step: seconds of one CPU core each, independent of
 the sequence length. The searches (`search.find_max_seq_length`, `autofit`) ask for estimates in rounds;
-`Estimator.many` runs a round on worker processes (one per core, up to `MAX_WORKERS`), and every
+`EstimatePool.many` runs a round on worker processes (one per core, up to `MAX_WORKERS`), and every
 estimate is kept in a cache on disk keyed by the configuration, the machine and a fingerprint of this
 package's code and torch's version, so asking again (another search, another call) costs nothing and a
 change of code never answers from an old trace. Every answer a search prints is still an estimate of
@@ -100,7 +100,7 @@ def _init_worker() -> None:
     torch.set_num_threads(1)  # one core per worker: the workers are the parallelism
 
 
-class Estimator:
+class EstimatePool:
     """`estimate` (or a stand-in with its signature), run `workers` at a time and remembered.
 
     Callable as `estimate(cfg, machine, seq_length)`; `many` takes a round of jobs. Worker processes
@@ -183,7 +183,7 @@ class Estimator:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
 
-    def __enter__(self) -> "Estimator":
+    def __enter__(self) -> "EstimatePool":
         return self
 
     def __exit__(self, *exc) -> None:
