@@ -12,7 +12,6 @@ no traceback, exit status 2 (every rank reaches the same conclusion from the sam
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import traceback
@@ -20,7 +19,7 @@ from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
-from megatron_lc.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_OK, ConfigError
+from megatron_lc.errors import EXIT_CONFIG_ERROR, EXIT_FAILURE, EXIT_OK, ConfigError, leave_now
 from megatron_lc.parallel_state import detect_launch
 
 
@@ -30,12 +29,7 @@ def exit_process(code: int) -> NoReturn:
     if code == EXIT_OK:  # on a failure another rank may never reach finalize: do not wait for it
         _finalize_mpi()
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe must not turn success into failure
-            pass
-    os._exit(code)
+    leave_now(code)
 
 
 def _finalize_mpi() -> None:

@@ -15,7 +15,7 @@ LAYERS = {
     "megatron_lc.models": 3,
     "megatron_lc.config": 4, "megatron_lc.arguments": 4,
     "megatron_lc.training": 5, "megatron_lc.planning": 5,
-    "megatron_lc.evaluate": 6, "megatron_lc.train": 6, "megatron_lc.testing": 6, "megatron_lc.passkey": 5, "megatron_lc.entry": 6, "megatron_lc": 6,
+    "megatron_lc.evaluate": 6, "megatron_lc.train": 6, "megatron_lc.testing": 6, "megatron_lc.evaluation": 5, "megatron_lc.entry": 6, "megatron_lc": 6,
 }
 """Each room's layer: a module may import its own layer's rooms and those below, never above."""
 

@@ -7,18 +7,15 @@
 from __future__ import annotations
 
 import math
-import os
 import resource
-import sys
 import time
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron_lc.attention.kernel_selection import running_kernel
-from megatron_lc.errors import EXIT_RESUME, ConfigError
+from megatron_lc.errors import EXIT_RESUME, ConfigError, leave_now
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
 from megatron_lc.training.preflight import check_host_memory, preflight
@@ -230,17 +227,6 @@ def _check_finite(step: int, loss: float, grad_norm: float, skip: bool) -> bool:
     raise NonFiniteError(f"{message}; lower --lr, check the data, or pass --skip-nonfinite")
 
 
-def exit_now(code: int) -> NoReturn:
-    """Leave from inside a step (a signal handler): flush what was written and skip every teardown, since
-    other ranks may be inside a collective this rank will not join."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
 def train_one_step(run: Run, step: int) -> dict:
     start = time.perf_counter()
     if run.offload is not None:
@@ -342,7 +328,7 @@ def _train_run(run: Run, started: float) -> History:
         if c.save and run.is_logging_rank:
             mark_stopped(c.save, resumable[0], text)
         print_rank_0(run, text)
-        exit_now(EXIT_RESUME)
+        leave_now(EXIT_RESUME)  # no teardown: other ranks may be inside a collective this one will not join
 
     stop = StopRequest(cfg.train.exit_signal_handler,
                        deadlines(cfg.train.exit_duration_in_mins, started, current_job()),

@@ -67,7 +67,8 @@ def test_packing_flags_that_cannot_act_are_refused_in_one_line(chat):
 
 
 def test_evaluating_a_hugging_face_directory_says_how_to_convert_it(chat, tmp_path):
-    from megatron_lc.evaluate import build_parser, evaluate
+    from megatron_lc.evaluate import build_parser
+    from megatron_lc.evaluation.checkpoint_evaluation import evaluate
 
     from tests.helpers import hf_model_files
 

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_lc.arguments import parse_config
 from megatron_lc.data.tokenizers import ByteTokenizer
-from megatron_lc.passkey import passkey_keys, passkey_sample
+from megatron_lc.evaluation.passkey import passkey_keys, passkey_sample
 from megatron_lc.training.trainer import train
 from tests.helpers import free_port
 

@@ -159,7 +159,8 @@ def test_ids_beyond_the_vocabulary_are_refused_in_one_line_as_training_does(trai
 def test_a_blend_and_a_split_part_are_evaluated_as_training_reads_them(trained):
     """The blend syntax of training; --split picks one part, by default the validation part."""
     from megatron_lc.data.sources import build_datasets
-    from megatron_lc.evaluate import build_parser, evaluation_source
+    from megatron_lc.evaluate import build_parser
+    from megatron_lc.evaluation.checkpoint_evaluation import evaluation_source
 
     data = str(trained / "data")
     args = build_parser().parse_args(["--load", "x", "--data-path", "0.3", data, "0.7", data, "--seq-length", "16",
