@@ -209,8 +209,8 @@ def _auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None, 
     searched = layouts is not None
     layouts = layouts or [layout_of(cfg)]
     spaces = [space or search_space(layout.apply(cfg), machine.num_gpus) for layout in layouts]
-    estimator = evaluate if isinstance(evaluate, EstimatePool) else EstimatePool(evaluate)
-    search = _Search(cfg, machine, time_model, max_traces, estimator, on_estimate, layouts, spaces, tolerance)
+    pool = evaluate if isinstance(evaluate, EstimatePool) else EstimatePool(evaluate)
+    search = _Search(cfg, machine, time_model, max_traces, pool, on_estimate, layouts, spaces, tolerance)
     best = search.run()
     best = search.pipelined(best)
     result = search.result
@@ -235,13 +235,13 @@ class _Search:
     smaller cp: with every other choice fixed each GPU holds more); when it fits and is within the tolerance of
     the option's time, it is the answer; else the option itself is traced. The search stops at the first
     option no faster than the answer so far by more than the tolerance. Each round traces the probes of the
-    next options whose fit is unknown, as many as the estimator's workers, at once."""
+    next options whose fit is unknown, as many as the estimate pool's workers, at once."""
 
     def __init__(self, cfg: TrainConfig, machine: Machine, time_model: TimeModel, max_traces: int,
-                 estimator: EstimatePool, on_estimate: Callable[[Candidate, Estimate, Layout], None] | None,
+                 pool: EstimatePool, on_estimate: Callable[[Candidate, Estimate, Layout], None] | None,
                  layouts: list[Layout], spaces: list[SearchSpace], tolerance: float):
         self.cfg, self.machine, self.time_model, self.max_traces = cfg, machine, time_model, max_traces
-        self.estimator, self.on_estimate, self.tolerance = estimator, on_estimate, tolerance
+        self.pool, self.on_estimate, self.tolerance = pool, on_estimate, tolerance
         self.layouts, self.spaces = layouts, spaces
         self.configs = [layout.apply(cfg) for layout in layouts]
         self.known = [_Knowledge(sp, {i for i, (_, off) in enumerate(sp.modes) if off != "none"}) for sp in spaces]
@@ -323,7 +323,7 @@ class _Search:
             options = options[:max(room, 0)]
         jobs = [(self.spaces[lay].candidate(p).apply(self.configs[lay]), self.machine, self.cfg.data.seq_length)
                 for lay, p in options]
-        for (layout, point), e in zip(options, self.estimator.many(jobs)):
+        for (layout, point), e in zip(options, self.pool.many(jobs)):
             self.known[layout].record(point, e)
             candidate = self.spaces[layout].candidate(point)
             self.result.traced.append(Traced(candidate, e, self.cost((layout, point)), self.layouts[layout]))
@@ -385,7 +385,7 @@ class _Search:
     def run(self) -> Option | None:
         order, best = self.options(), None
         if self.status(order[0]) is None:  # the fastest of all first: it fits when no technique is needed
-            self.trace([(order[0][0], self.probe(order[0])), order[0]][-self.estimator.workers:])
+            self.trace([(order[0][0], self.probe(order[0])), order[0]][-self.pool.workers:])
         if self.status(order[0]) is not True:
             self.trace(self.strongest())
         i = 0
@@ -409,9 +409,9 @@ class _Search:
             probe = (option[0], self.probe(option))
             probe_status = self.status(probe)
             if probe_status is None:
-                self.estimator.expected_left = self._left(order, i, best)
+                self.pool.expected_left = self._left(order, i, best)
                 first = self.target(probe)
-                self.trace([first] + self._speculative(order, i + 1, self.estimator.workers - 1, first))
+                self.trace([first] + self._speculative(order, i + 1, self.pool.workers - 1, first))
                 if first[1] not in self.known[first[0]].estimates:
                     break  # capped
                 continue  # the same option, with what the round taught
@@ -537,7 +537,7 @@ class _Search:
             if len(result.traced) >= self.max_traces:
                 result.capped = True
                 return
-            estimate = self.estimator(candidate.apply(cfg), self.machine, cfg.data.seq_length)
+            estimate = self.pool(candidate.apply(cfg), self.machine, cfg.data.seq_length)
             result.traced.append(Traced(candidate, estimate, cost, self.layouts[layout]))
             if self.on_estimate:
                 self.on_estimate(candidate, estimate, self.layouts[layout])

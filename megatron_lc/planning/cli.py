@@ -168,8 +168,8 @@ def machine_of(planner: argparse.Namespace, cfg) -> Machine:
                    device=device, flash_attn=planner.with_flash_attn, fa3=planner.with_fa3)
 
 
-def estimator_of(planner: argparse.Namespace):
-    """The estimator of this call: its workers and its cache."""
+def estimate_pool_of(planner: argparse.Namespace):
+    """The estimate pool of this call: its workers and its cache."""
     from pathlib import Path
 
     from megatron_lc.planning.estimate_pool import EstimateCache, EstimatePool, default_cache_dir, default_workers
@@ -179,33 +179,33 @@ def estimator_of(planner: argparse.Namespace):
     return EstimatePool(workers=planner.planner_workers or default_workers(), cache=EstimateCache(cache_dir))
 
 
-def progress_printer(estimator):
+def progress_printer(pool):
     """A line on stderr per estimate of a length search, with elapsed time, traces and ETA."""
     def progress(e) -> None:
-        print(f"  {estimator.progress()} {e.seq_length:>12,} tokens: GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, "
+        print(f"  {pool.progress()} {e.seq_length:>12,} tokens: GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, "
               f"host/node {e.host_bytes_per_node / 2**30:8.1f} GiB -> {'fits' if e.fits else 'no'}", file=sys.stderr,
               flush=True)
     return progress
 
 
-def auto_fit_printer(estimator, num_gpus: int):
+def auto_fit_printer(pool, num_gpus: int):
     """A line on stderr per estimate of the auto-fit search."""
     def progress(candidate, e, layout) -> None:
-        print(f"  {estimator.progress()} GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, host/node "
+        print(f"  {pool.progress()} GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, host/node "
               f"{e.host_bytes_per_node / 2**30:8.1f} GiB -> {'fits' if e.fits else 'no'}: "
               f"[{layout.describe(num_gpus)}] "
               f"{' '.join(candidate.flags()) or '(no memory flags)'}", file=sys.stderr, flush=True)
     return progress
 
 
-def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str], out: dict, estimator) -> bool:
+def run_auto_fit(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str], out: dict, pool) -> bool:
     """--auto-fit: the fastest layout and stack that fit, printed (or added to `out` under `auto_fit`)."""
     from megatron_lc.planning import autofit, autofit_report, layouts, search_space
 
     training = split_argv(argv)[1]
     layouts = None if layout_given(training) else layouts.search_layouts(cfg, machine.num_gpus, machine.gpus_per_node)
-    result = autofit.auto_fit(cfg, machine, None, planner.auto_fit_max_traces, evaluate=estimator,
-                              on_estimate=auto_fit_printer(estimator, machine.num_gpus), layouts=layouts,
+    result = autofit.auto_fit(cfg, machine, None, planner.auto_fit_max_traces, evaluate=pool,
+                              on_estimate=auto_fit_printer(pool, machine.num_gpus), layouts=layouts,
                               tolerance=planner.auto_fit_tolerance)
     layout_flags = result.layout.flags() if result.layout is not None and layouts is not None else []
     command = launch_command(machine, search_space.strip_memory_flags(training) + layout_flags)
@@ -319,23 +319,23 @@ def plan(argv: list[str]) -> int:
         raise ConfigError(str(e)) from e
     out: dict = {}
     fits = True
-    with estimator_of(planner) as estimator:
-        fits = run_plan(planner, cfg, machine, argv, out, estimator)
+    with estimate_pool_of(planner) as pool:
+        fits = run_plan(planner, cfg, machine, argv, out, pool)
     if planner.json:
         print(json.dumps(out, indent=1))
     return 0 if fits else 1
 
 
-def run_plan(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str], out: dict, estimator) -> bool:
+def run_plan(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str], out: dict, pool) -> bool:
     """What the flags ask for, printed or put in `out`; False when nothing fits."""
     from megatron_lc.planning import report, search
 
     fits = True
-    progress = progress_printer(estimator)
+    progress = progress_printer(pool)
     if planner.auto_fit:
-        fits = run_auto_fit(planner, cfg, machine, argv, out, estimator)
+        fits = run_auto_fit(planner, cfg, machine, argv, out, pool)
     if planner.ablate or planner.plot:
-        rows = search.ablate(cfg, machine, on_estimate=progress, evaluate=estimator)
+        rows = search.ablate(cfg, machine, on_estimate=progress, evaluate=pool)
         out.update(report.ablation_json(rows))
         if not planner.json:
             print(report.ablation_table(rows))
@@ -343,7 +343,7 @@ def run_plan(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str]
             title = f"{cfg.model.model} on {machine.num_gpus} GPUs ({machine.gpu_memory_gib:g} GiB)"
             report.plot_memory(rows, planner.plot, title, machine.gpu_memory_gib)
     if planner.find_max_seq_length:
-        result = search.find_max_seq_length(cfg, machine, evaluate=estimator, on_estimate=progress)
+        result = search.find_max_seq_length(cfg, machine, evaluate=pool, on_estimate=progress)
         out.update(report.search_json(result))
         if not result.max_seq_length:
             fits = False
@@ -357,7 +357,7 @@ def run_plan(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str]
             else:
                 print(out["reason"])
     if not (planner.ablate or planner.plot or planner.find_max_seq_length or planner.auto_fit):
-        e = estimator(cfg, machine)
+        e = pool(cfg, machine)
         out.update(e.to_json())
         out["run"] = planned_run(cfg, machine.num_gpus)  # what a run given this plan (--memory-plan) checks
         if not planner.json:

@@ -76,18 +76,18 @@ def find_max_seq_length(cfg: TrainConfig, machine: Machine, start: int = START_L
     """The longest multiple of `length_multiple(cfg)` whose estimate fits `machine` (traced in rounds by
     `evaluate`: an `EstimatePool` runs each round's two at once)."""
     step = length_multiple(cfg)
-    estimator = evaluate if isinstance(evaluate, EstimatePool) else EstimatePool(evaluate)
+    pool = evaluate if isinstance(evaluate, EstimatePool) else EstimatePool(evaluate)
     known: dict[int, Estimate] = {}
 
     def run(lengths: list[int]) -> None:
         new = sorted({min(max(step, n), MAX_LENGTH // step * step) for n in lengths} - known.keys())
-        for e in estimator.many([(cfg, machine, n) for n in new]):
+        for e in pool.many([(cfg, machine, n) for n in new]):
             known[e.seq_length] = e
             if on_estimate:
                 on_estimate(e)
 
     first = _round(start, step)
-    estimator.expected_left = 2 + 2 * ROUNDS_LEFT_GUESS
+    pool.expected_left = 2 + 2 * ROUNDS_LEFT_GUESS
     run([first, _round(first * FIRST_SPAN, step)])
     same_side, last_side = 0, None
     while True:
@@ -99,7 +99,7 @@ def find_max_seq_length(cfg: TrainConfig, machine: Machine, start: int = START_L
         proposals = _proposals(known, lo, hi, step, bisect=same_side >= 2)
         tight = hi is not None and hi.seq_length - lo.seq_length <= TIGHT * lo.seq_length if lo else False
         rounds = 1 if tight else (2 if hi is not None else ROUNDS_LEFT_GUESS)
-        estimator.expected_left = len(proposals) + 2 * (rounds - 1)
+        pool.expected_left = len(proposals) + 2 * (rounds - 1)
         run(proposals)
         new_lo, new_hi = _bracket(known)
         if hi is None or lo is None:  # still bracketing: interpolation has not started
@@ -109,7 +109,7 @@ def find_max_seq_length(cfg: TrainConfig, machine: Machine, start: int = START_L
         side = None if all(moved) else moved[0]  # which end moved; both: neither side
         same_side = same_side + 1 if side is not None and side == last_side else 0
         last_side = side
-    estimator.expected_left = 0
+    pool.expected_left = 0
     lo, _ = _bracket(known)
     evaluated = sorted(known.values(), key=lambda e: e.seq_length)
     return SearchResult(lo.seq_length if lo else 0, lo, evaluated)
