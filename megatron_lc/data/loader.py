@@ -193,6 +193,15 @@ class _FromPosition(torch.utils.data.Sampler):
         return ((k, position) for k in itertools.count(lo.consumed_samples // lo.samples_per_step))
 
 
+def _default_signal_actions(worker_id: int) -> None:
+    """A forked worker takes the default action for SIGTERM and SIGUSR1 again: the run that forked it may record
+    them to stop at a step boundary (--exit-signal-handler), which a worker has none of."""
+    import signal
+
+    for s in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_DFL)
+
+
 def _identity(batch):
     return batch
 
@@ -235,7 +244,7 @@ class WorkerLoader:
             self._workers = torch.utils.data.DataLoader(
                 _MicroBatches(self.loader), batch_size=None, sampler=_FromPosition(self.loader),
                 num_workers=self.num_workers, collate_fn=_identity, multiprocessing_context=context,
-                persistent_workers=True)
+                persistent_workers=True, worker_init_fn=_default_signal_actions)
             self._iterator = iter(self._workers)  # forks them
         return self
 

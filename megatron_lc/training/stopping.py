@@ -7,7 +7,7 @@ earlier of --exit-duration-in-mins (from the start of the run) and the scheduler
 limit (Slurm's SLURM_JOB_END_TIME, `scheduler.py`).
 
 Whether a step fits is judged from measured times: the slowest of the last steps of this run
-and the slowest save, each x SAFETY, or before the first of them, the times the resumed
+and the slowest save, each x SAFETY, plus LEAVING_S, or before the first of them, the times the resumed
 checkpoint recorded (its `timing`), or the planner's predicted step (--memory-plan). A run
 with a deadline and no save time known yet saves after its first step to learn it. A fresh
 run's first step with no plan has nothing to be judged by: it is started (the checkpoint
@@ -42,6 +42,9 @@ from megatron_lc.scheduler import Job
 
 SAFETY = 1.2
 """Margin on measured step and save times when judging whether the next step fits before the deadline."""
+LEAVING_S = 5.0
+"""Seconds a stop takes after its save, added to the judged time: the resume status written, the ranks met, the
+processes gone. Also what absorbs the jitter of steps of a second (tests on a loaded machine)."""
 RECENT_STEPS = 5
 """Steps whose slowest time predicts the next one (the first step of a run, warm-up, is left out once
 others exist)."""
@@ -113,21 +116,44 @@ class Decision:
     """The stop is the deadline's (no signal): the next step would not finish and save before it."""
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""What a scheduler sends before it kills a job (Slurm's --signal, torchrun forwarding its own SIGTERM)."""
+
+
+class StartupSignals:
+    """Stop signals received while the run starts (the model built, a checkpoint loaded, a terabyte page-locked:
+    minutes at these sizes), before its StopRequest exists: recorded, so that the run stops before its first step
+    (exit 3, nothing lost) instead of dying mid-start-up. With `handle` False (no --exit-signal-handler) nothing
+    is installed."""
+
+    def __init__(self, handle: bool):
+        self.received: int | None = None
+        self._previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS} if handle else {}
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signum
+
+    def close(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
 class StopRequest:
     """The stop and save-by-time decisions of one run, taken together by every rank at each step boundary."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self, handle_signals: bool, deadlines: list[Deadline], save_interval_minutes: float | None,
                  timing: StepTiming, device: torch.device, clock=time.time, grace_s: float | None = None,
-                 abandon: Callable[[str], None] | None = None):
+                 abandon: Callable[[str], None] | None = None, received: int | None = None):
         self.handle_signals = handle_signals
         self.deadline = deadlines[0] if deadlines else None
         self.save_interval_s = 60 * save_interval_minutes if save_interval_minutes else None
         self.timing, self.device, self.clock = timing, device, clock
         self.grace_s, self.abandon = grace_s, abandon
         self.last_save = clock()
-        self.received: int | None = None
+        self.received: int | None = received
+        """A stop signal's number once one arrived (`received`: one of start-up's, `StartupSignals`)."""
         self.in_step: tuple[int, float] | None = None
         """(step, its start) while a step runs."""
         self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS} if handle_signals else {}
@@ -172,10 +198,10 @@ class StopRequest:
         step, save = self.timing.step_s(), self.timing.save_s() or 0.0
         if left <= 0:
             return f"{self.deadline.name} reached"
-        if step is None or (step + save) * SAFETY <= left:
+        if step is None or (step + save) * SAFETY + LEAVING_S <= left:
             return None
-        return (f"the next step ({step:.0f} s) and its save ({save:.0f} s), x{SAFETY:g}, would pass "
-                f"{self.deadline.name} in {left:.0f} s")
+        return (f"the next step ({step:.0f} s) and its save ({save:.0f} s), x{SAFETY:g}, and {LEAVING_S:g} s to "
+                f"leave would pass {self.deadline.name} in {left:.0f} s")
 
     def decide(self, *, may_save: bool) -> Decision:
         """This boundary's decision, the same on every rank. `may_save`: a checkpoint can be written (--save)."""

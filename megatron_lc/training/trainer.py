@@ -40,7 +40,8 @@ from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.training.startup import start_processes
 from megatron_lc.scheduler import current_job
 from megatron_lc.training.step_progress import StepProgress
-from megatron_lc.training.stopping import DEFAULT_GRACE_S, StopRequest, clear_stopped, deadlines, mark_stopped
+from megatron_lc.training.stopping import (DEFAULT_GRACE_S, StartupSignals, StopRequest, clear_stopped, deadlines,
+                                           mark_stopped)
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
 
 
@@ -281,15 +282,21 @@ class History(list):
 def train(cfg: TrainConfig) -> History:
     """Run training to --train-iters (or a stop request); returns the logged metrics."""
     started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's from start-up
-    if cfg.checkpoint.use_checkpoint_args:
-        cfg = apply_checkpoint_args(cfg)
-    run = build_run(cfg)
+    early = StartupSignals(cfg.train.exit_signal_handler)
+    try:
+        if cfg.checkpoint.use_checkpoint_args:
+            cfg = apply_checkpoint_args(cfg)
+        run = build_run(cfg)
+    except BaseException:
+        early.close()
+        raise
     run.save_lock = take_save_lock(run)
     if run.save_lock is not None and run.is_logging_rank:
         clear_stopped(cfg.checkpoint.save)
     try:
-        return _train_run(run, started)
+        return _train_run(run, started, early)
     finally:
+        early.close()
         for loader in (run.loader, *(l for _, l in run.eval_loaders)):
             if isinstance(loader, WorkerLoader):
                 loader.close()
@@ -297,7 +304,7 @@ def train(cfg: TrainConfig) -> History:
             run.save_lock.release()
 
 
-def _train_run(run: Run, started: float) -> History:
+def _train_run(run: Run, started: float, early: StartupSignals) -> History:
     """The loop of `train` once --save is locked."""
     cfg = run.cfg
     start = resume(run)
@@ -334,7 +341,7 @@ def _train_run(run: Run, started: float) -> History:
                        deadlines(cfg.train.exit_duration_in_mins, started, current_job()),
                        c.save_interval_minutes, run.timing, run.devices.accelerator,
                        grace_s=DEFAULT_GRACE_S if cfg.train.exit_signal_grace_secs is None
-                       else cfg.train.exit_signal_grace_secs, abandon=abandon)
+                       else cfg.train.exit_signal_grace_secs, abandon=abandon, received=early.received)
     history, step_times, began = History(), [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
     progress = StepProgress(list(run.model.layers), print_flushed) if run.is_logging_rank else None

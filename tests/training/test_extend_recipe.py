@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -33,9 +34,9 @@ def test_the_extension_recipe_runs_its_stages_on_a_tiny_model(tmp_path):
     recipe = ["bash", "examples/extend_llama3_8b.sh", str(tmp_path / "hf"), data, "none", str(tmp_path / "work"),
               "--device", "cpu"]
     work = tmp_path / "work"
-    # A stage stopped by its time limit: the script stops with the resume status instead of moving on.
-    stopped = subprocess.run(recipe + ["--exit-duration-in-mins", "1e-9"], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=600)
+    # A stage preempted while it starts (SIGTERM to its process once it has loaded the converted weights): the
+    # script stops with the resume status instead of moving on.
+    stopped = _preempted_while_starting(recipe, env, "model settings changed on load")
     assert stopped.returncode == 3, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert "stage 128 stopped to be resumed at step 0: run this script again to go on" in stopped.stdout
     assert not (work / "logs" / "stage_256").exists() and not list(work.glob("passkey_*"))
@@ -58,3 +59,18 @@ def test_the_extension_recipe_runs_its_stages_on_a_tiny_model(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "step " not in again.stdout and "passkey" not in again.stdout
     assert checkpointing.read_meta(checkpointing.latest_checkpoint(work / "ckpt"))["step"] == 4
+
+
+def _preempted_while_starting(recipe: list[str], env: dict, after: str) -> subprocess.CompletedProcess:
+    """Run `recipe` and send SIGTERM to the process it launched once that process has printed `after`."""
+    proc = subprocess.Popen(recipe, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if after in line:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            for pid in children:
+                os.kill(int(pid), signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(recipe, proc.returncode, "".join(lines) + out, err)

@@ -50,12 +50,12 @@ def test_a_step_that_could_not_finish_and_save_before_slurms_end_time_is_not_sta
     timing = StepTiming(step_times=[30.0, 10.0, 12.0], save_times=[5.0])  # the first step (warm-up) left out
     stop = _request(clock, timing, end_in=100)
     assert stop.decide(may_save=True).stop is None
-    clock.now += 100 - 21  # 21 s left: (12 + 5) x 1.2 = 20.4 fits
+    clock.now += 100 - 26  # 26 s left: (12 + 5) x 1.2 + 5 to leave = 25.4 fits
     assert stop.decide(may_save=True).stop is None
-    clock.now += 1  # 20 s left: it does not
+    clock.now += 1  # 25 s left: it does not
     decision = stop.decide(may_save=True)
-    assert decision.save and decision.stop == ("the next step (12 s) and its save (5 s), x1.2, would pass the time "
-                                               "limit of Slurm job 4242 (SLURM_JOB_END_TIME) in 20 s")
+    assert decision.save and decision.stop == ("the next step (12 s) and its save (5 s), x1.2, and 5 s to leave would "
+                                               "pass the time limit of Slurm job 4242 (SLURM_JOB_END_TIME) in 25 s")
 
 
 def test_the_earlier_of_exit_duration_and_the_job_end_is_the_deadline():
@@ -72,7 +72,7 @@ def test_before_the_first_step_the_resumed_checkpoints_times_judge_and_a_fresh_r
     clock = Clock()
     recorded = StepTiming.resumed({"step_s": 50.0, "save_s": 10.0})
     assert _request(clock, recorded, end_in=60).decide(may_save=False).stop.startswith("the next step (50 s)")
-    assert _request(clock, recorded, end_in=100).decide(may_save=False).stop is None
+    assert _request(clock, recorded, end_in=100).decide(may_save=False).stop is None  # (50 + 10) x 1.2 + 5 = 77
     assert _request(clock, StepTiming(), end_in=1).decide(may_save=False).stop is None  # nothing to judge by
 
 
@@ -111,7 +111,7 @@ def _losses(history) -> dict[int, tuple[float, float]]:
 
 def test_a_run_stops_before_slurms_end_time_saved_and_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 12))  # start-up and some steps
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 20))  # start-up and some steps
     ckpt = tmp_path / "ckpt"
     flags = BASE + ["--train-iters", "100000", "--save", str(ckpt)]
     first = train(parse_config(flags + ["--log-dir", str(tmp_path / "a")]))
