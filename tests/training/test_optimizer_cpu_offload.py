@@ -58,11 +58,14 @@ def test_one_process_run_equals_the_resident_optimizer_bit_for_bit():
 
 
 def test_two_rank_runs_and_their_checkpoints_equal_the_resident_optimizer_bit_for_bit(tmp_path):
-    """FSDP over 2 ranks with the stack auto-fit answers for 32B and 70B (ring cp, full recompute, sparse offload
-    fetched on demand, tiled MLP and loss), scaled down: same losses and the same checkpoint, every tensor."""
+    """FSDP over 2 ranks with the stack auto-fit answers for llama-32b and llama3-70b on one node (ring cp with
+    in-place kv gradients, full recompute, every second block input offloaded early, the attention outputs of the
+    first blocks kept and read by the replays, tiled MLP and loss), scaled down: same losses and the same
+    checkpoint, every tensor."""
     stack = ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--ring-kv-grads", "in_place",
-             "--num-layers", "4", "--recompute-granularity", "full", "--offload-mode", "on_demand",
-             "--offload-every-k-layers", "2", "--tiled-mlp", "--tiled-mlp-tiles", "2", "--tiled-loss",
+             "--num-layers", "4", "--recompute-granularity", "full", "--offload-mode", "early",
+             "--offload-every-k-layers", "2", "--keep-attention-output", "--keep-attention-output-layers", "1",
+             "--replay-kept-attention", "--tiled-mlp", "--tiled-mlp-tiles", "2", "--tiled-loss",
              "--tiled-loss-tiles", "3"]
     for name, extra in (("resident", []), ("offloaded", OFFLOAD)):
         torchrun_train(2, FLAGS + stack + extra + ["--save", name, "--log-dir", f"{name}_log"], tmp_path)
