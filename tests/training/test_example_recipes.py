@@ -247,18 +247,20 @@ def test_70b_recipe_launches_4_nodes_of_8_with_a_rendezvous(tmp_path):
     assert launcher[launcher.index("--rdzv-endpoint") + 1] == "node0:29500"
 
 
-def test_the_5m_recipe_plans_the_run_it_launches_and_hands_it_the_plan(tmp_path):
+@pytest.mark.parametrize("script, world_size", [("examples/pretrain_llama_5m.sh", 8),
+                                               ("examples/slurm/pretrain_llama_8m_2nodes.sbatch", 16)])
+def test_a_recipe_plans_the_run_it_launches_and_hands_it_the_plan(script, world_size, tmp_path):
     """The planner is asked about the flags the run is launched with (a plan of other flags would be refused),
-    on the node's GPUs, and the run gets the file: each step's peak is logged beside the planned one."""
+    on the run's GPUs, and the run gets the file: each step's peak is logged beside the planned one."""
     from megatron_lc.planning.cli import split_argv
     from megatron_lc.training.memory_plan import planned_run
 
     ckpt = tmp_path / "ckpt"
-    commands = _run_recipe("examples/pretrain_llama_5m.sh", ["corpus", "tokenizer.model", str(ckpt)], tmp_path)[1]
+    commands = _run_recipe(script, ["corpus", "tokenizer.model", str(ckpt)], tmp_path)[1]
     planner = next(c["argv"] for c in commands if c["argv"][0].endswith("tools/estimate_memory.py"))
     launch = next(c["argv"] for c in commands if "megatron_lc.train" in c["argv"])
     train_args = launch[launch.index("megatron_lc.train") + 1:]
     machine, planned = split_argv(planner[1:])
-    assert machine.num_gpus == 8 and machine.json
-    assert planned_run(parse_config(planned), machine.num_gpus) == planned_run(parse_config(train_args), 8)
+    assert machine.num_gpus == world_size and machine.json
+    assert planned_run(parse_config(planned), machine.num_gpus) == planned_run(parse_config(train_args), world_size)
     assert train_args[train_args.index("--memory-plan") + 1] == str(ckpt / "memory_plan.json")
