@@ -12,18 +12,15 @@ from typing import get_type_hints
 from megatron_lc.command_line import ArgumentParser
 from megatron_lc.config import SECTIONS, TrainConfig
 from megatron_lc.errors import ConfigError
+from megatron_lc.flags import hyphenated
 from megatron_lc.memory.stack import OFFLOAD_ALIASES, fold_offload_aliases
-
-
-def _flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _argument(f: dataclasses.Field, hint, default) -> tuple[list[str], dict]:
     """The flag names and argparse settings of section field `f`, the parser's default being `default`."""
     meta = dict(f.metadata)
     help_text = meta.pop("help", "")
-    names = [_flag_name(f.name)]
+    names = [hyphenated(f.name)]
     if "flag_name" in meta:  # Megatron's spelling first, the plain hyphenated one as an alias
         names.insert(0, meta.pop("flag_name"))
     if hint is bool:
@@ -66,7 +63,7 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
             if f.metadata.get("cli", True):  # a field set by the program (from a checkpoint), not a flag
                 _add_field(group, f, hints[f.name])
     for alias in OFFLOAD_ALIASES:  # old spellings of --offload-mode, folded by config_from_values
-        parser.add_argument(_flag_name(alias), dest=alias, action="store_true", default=None, help=argparse.SUPPRESS)
+        parser.add_argument(hyphenated(alias), dest=alias, action="store_true", default=None, help=argparse.SUPPRESS)
     return parser
 
 

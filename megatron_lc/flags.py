@@ -7,8 +7,20 @@ composes the sections and `arguments` derives the parser from them, named as in 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import field
 from typing import Any
+
+
+def hyphenated(name: str) -> str:
+    """A field name as a flag: `seq_length` -> `--seq-length`."""
+    return "--" + name.replace("_", "-")
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    """The flag a section field is given as: Megatron-LM's spelling where the field names one, else its name
+    hyphenated."""
+    return f.metadata.get("flag_name") or hyphenated(f.name)
 
 
 def flag(default: Any, help: str, **kwargs) -> Any:

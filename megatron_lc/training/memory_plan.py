@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megatron_lc.config import TrainConfig
 from megatron_lc.errors import ConfigError
+from megatron_lc.flags import flag_name
 
 PLANNED_SECTIONS = ("model", "parallel", "fsdp", "memory")
 """Sections every flag of which can change a step's memory or time (those the config has)."""
@@ -25,10 +26,6 @@ PLANNED_FIELDS = {"data": ("seq_length", "micro_batch_size", "global_batch_size"
 """The flags of other sections that can."""
 IGNORED_FIELDS = {"model": ("checkpoint_model", "init_method_std"), "parallel": ("distributed_timeout_minutes",)}
 """Flags of those sections that change neither (and a field filled in from a checkpoint at load time)."""
-
-
-def _flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag_name") or "--" + f.name.replace("_", "-")
 
 
 def planned_run(cfg: TrainConfig, world_size: int) -> dict:
@@ -42,7 +39,7 @@ def planned_run(cfg: TrainConfig, world_size: int) -> dict:
         for f in dataclasses.fields(args):
             if (names is None or f.name in names) and f.name not in IGNORED_FIELDS.get(section, ()):
                 value = getattr(args, f.name)
-                found[_flag(f)] = list(value) if isinstance(value, tuple) else value
+                found[flag_name(f)] = list(value) if isinstance(value, tuple) else value
     return found
 
 

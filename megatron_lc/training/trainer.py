@@ -287,21 +287,19 @@ def train(cfg: TrainConfig) -> History:
         if cfg.checkpoint.use_checkpoint_args:
             cfg = apply_checkpoint_args(cfg)
         run = build_run(cfg)
-    except BaseException:
-        early.close()
-        raise
-    run.save_lock = take_save_lock(run)
-    if run.save_lock is not None and run.is_logging_rank:
-        clear_stopped(cfg.checkpoint.save)
-    try:
-        return _train_run(run, started, early)
+        run.save_lock = take_save_lock(run)
+        if run.save_lock is not None and run.is_logging_rank:
+            clear_stopped(cfg.checkpoint.save)
+        try:
+            return _train_run(run, started, early)
+        finally:
+            for loader in (run.loader, *(l for _, l in run.eval_loaders)):
+                if isinstance(loader, WorkerLoader):
+                    loader.close()
+            if run.save_lock is not None and run.is_logging_rank:
+                run.save_lock.release()
     finally:
         early.close()
-        for loader in (run.loader, *(l for _, l in run.eval_loaders)):
-            if isinstance(loader, WorkerLoader):
-                loader.close()
-        if run.save_lock is not None and run.is_logging_rank:
-            run.save_lock.release()
 
 
 def _train_run(run: Run, started: float, early: StartupSignals) -> History:
