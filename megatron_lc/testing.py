@@ -113,8 +113,11 @@ def shard_batch(batch: Batch, per_sample, dp_rank: int, dp: int, cp_rank: int, c
     rows = slice(dp_rank * B, (dp_rank + 1) * B)
     layout = layout or ContextLayout(a2a_size=cp)
     assert layout.cp_size == cp
-    cols = torch.tensor([p for a, b in layout.token_ranges(S, cp_rank) for p in range(a, b)])
-    return Batch(batch.input_ids[rows, cols], batch.labels[rows, cols], batch.position_ids[rows, cols],
+    samples = range(dp_rank * B, (dp_rank + 1) * B)
+    cols = torch.stack([torch.tensor([p for a, b in layout.token_ranges(S, cp_rank, per_sample[s]) for p in range(a, b)])
+                        for s in samples])
+    picked = torch.tensor(list(samples)).unsqueeze(1)
+    return Batch(batch.input_ids[picked, cols], batch.labels[picked, cols], batch.position_ids[picked, cols],
                  flatten_cu_seqlens(per_sample[rows], S))
 
 

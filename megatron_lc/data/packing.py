@@ -288,7 +288,8 @@ class PackedDocumentSamples(SampleSource):
         return None if self.loss_mask is None else self._read(self.loss_mask, index, start, stop, 0)
 
     def get(self, index: int, cp_rank: int = 0, cp_size: int = 1, reset_position_ids: bool = False,
-            eod_mask_loss: bool = False, eod_token: int | None = None, cp_ring: int = 1) -> Sample:
+            eod_mask_loss: bool = False, eod_token: int | None = None, cp_ring: int = 1,
+            documents: str = "sequence") -> Sample:
         """This rank's rows only (host memory O(S/cp)); positions always restart at each document (and padding),
         whatever `reset_position_ids`."""
         if eod_mask_loss and eod_token is None:
@@ -297,7 +298,7 @@ class PackedDocumentSamples(SampleSource):
         boundaries = np.asarray(cu, dtype=np.int64)
         used = int(np.sum(self._sample_documents(index)[1]))
         pieces = []
-        for start, stop in cp_ranges(self.seq_length, cp_rank, cp_size, cp_ring):
+        for start, stop in cp_ranges(self.seq_length, cp_rank, cp_size, cp_ring, documents, cu):
             end = min(stop + 1, self.seq_length)  # the next token: the label of the range's last row
             tokens = self.read_tokens(index, start, end)
             labels = np.full(stop - start, IGNORE_INDEX, dtype=np.int64)
