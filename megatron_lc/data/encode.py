@@ -12,7 +12,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from megatron_lc.data.chat import ChatEncoder, ChatSettings, Conversation, TemplateNotPrefixError
+from megatron_lc.data.chat import ChatEncoder, EncodedConversation
+from megatron_lc.data.chat_records import ChatSettings, Conversation
 from megatron_lc.data.corpus import Document, InvalidInputError
 from megatron_lc.data.loss_mask import LOSS_MASK_DTYPE
 from megatron_lc.data.sentences import sentence_splitter, split_all
@@ -177,15 +178,23 @@ def pack_documents(documents: Sequence[list[int] | np.ndarray], prefix: list[int
 
 def encode_conversations(encoder: ChatEncoder, conversations: Sequence[Conversation], locations: Sequence[str],
                          dtype: str) -> EncodedKey:
-    """Each conversation's ids (exactly `apply_chat_template`'s) and loss mask, back to back; a conversation
-    the template refuses is left out and listed in `rejected`; a template that cannot be masked exactly is an
-    `InvalidInputError` naming the first conversation that shows it."""
-    try:
+    """Each conversation's ids (exactly `apply_chat_template`'s) and loss mask, back to back (with
+    `--chat-documents turn`, one document per trained turn); a conversation the template refuses, or whose
+    trained turns cannot be located, is left out whole and listed in `rejected`."""
+    if encoder.settings.documents == "turn":
+        owners = [n for n, conversation in enumerate(conversations) for _ in conversation.trained]
+        turns = [turn for conversation in conversations for turn in conversation.turns()]
+        encoded = encoder.encode_conversations(turns, [locations[n] for n in owners])
+        errors: dict[int, EncodedConversation] = {}
+        for owner, turn in zip(owners, encoded):
+            if turn.error is not None:
+                errors.setdefault(owner, turn)
+        kept = [turn for owner, turn in zip(owners, encoded) if owner not in errors]
+        rejected = [(locations[n], e.error.reason, e.error.detail) for n, e in sorted(errors.items())]
+    else:
         encoded = encoder.encode_conversations(conversations, locations)
-    except TemplateNotPrefixError as error:
-        raise InvalidInputError(str(error)) from None
-    kept = [conversation for conversation in encoded if conversation.error is None]
-    rejected = [(location, c.error.reason, c.error.detail) for location, c in zip(locations, encoded) if c.error]
+        kept = [conversation for conversation in encoded if conversation.error is None]
+        rejected = [(location, c.error.reason, c.error.detail) for location, c in zip(locations, encoded) if c.error]
     documents = [conversation.ids for conversation in kept]
     masks = [conversation.mask for conversation in kept if conversation.mask is not None]
     packed = pack_documents(documents, [], [], dtype)

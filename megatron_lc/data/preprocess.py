@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_lc.data.chat import ChatSettings
+from megatron_lc.data.chat_records import ChatSettings
 from megatron_lc.data.corpus import BytesRead, InputProblems, ProblemCount, ReadOptions, expand_inputs, read_documents
 from megatron_lc.data.encode import EncodeConfig, EncodedKey, TokenizerPool, cached_tokenizer, group_documents
 from megatron_lc.data.indexed_dataset import (
@@ -329,9 +329,10 @@ def run_partition(
 
 
 def document_limit(options: PreprocessOptions, tokenizer: Tokenizer) -> int | None:
-    """--max-document-chars where documents are encoded whole; None where the tokenizer cuts them (its
-    memory is a piece's, whatever the document's length)."""
-    if tokenizer.cuts_long_documents and not options.split_sentences:
+    """--max-document-chars where documents are encoded whole (a conversation always is: its template renders it
+    whole, and its prefixes besides); None where the tokenizer cuts them (its memory is a piece's, whatever the
+    document's length)."""
+    if tokenizer.cuts_long_documents and not options.split_sentences and options.chat is None:
         return None
     return options.max_document_chars
 
@@ -412,7 +413,8 @@ def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: 
                                                      options.lang if options.split_sentences else None],
         "token dtype": dtype,
         "input files (path, size, modification time)": input_identity(files),
-        "--chat-template (its file's SHA-256)/--loss-on": chat_identity(options.chat),
+        "--chat-template (its file's SHA-256)/--loss-on/--chat-documents/--train-key/--chat-template-kwargs-keys":
+            chat_identity(options.chat),
     }
 
 
@@ -422,7 +424,7 @@ def chat_identity(chat: ChatSettings | None) -> list | None:
     if chat is None:
         return None
     digest = path_digest(chat.template_file) if chat.template_file is not None else None
-    return [chat.template, digest, chat.loss_on]
+    return [chat.template, digest, chat.loss_on, chat.documents, chat.train_key, list(chat.template_kwargs_keys)]
 
 
 def plan_partitions(files: list[str], options: PreprocessOptions, work_dir: str) -> list[PartitionPlan]:
