@@ -342,3 +342,14 @@ def test_tools_flags_and_turn_documents_from_the_command_line(chat_tokenizer_dir
     assert documents == expected
     for ids, mask, turn in zip(documents[-2:], masks[-2:], (3, 5)):
         assert chat_hf_tokenizer.decode([t for t, k in zip(ids, mask) if k]) == plain[turn]["content"] + "<|eot_id|>"
+
+
+def test_max_document_chars_applies_to_conversations_even_with_a_tokenizer_that_cuts_text(chat_run, write_jsonl,
+                                                                                          prefix):
+    # the byte-level BPE of Llama 3's pattern encodes long plain text in pieces; a conversation is rendered whole
+    long = [{"role": "user", "content": "a" * 500}, {"role": "assistant", "content": "b"}]
+    path = write_jsonl("chat.jsonl", [{"messages": CONVERSATIONS[0]}, {"messages": long}])
+    with pytest.raises(InvalidInputError, match=f"^{path}:2: document over --max-document-chars: 501 characters"):
+        chat_run([path], max_document_chars=400)
+    summary = chat_run([path], max_document_chars=400, skip_invalid=True)
+    assert summary.documents == 1 and summary.problems.counts["document over --max-document-chars"].count == 1
