@@ -4,6 +4,7 @@ past `PIECE_CHARS`), with BOS/EOD, sentence splitting or a chat template as conf
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing
 from collections import deque
@@ -62,6 +63,7 @@ class EncodedKey:
     sequences_per_document: np.ndarray | None = None
     loss_mask: np.ndarray | None = None  # uint8, one per token (chat.py)
     rejected: tuple[tuple[str, str, str], ...] = ()  # (location, reason, detail) of records left out
+    locations: tuple[str, ...] = ()  # each document's input record (`file:line`), where known
 
     @property
     def documents(self) -> int:
@@ -88,9 +90,10 @@ def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]],
         return [encode_conversations(cached_chat_encoder(config.tokenizer, config.chat),
                                      [record[0] for record in records], locations, config.dtype)]
     try:
-        return _encode_records(config, records)
+        encoded = _encode_records(config, records)
     except TokenizeError as error:
         raise InvalidInputError(_refused_record(config, records, locations, error)) from None
+    return [dataclasses.replace(key, locations=tuple(locations)) for key in encoded]
 
 
 def _refused_record(config: EncodeConfig, records: Sequence[tuple[str, ...]], locations: Sequence[str],
@@ -190,16 +193,19 @@ def encode_conversations(encoder: ChatEncoder, conversations: Sequence[Conversat
             if turn.error is not None:
                 errors.setdefault(owner, turn)
         kept = [turn for owner, turn in zip(owners, encoded) if owner not in errors]
+        kept_locations = [locations[owner] for owner in owners if owner not in errors]
         rejected = [(locations[n], e.error.reason, e.error.detail) for n, e in sorted(errors.items())]
     else:
         encoded = encoder.encode_conversations(conversations, locations)
         kept = [conversation for conversation in encoded if conversation.error is None]
         rejected = [(location, c.error.reason, c.error.detail) for location, c in zip(locations, encoded) if c.error]
+        kept_locations = [location for location, c in zip(locations, encoded) if c.error is None]
     documents = [conversation.ids for conversation in kept]
     masks = [conversation.mask for conversation in kept if conversation.mask is not None]
     packed = pack_documents(documents, [], [], dtype)
     loss_mask = (np.concatenate(masks) if masks else np.zeros(0, LOSS_MASK_DTYPE)) if encoder.settings.masked else None
-    return EncodedKey(packed.tokens, packed.lengths, loss_mask=loss_mask, rejected=tuple(rejected))
+    return EncodedKey(packed.tokens, packed.lengths, loss_mask=loss_mask, rejected=tuple(rejected),
+                      locations=tuple(kept_locations))
 
 
 def _as_array(ids: list[int], dtype: str) -> np.ndarray:

@@ -29,6 +29,7 @@ import numpy as np
 
 from megatron_lc.data.chat_records import ChatSettings
 from megatron_lc.data.corpus import BytesRead, InputProblems, ProblemCount, ReadOptions, expand_inputs, read_documents
+from megatron_lc.data.document_locations import LocationsWriter, locations_path, remove_locations
 from megatron_lc.data.encode import EncodeConfig, EncodedKey, TokenizerPool, cached_tokenizer, group_documents
 from megatron_lc.data.indexed_dataset import (
     IndexedDatasetBuilder,
@@ -181,6 +182,7 @@ class DatasetWriters:
             if masked:
                 self.mask_builders.append(IndexedDatasetBuilder(bin_path(loss_mask_prefix(prefix)),
                                                                 dtype=LOSS_MASK_DTYPE))
+        self.locations = [LocationsWriter(prefix) for prefix in self.prefixes]
         self.tokens = [0] * len(self.prefixes)
         self.loss_tokens = [0] * len(self.prefixes)
 
@@ -191,6 +193,8 @@ class DatasetWriters:
         if exc_type is not None:
             for builder in self.builders + self.mask_builders:
                 builder.abort()
+            for locations in self.locations:
+                locations.abort()
 
     def write(self, encoded: Sequence[EncodedKey]) -> None:
         """Append one task's documents to every dataset, one sequence each (and their loss masks)."""
@@ -201,6 +205,7 @@ class DatasetWriters:
             if self.mask_builders:
                 self.mask_builders[key_index].add_documents(key_documents.loss_mask, key_documents.lengths)
                 self.loss_tokens[key_index] += int(key_documents.loss_mask.sum(dtype=np.int64))
+            self.locations[key_index].add(key_documents.locations)
 
     def finalize(self) -> None:
         """Write every index and move the files into place: a dataset's old index first, then its loss mask (or,
@@ -209,11 +214,13 @@ class DatasetWriters:
         for key_index, (builder, prefix) in enumerate(zip(self.builders, self.prefixes, strict=True)):
             if os.path.exists(idx_path(prefix)):
                 os.remove(idx_path(prefix))
+            remove_locations(prefix)
             if self.mask_builders:
                 self.mask_builders[key_index].finalize(idx_path(loss_mask_prefix(prefix)))
             else:
                 remove_dataset_files(loss_mask_prefix(prefix))
             builder.finalize(idx_path(prefix))
+            self.locations[key_index].finalize(prefix)
 
 
 @dataclass
@@ -573,6 +580,7 @@ def output_files(options: PreprocessOptions) -> set[str]:
     prefixes = dataset_prefixes(options)
     prefixes += [loss_mask_prefix(prefix) for prefix in prefixes]
     listed = {os.path.abspath(skipped_log_path(options.output_prefix))}
+    listed |= {os.path.abspath(locations_path(prefix)) for prefix in dataset_prefixes(options)}
     return {os.path.abspath(path) for prefix in prefixes for path in (bin_path(prefix), idx_path(prefix))} | listed
 
 
