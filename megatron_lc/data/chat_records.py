@@ -153,14 +153,15 @@ def _training_flag(message: Mapping[str, Any], train_key: str | None, where: str
 
 
 def _template_kwargs(record: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """The record's fields named by --chat-template-kwargs-keys (absent or null: not passed); a template argument
-    field not named is a `ConversationError`."""
+    """The record's fields named by --chat-template-kwargs-keys (absent, null or empty: not passed, as a template
+    renders no tools for an empty list); a template argument field not named, and not empty, is a
+    `ConversationError`."""
     for key in TEMPLATE_ARGUMENT_KEYS:
-        if record.get(key) is not None and key not in names:
+        if record.get(key) not in (None, [], "", "[]") and key not in names:
             raise ConversationError(f"{key!r} not passed to the template",
                                     f"the record has {key!r}: give --chat-template-kwargs-keys {key} to render it "
                                     "(the model would otherwise learn calls to what it never saw described)")
-    kwargs = {key: record[key] for key in names if record.get(key) is not None}
+    kwargs = {key: record[key] for key in names if record.get(key) not in (None, [], "", "[]")}
     if isinstance(kwargs.get("tools"), str):  # tools stored as a JSON string (a column of one type)
         try:
             kwargs["tools"] = json.loads(kwargs["tools"])
@@ -192,7 +193,7 @@ def _messages(record: Mapping[str, Any], key: str) -> tuple[dict[str, Any], ...]
 
 
 def _message(item: Any, key: str, index: int) -> dict[str, Any]:
-    """One message as OpenAI's: ShareGPT's from/value renamed, other fields of an OpenAI message kept."""
+    """One message as OpenAI's: ShareGPT's from/value renamed, the other fields of either kept."""
     where = f"{key}[{index}]"
     if not isinstance(item, Mapping):
         raise ConversationError("message not an object", f"{where} is a {type(item).__name__}")
@@ -201,7 +202,7 @@ def _message(item: Any, key: str, index: int) -> dict[str, Any]:
         if role is None:
             raise ConversationError("unknown role", f"{where}: from {item['from']!r} (ShareGPT's are "
                                     f"{', '.join(SHAREGPT_ROLES)})")
-        message = {"role": role}
+        message = {"role": role, **{k: v for k, v in item.items() if k not in ("from", "value")}}
     else:
         role, content_key = item.get("role"), "content"
         if role not in CHAT_ROLES:

@@ -115,6 +115,8 @@ def test_tools_named_by_the_flag_render_as_apply_chat_template_with_tools(chatml
     with pytest.raises(ConversationError, match="'tools' not passed to the template.*--chat-template-kwargs-keys "
                        "tools"):
         read({"messages": TOOL_CONVERSATION, "tools": TOOLS}, ChatSettings("hf"))
+    for empty in ([], "[]", None):  # nothing to describe: read as a record without tools
+        assert read({"messages": PLAIN[0], "tools": empty}, ChatSettings("hf")).template_kwargs == {}
 
 
 def test_content_shapes_tool_call_null_text_parts_and_sharegpt_function_roles(chatml):
@@ -156,6 +158,12 @@ def test_train_key_flags_each_message_and_unread_flags_are_refused(chatml):
         with pytest.raises(ConversationError, match=rf"training flag not read: 'messages'\[1\] has '{key}': give "
                            rf"--train-key {key}"):
             read({"messages": flagged}, ChatSettings("hf"))
+    # ShareGPT turns carry their flags too (axolotl's `weight`)
+    sharegpt = [{"from": "human", "value": "u"}, {"from": "gpt", "value": "a", "weight": 0}]
+    with pytest.raises(ConversationError, match=r"'conversations'\[1\] has 'weight'"):
+        read({"conversations": sharegpt}, ChatSettings("hf"), ("conversations",))
+    with pytest.raises(ConversationError, match="no assistant turn"):
+        read({"conversations": sharegpt}, ChatSettings("hf", train_key="weight"), ("conversations",))
     with pytest.raises(ConversationError, match="bad training flag.*'train' is 'yes'"):
         read({"messages": [dict(plain[0], train="yes")] + plain[1:]}, encoder.settings)
     with pytest.raises(ConversationError, match="no assistant turn.*--train-key train"):
