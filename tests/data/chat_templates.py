@@ -1,6 +1,7 @@
 """Real chat template shapes for the chat tests, made on the spot (nothing downloaded): Qwen2.5's ChatML (a default
 system prompt, tools in the system turn, tool calls and tool responses), Qwen3's (past reasoning dropped, the last
-turn's kept), and a ChatML tokenizer (byte-level BPE with Qwen2's pre-tokenizer) to render them with. The templates
+turn's kept), Llama 3.1 Instruct's (dates in the system turn, tools in the first user turn, JSON tool calls),
+Mistral's [INST] turns, and a ChatML tokenizer (byte-level BPE with Qwen2's pre-tokenizer) to render them with. The templates
 are those the models ship, whitespace control kept, trimmed of branches the tests never reach."""
 
 from __future__ import annotations
@@ -116,3 +117,47 @@ def write_chatml_tokenizer(directory: str | os.PathLike, texts: list[str], templ
     turns = [f"assistant\n\n{text}\n\n{text}\n" for text in texts]
     return write_bytelevel_tokenizer(directory, list(texts) + turns, QWEN2_PATTERN, CHATML_SPECIALS, config,
                                      vocab_size, CHATML_ADDED)
+
+# Llama 3.1 Instruct's template: a system turn with its knowledge and today's dates, tools described in the first user
+# turn, a tool call rendered as JSON, tool results as `ipython` turns (built-in tools left out).
+LLAMA31_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if custom_tools is defined %}{%- set tools = custom_tools %}{%- endif %}"
+    "{%- if not tools_in_user_message is defined %}{%- set tools_in_user_message = true %}{%- endif %}"
+    "{%- if not date_string is defined %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}"
+    "{%- if not tools is defined %}{%- set tools = none %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = \"\" %}{%- endif %}"
+    "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}"
+    "{%- if tools is not none %}{{- \"Environment: ipython\\n\" }}{%- endif %}"
+    "{{- \"Cutting Knowledge Date: December 2023\\n\" }}{{- \"Today Date: \" + date_string + \"\\n\\n\" }}"
+    "{{- system_message }}{{- \"<|eot_id|>\" }}"
+    "{%- if tools_in_user_message and not tools is none %}"
+    "{%- if messages | length != 0 %}{%- set first_user_message = messages[0]['content']|trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}"
+    "{{- raise_exception(\"Cannot put tools in the first user message when there's no first user message!\") }}"
+    "{%- endif %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}"
+    "{{- \"Given the following functions, please respond with a JSON for a function call \" }}"
+    "{{- \"with its proper arguments that best answers the given prompt.\\n\\n\" }}"
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
+    "value}.' }}{{- \"Do not use variables.\\n\\n\" }}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- \"\\n\\n\" }}{%- endfor %}"
+    "{{- first_user_message + \"<|eot_id|>\"}}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+    "'<|eot_id|>' }}"
+    "{%- elif 'tool_calls' in message %}"
+    "{%- if not message.tool_calls|length == 1 %}"
+    "{{- raise_exception(\"This model only supports single tool-calls at once!\") }}{%- endif %}"
+    "{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}"
+    "{{- \"}\" }}{{- \"<|eot_id|>\" }}"
+    "{%- elif message.role == \"tool\" or message.role == \"ipython\" %}"
+    "{{- \"<|start_header_id|>ipython<|end_header_id|>\\n\\n\" }}"
+    "{%- if message.content is mapping or message.content is iterable %}{{- message.content | tojson }}"
+    "{%- else %}{{- message.content }}{%- endif %}{{- \"<|eot_id|>\" }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")

@@ -13,6 +13,7 @@ from megatron_lc.data.chat import ChatEncoder
 from megatron_lc.data.chat_records import ChatSettings, ConversationError, conversation_from_record
 from megatron_lc.data.encode import encode_conversations
 from tests.data.chat_templates import (
+    LLAMA31_TEMPLATE,
     MISTRAL_TEMPLATE,
     QWEN3_TEMPLATE,
     QWEN25_GENERATION_TEMPLATE,
@@ -219,3 +220,15 @@ def test_mistral_inst_turns_mask_exactly(chat_tokenizer_dir, chat_hf_tokenizer, 
     ids, mask = encoder.ids_and_mask(read({"messages": messages}, encoder.settings))
     assert ids == reference_chat_ids(chat_hf_tokenizer, messages, chat_template=MISTRAL_TEMPLATE)
     assert trained_text(chat_hf_tokenizer, ids, mask) == "holds tokens<|eot_id|>many<|eot_id|>"
+
+
+def test_llama31_tools_in_the_first_user_turn_and_a_json_tool_call(chat_tokenizer_dir, chat_hf_tokenizer, tmp_path):
+    template = tmp_path / "llama31.jinja"
+    template.write_text(LLAMA31_TEMPLATE)
+    encoder = encoder_for(chat_tokenizer_dir, template, template_kwargs_keys=("tools",))
+    ids, mask = encoder.ids_and_mask(read({"messages": TOOL_CONVERSATION, "tools": TOOLS}, encoder.settings))
+    assert ids == reference_chat_ids(chat_hf_tokenizer, TOOL_CONVERSATION, tools=TOOLS, chat_template=LLAMA31_TEMPLATE)
+    text = chat_hf_tokenizer.decode(ids)
+    assert "Cutting Knowledge Date" in text and '"get_weather"' in text.split("<|eot_id|>")[1]  # tools, untrained
+    assert trained_text(chat_hf_tokenizer, ids, mask) == (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>clear skies in Paris<|eot_id|>')
