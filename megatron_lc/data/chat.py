@@ -203,7 +203,8 @@ class ChatEncoder:
                 results[n].mask[len(start): len(end)] = 1
                 continue
             try:
-                self._mask_characters(results[n].mask, encoded[n], wholes[n], start_text, end_text, i)
+                self._mask_characters(results[n].mask, encoded[n], wholes[n], start_text, end_text, i,
+                                      conversations[n].messages[i]["role"] == "assistant")
             except ConversationError as error:
                 results[n] = EncodedConversation([], None, error)
         return results
@@ -221,11 +222,13 @@ class ChatEncoder:
                 texts[k] = text
         return texts
 
-    def _mask_characters(self, mask: np.ndarray, encoding: Any, whole: str, start: str, end: str, index: int) -> None:
+    def _mask_characters(self, mask: np.ndarray, encoding: Any, whole: str, start: str, end: str, index: int,
+                         prompted: bool) -> None:
         """Mark the tokens whose characters overlap the span from the end of `start` to the end of `end` (both
         renderings of a prefix of `whole`); a `ConversationError` saying where they part from the whole when
         they are not prefixes of it, or when the tokenizer gives no character offsets."""
-        for count, text, prompt in ((index, start, " with the generation prompt"), (index + 1, end, "")):
+        prompted = " with the generation prompt" if prompted else ""
+        for count, text, prompt in ((index, start, prompted), (index + 1, end, "")):
             if not whole.startswith(text):
                 at = next((k for k, (a, b) in enumerate(zip(text, whole)) if a != b), min(len(text), len(whole)))
                 raise ConversationError(
@@ -246,16 +249,12 @@ class ChatEncoder:
 
     def _one_by_one(self, conversations: Sequence[Conversation], locations: Sequence[str],
                     error: ConversationError) -> list[EncodedConversation]:
-        """After the template refused one of a batch: each encoded alone, to find which (one alone: its error)."""
+        """After the template refused one of a batch: each encoded alone, to find which (one alone: its error in its
+        entry)."""
         if len(conversations) == 1:
-            raise error
-        results = []
-        for conversation, location in zip(conversations, locations, strict=True):
-            try:
-                results.append(self.encode_conversations([conversation], [location])[0])
-            except ConversationError as refused:
-                results.append(EncodedConversation([], None, refused))
-        return results
+            return [EncodedConversation([], None, error)]
+        return [self.encode_conversations([conversation], [location])[0]
+                for conversation, location in zip(conversations, locations, strict=True)]
 
     def _anchors(self, text: str, whole: list[int], encoding: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The token indices of the split tokens found in the whole's text (an id the model gives for something

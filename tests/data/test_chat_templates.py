@@ -232,3 +232,16 @@ def test_llama31_tools_in_the_first_user_turn_and_a_json_tool_call(chat_tokenize
     assert "Cutting Knowledge Date" in text and '"get_weather"' in text.split("<|eot_id|>")[1]  # tools, untrained
     assert trained_text(chat_hf_tokenizer, ids, mask) == (
         '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>clear skies in Paris<|eot_id|>')
+
+
+def test_a_task_of_one_conversation_the_template_refuses_is_a_rejected_record(chat_tokenizer_dir, tmp_path):
+    # a record alone in its task (the last of a file, or one long enough to fill a task) is skippable as any other
+    template = tmp_path / "mistral.jinja"
+    template.write_text(MISTRAL_TEMPLATE)
+    encoder = encoder_for(chat_tokenizer_dir, template)
+    refused = read({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                 {"role": "assistant", "content": "a"}]}, encoder.settings)
+    key = encode_conversations(encoder, [refused], ["m.jsonl:9"], "int32")
+    assert [(location, reason) for location, reason, _ in key.rejected] == [
+        ("m.jsonl:9", "refused by the chat template")]
+    assert len(key.tokens) == len(key.lengths) == 0
