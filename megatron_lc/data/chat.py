@@ -124,8 +124,8 @@ class ChatEncoder:
     def render(self, conversations: Sequence[Sequence[dict]], add_generation_prompt: bool,
                kwargs: Sequence[Any] | None = None) -> list[str]:
         """Each conversation's text, rendered with its template keywords (`kwargs[k]`, a mapping; consecutive
-        conversations with the same mapping object in one call); a `ConversationError` when the template refuses
-        one."""
+        conversations with the same mapping object, or none, in one call); a `ConversationError` when the template
+        refuses one."""
         import jinja2
 
         kwargs = kwargs if kwargs is not None else [{}] * len(conversations)
@@ -133,12 +133,13 @@ class ChatEncoder:
         start = 0
         while start < len(conversations):
             end = start + 1
-            while end < len(conversations) and kwargs[end] is kwargs[start]:
+            same = kwargs[start]
+            while end < len(conversations) and (kwargs[end] is same or not (kwargs[end] or same)):
                 end += 1
             try:
                 rendered = self.tokenizer.apply_chat_template(
                     [list(c) for c in conversations[start:end]], tokenize=False, chat_template=self.template,
-                    add_generation_prompt=add_generation_prompt, **kwargs[start])
+                    add_generation_prompt=add_generation_prompt, **same)
             except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as error:
                 raise ConversationError("refused by the chat template", f"{type(error).__name__}: {error}") from None
             texts += [rendered] if isinstance(rendered, str) else list(rendered)

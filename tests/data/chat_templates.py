@@ -1,8 +1,8 @@
 """Real chat template shapes for the chat tests, made on the spot (nothing downloaded): Qwen2.5's ChatML (a default
 system prompt, tools in the system turn, tool calls and tool responses), Qwen3's (past reasoning dropped, the last
 turn's kept), Llama 3.1 Instruct's (dates in the system turn, tools in the first user turn, JSON tool calls),
-Mistral's [INST] turns, and a ChatML tokenizer (byte-level BPE with Qwen2's pre-tokenizer) to render them with. The templates
-are those the models ship, whitespace control kept, trimmed of branches the tests never reach."""
+Mistral's [INST] turns, and a ChatML tokenizer (byte-level BPE with Qwen2's pre-tokenizer) to render them with.
+The templates are those the models ship, whitespace control kept, trimmed of branches the tests never reach."""
 
 from __future__ import annotations
 

@@ -245,3 +245,20 @@ def test_a_task_of_one_conversation_the_template_refuses_is_a_rejected_record(ch
     assert [(location, reason) for location, reason, _ in key.rejected] == [
         ("m.jsonl:9", "refused by the chat template")]
     assert len(key.tokens) == len(key.lengths) == 0
+
+
+def test_conversations_render_in_one_call_per_run_of_the_same_template_keywords(chat_tokenizer_dir):
+    encoder = encoder_for(chat_tokenizer_dir, template_kwargs_keys=("tools",))
+    calls = []
+    render = encoder.tokenizer.apply_chat_template
+
+    def recording(conversations, **kwargs):
+        calls.append((len(conversations), "tools" in kwargs))
+        return render(conversations, **kwargs)
+
+    encoder.tokenizer.apply_chat_template = recording
+    plain = [read({"messages": m}, encoder.settings) for m in PLAIN]
+    tooled = read({"messages": PLAIN[0], "tools": TOOLS}, encoder.settings)
+    encoder.encode_conversations(plain + [tooled] + plain, [""] * 7)
+    wholes = [call for call in calls[:3]]
+    assert wholes == [(3, False), (1, True), (3, False)]  # the whole renderings: three calls, not seven
