@@ -70,8 +70,11 @@ class Batch:
 
 
 def make_batch(num_samples: int, seq_length: int, vocab: int, *, seed: int = 0, num_docs: int = 3,
-               ignore_fraction: float = 0.0, masked_spans: bool = False) -> tuple[Batch, list[tuple]]:
+               ignore_fraction: float = 0.0, masked_spans: bool = False,
+               documents: list[list[int]] | None = None) -> tuple[Batch, list[tuple]]:
     """Random tokens with packed documents of uneven lengths and unevenly ignored labels.
+
+    `documents`: each sample's document lengths (summing to `seq_length`) instead of `num_docs` at random.
 
     `masked_spans`: targets ignored as a chat loss mask ignores them, in spans (the prompts), a different
     share in each sample, and sample 1 ignored whole (a micro-batch or rank with no loss token).
@@ -91,7 +94,12 @@ def make_batch(num_samples: int, seq_length: int, vocab: int, *, seed: int = 0, 
         if num_samples > 1:
             labels[1] = -100
     per_sample = []
-    for _ in range(num_samples):
+    for b in range(num_samples):
+        if documents is not None:
+            if sum(documents[b]) != seq_length:
+                raise ValueError(f"sample {b}'s documents {documents[b]} do not sum to {seq_length}")
+            per_sample.append(tuple(itertools.accumulate(documents[b], initial=0)))
+            continue
         cuts = sorted(torch.randperm(seq_length - 1, generator=g)[: num_docs - 1].add(1).tolist())
         per_sample.append((0, *cuts, seq_length))
     positions = torch.arange(seq_length).expand(num_samples, seq_length)
