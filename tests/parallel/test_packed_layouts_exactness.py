@@ -29,7 +29,7 @@ def _batch(*samples):
 
 def test_ring_keeping_short_documents_home_matches_single_process():
     """p2p ring of 4 (`local`), no memory stack: one sample of mixed documents, one of documents that each fit a
-    rank (all kept home: nothing but the last document's pieces travels)."""
+    rank (all kept home: none of its rows travels)."""
     run_distributed(check_against_reference, 4, DEBUG, 4, parallelize_options(cp_documents="local"),
                     _batch(MIXED, FIT_ONE_RANK), 2, 4)
 
