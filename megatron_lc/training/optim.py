@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),
@@ -143,7 +144,9 @@ class HostAdamW:
 
     def checkpoint_state(self, names: dict[int, str], empty: bool = False) -> dict:
         """`get_optimizer_state_dict`'s structure (state by parameter name, param_groups naming them), the
-        moments as DTensors of the parameters' layout over the host tensors; `empty`: zeros to load into."""
+        moments as DTensors of the parameters' layout over the host tensors themselves (a save reads them, a load
+        writes into them: nothing crosses to the accelerator); `empty`: host tensors to load into (the moments
+        themselves once they exist, zeros before)."""
         state = {}
         for p, master in zip(self.params, self.masters):
             held = self.inner.state.get(master)
@@ -152,7 +155,7 @@ class HostAdamW:
             entry = {"step": torch.zeros((), dtype=torch.float32) if held is None else held["step"]}
             for key in ("exp_avg", "exp_avg_sq"):
                 local = torch.zeros_like(master) if held is None else held[key]
-                entry[key] = _like_param(local, p)
+                entry[key] = _on_host_like_param(local, p)
             state[names[id(p)]] = entry
         settings = {k: v for k, v in self.inner.param_groups[0].items() if k != "params"}  # every group's
         return {"state": state, "param_groups": [{**settings, "params": [names[id(p)] for p in self.params]}]}
@@ -164,7 +167,7 @@ class HostAdamW:
             entry = loaded["state"][names[id(p)]]
             self.inner.state[master] = {
                 "step": torch.as_tensor(entry["step"], dtype=torch.float32).clone(),
-                **{key: _local(entry[key]).to(self.host).clone() for key in ("exp_avg", "exp_avg_sq")}}
+                **{key: _local(entry[key]).to(self.host) for key in ("exp_avg", "exp_avg_sq")}}  # loaded in place
         saved = loaded["param_groups"][0]  # the resident optimizer's one group
         for group in self.inner.param_groups:
             group.update({k: v for k, v in saved.items() if k != "params"})
@@ -174,11 +177,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _on_host_like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`local` as this rank's shard of a DTensor laid out as `param`, left where it is. `DTensor.from_local` would
+    copy it to the mesh's device type (the accelerator: 8 bytes a parameter of moments at every save and load);
+    the DTensor constructor (the same in torch 2.11 to 2.13) wraps it as it is, and checkpointing reads and fills
+    a DTensor's local shard on any device."""
     if not isinstance(param, DTensor):
         return local
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    meta = TensorMeta(param.shape, param.stride(), local.dtype)
+    return DTensor(local, DTensorSpec(param.device_mesh, param.placements, tensor_meta=meta), requires_grad=False)
 
 
 def _shard_groups(params) -> list:
