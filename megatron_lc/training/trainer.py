@@ -18,7 +18,7 @@ from megatron_lc.attention.kernel_selection import running_kernel
 from megatron_lc.errors import EXIT_RESUME, ConfigError, leave_now
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
-from megatron_lc.training.preflight import check_host_memory, preflight
+from megatron_lc.training.preflight import check_host_before_step_one, preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.packing import PackingSpec
 from megatron_lc.data.samples import MockSamples, SampleSource
@@ -128,11 +128,12 @@ def build_run(cfg: TrainConfig) -> Run:
         if isinstance(worker_loader, WorkerLoader):
             worker_loader.start()
     model, offload = build_sharded_model(cfg, spec, pstate, devices)
-    if offload is not None:  # page-lock the host arenas before step 1 (logged; minutes for a terabyte)
-        block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
-        block = (cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size, model_config.hidden_size)
-        check_host_memory(offload.reserve_bytes(block, block_dtype),
-                          "the offloaded block inputs (--offload-activations)")
+    # Everything the host keeps is weighed first, then made and page-locked before step 1 (logged; minutes for a
+    # terabyte): the offload arenas, the host optimizer's buffers.
+    block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
+    block = (cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size, model_config.hidden_size)
+    check_host_before_step_one(cfg, model, offload.reserve_bytes(block, block_dtype) if offload else 0)
+    if offload is not None:
         offload.reserve(block, block_dtype)
     optimizer = build_run_optimizer(model, cfg, devices)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
