@@ -219,6 +219,11 @@ class HostAdamW:
         """The host buffers the gradients are moved into (one per parameter, made with the optimizer)."""
         return list(self._grad_buffers)
 
+    def host_buffers(self) -> list[torch.Tensor]:
+        """Every buffer this optimizer made on the host with itself: master weights, gradient buffers, staging slots
+        (AdamW's moments are in `inner`'s state)."""
+        return [*self.masters, *self._grad_buffers, *self._staging.views]
+
     def page_locked_bytes(self) -> int:
         """Host bytes page-locked for this optimizer (0 when its memory is ordinary): exactly its master weights,
         gradient buffers and staging slots."""
@@ -227,9 +232,8 @@ class HostAdamW:
     def host_bytes(self) -> int:
         """Bytes this optimizer holds on the host between steps: master weights, gradient buffers, staging slots
         and AdamW's state."""
-        tensors = [*self.masters, *self._grad_buffers, *self._staging.views,
-                   *(t for state in self.inner.state.values() for t in state.values() if torch.is_tensor(t))]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        state = [t for held in self.inner.state.values() for t in held.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in [*self.host_buffers(), *state])
 
     def clip_grad_norm(self, max_norm: float | None, device: torch.device) -> torch.Tensor:
         """The global L2 norm of the host gradients (on `device`), computed as `clip_grad_norm` computes it over

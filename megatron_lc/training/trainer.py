@@ -12,6 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from megatron_lc.attention.kernel_selection import running_kernel
@@ -40,8 +41,8 @@ from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.training.startup import start_processes
 from megatron_lc.scheduler import current_job
 from megatron_lc.training.step_progress import StepProgress
-from megatron_lc.training.stopping import (DEFAULT_GRACE_S, StartupSignals, StopRequest, clear_stopped, deadlines,
-                                           mark_stopped)
+from megatron_lc.training.stopping import (DEFAULT_GRACE_S, StartupSignals, StepAbandoned, StopRequest, clear_stopped,
+                                           deadlines, mark_stopped)
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
 
 
@@ -341,6 +342,10 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
                        c.save_interval_minutes, run.timing, run.devices.accelerator,
                        grace_s=DEFAULT_GRACE_S if cfg.train.exit_signal_grace_secs is None
                        else cfg.train.exit_signal_grace_secs, abandon=abandon, received=early.received)
+    if cfg.train.exit_signal_handler:  # a step a signal abandons is left at a block boundary
+        stop.watch_blocks(run.model.layers)
+        if run.pstate.distributed:
+            stop.boundary_group = dist.new_group(backend="gloo")
     history, step_times, began = History(), [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
     progress = StepProgress(list(run.model.layers), print_flushed) if run.is_logging_rank else None
@@ -359,8 +364,16 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
             if progress is not None:
                 progress.begin(step, cfg.train.train_iters, run.accumulation, run.timing.step_s())
             stop.begin_step(step)
-            metrics = train_one_step(run, step)
-            stop.end_step()
+            before = _before_step(run)
+            try:
+                metrics = train_one_step(run, step)
+            except StepAbandoned as reason:
+                history.stopped = _save_the_last_finished_step(run, step, str(reason), before)
+                resumable[0] = step - 1
+                print_rank_0(run, history.stopped)
+                break
+            finally:
+                stop.end_step()
             metrics["attention_kernel"] = kernel
             step_times.append(metrics["step_time_s"])
             run.timing.step_times.append(metrics["step_time_s"])
@@ -392,6 +405,7 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
                 save(run, step)
                 stop.saved()
                 resumable[0] = step
+            stop.unsaved_step = step if resumable[0] != step else None
             if exiting and not history.stopped:  # asked for: this invocation is done (exit 0)
                 print_rank_0(run, f"stopping after step {step}: --exit-interval {cfg.train.exit_interval}"
                                   + ("" if c.save else " (no --save: nothing saved)"))
@@ -410,6 +424,32 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
             progress.close()
         logger.close()
     return history
+
+
+def _before_step(run: Run) -> dict:
+    """What a step changes before its optimizer step and a save of the step before it records: where the data
+    stood, the generators."""
+    state = {"data": run.loader.state_dict(), "rng": torch.get_rng_state()}
+    if run.devices.is_cuda:
+        state["cuda_rng"] = torch.cuda.get_rng_state(run.devices.accelerator)
+    return state
+
+
+def _save_the_last_finished_step(run: Run, step: int, reason: str, before: dict) -> str:
+    """Drop what the abandoned `step` made (gradients, unsharded parameters, offloaded inputs), save the step before
+    it as it ended; the line saying so."""
+    for module in run.model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.offload is not None:
+        run.offload.release_all()
+    torch.set_rng_state(before["rng"])
+    if "cuda_rng" in before:
+        torch.cuda.set_rng_state(before["cuda_rng"], run.devices.accelerator)
+    if run.cfg.checkpoint.save:
+        save(run, step - 1, data=before["data"])
+    return f"stopping inside step {step}: {reason}; step {step - 1}, never saved before, saved to resume from"
 
 
 def run_validation(run: Run, evaluation: int) -> dict:
