@@ -364,7 +364,7 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
             if progress is not None:
                 progress.begin(step, cfg.train.train_iters, run.accumulation, run.timing.step_s())
             stop.begin_step(step)
-            before = _before_step(run)
+            before = _before_step(run) if cfg.train.exit_signal_handler else None  # what an abandoned step restores
             try:
                 metrics = train_one_step(run, step)
             except StepAbandoned as reason:
