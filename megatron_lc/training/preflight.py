@@ -216,16 +216,21 @@ def read_host_memory(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/
     return HostMemory(limit, used, available, file)
 
 
-def check_host_before_step_one(cfg: TrainConfig, model: torch.nn.Module, offload_bytes: int) -> None:
-    """`check_host_memory` for what this rank keeps on the host from before step 1: `offload_bytes` of offload
-    arenas (--offload-activations) and, with --optimizer-cpu-offload, the host optimizer's exact buffers and
-    moments (`HostOptimizerBytes`). Call it on every rank before any of them is made."""
+def check_host_before_step_one(cfg: TrainConfig, model: torch.nn.Module, offload_bytes: int,
+                               kept_attention_bytes: int = 0, memory: HostMemory | None = None) -> None:
+    """`check_host_memory` for what this rank keeps on the host: `offload_bytes` of block-input arenas
+    (--offload-activations), `kept_attention_bytes` of kept attention outputs (--keep-attention-output) and,
+    with --optimizer-cpu-offload, the host optimizer's exact buffers and state (`HostOptimizerBytes`). Call it on
+    every rank before any of them is made."""
     need, what = offload_bytes, ["the offloaded block inputs (--offload-activations)"] if offload_bytes else []
+    if kept_attention_bytes:
+        need += kept_attention_bytes
+        what.append("their kept attention outputs (--keep-attention-output)")
     if cfg.optim.optimizer_cpu_offload:
         need += HostOptimizerBytes.of([p for p in model.parameters() if p.requires_grad]).total
         what.append("the optimizer's master weights, gradients and moments (--optimizer-cpu-offload)")
     if need:
-        check_host_memory(need, " and ".join(what))
+        check_host_memory(need, " and ".join(what), memory)
 
 
 def check_host_memory(need: int, what: str, memory: HostMemory | None = None) -> None:
