@@ -14,6 +14,8 @@ figures, with `failures` naming what failed.
   stack, against the planner (the fake group moves nothing: times are compute only).
 - packed_documents: one step of whole documents packed into a sample (each attending to itself, positions from 0),
   loss and gradients finite, against the planner's peak.
+- fa3_head_dim_128: FA3 behind torch's flash kernel where installed, packed causal and ring's unmasked calls at
+  the check's head dim (128 on the GPU) against the reference; skipped with the reason elsewhere.
 """
 
 from __future__ import annotations
@@ -143,6 +145,30 @@ def case_packed_documents(checks, s) -> dict:
             "failures": [] if finite else ["packed_documents: loss or gradient norm not finite"]}
 
 
+def case_fa3_head_dim_128(checks, s) -> dict:
+    """FA3 behind torch's flash kernel, where it is installed and the card takes it: packed causal calls and ring's
+    unmasked calls at head dim 128 against the reference; torch's own kernels restored after."""
+    from megatron_lc.attention import flash_impl, kernels
+
+    T, H, Hkv, d = s.kernel_shape
+    if s.device != "cuda":
+        return {"skipped": "CUDA only", "failures": []}
+    device = torch.device(s.device)
+    try:
+        running = flash_impl.activate_flash_impl("fa3", device)
+    except flash_impl.FlashImplRefused as refused:
+        return {"skipped": f"fa3: {refused}", "failures": []}
+    if running != "fa3":  # not installed, or not for this card: warned, torch's own kernels kept
+        return {"skipped": f"fa3 does not run here ({running} does)", "failures": []}
+    try:
+        kernel = kernels.KERNELS["sdpa_flash"]
+        runs = {"packed": checks.check_kernel(kernel, s.dtype, s), "unmasked": checks.check_unmasked(kernel, s.dtype, s)}
+    finally:
+        flash_impl.activate_flash_impl("default", device)
+    return {"running": running, "head_dim": d, **runs,
+            "failures": [f"fa3_{name}" for name, r in runs.items() if not r["within_tolerance"]]}
+
+
 def compute_seconds(checks, s, step) -> float:
     """The cases' GPU compute on one H100 by the time model (`step(cfg, world_size)`: one step's seconds)."""
     on_host = checks.config(s, s.bitwise_length, HOST_OPTIMIZER, optimizer_cpu_offload=True)
@@ -154,7 +180,7 @@ def compute_seconds(checks, s, step) -> float:
 
 
 CASES = {"host_optimizer": case_host_optimizer, "replay_kept_attention": case_replay_kept_attention,
-         "ring": case_ring, "packed_documents": case_packed_documents}
+         "ring": case_ring, "packed_documents": case_packed_documents, "fa3_head_dim_128": case_fa3_head_dim_128}
 
 
 def section_model_steps(checks, s) -> dict:
