@@ -83,7 +83,8 @@ def _host_layout(params: list[torch.Tensor]) -> tuple[list[tuple[int, ...]], tor
     """Each parameter's local shape, and their one dtype (the fp32 master weights)."""
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
-        raise ValueError(f"the host optimizer keeps one dtype of master weights; the parameters hold {sorted(map(str, dtypes))}")
+        raise ValueError("the host optimizer keeps one dtype of master weights; the parameters hold "
+                         f"{sorted(map(str, dtypes))}")
     return [tuple(_local(p).shape) for p in params], dtypes.pop() if dtypes else torch.float32
 
 
@@ -158,6 +159,7 @@ class HostAdamW:
             self._copies.append(self._to_host(master.grad, grad))
             self._filled[i] = True
         else:
+            self._wait_for_copies()  # the earlier micro-batches' (done long since): the adds write their buffers
             self._add_through_staging(master.grad.view(-1), grad.reshape(-1))
         param.grad = None
 
@@ -193,6 +195,9 @@ class HostAdamW:
         """Every gradient of this step on the host: the copies done, the staged parts added."""
         while self._adds:
             self._free_staging.append(self._finish_oldest_add())
+        self._wait_for_copies()
+
+    def _wait_for_copies(self) -> None:
         for done in self._copies:
             if done is not None:
                 done.synchronize()

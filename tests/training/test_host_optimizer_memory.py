@@ -155,6 +155,8 @@ def test_on_a_gpu_gradient_copies_do_not_stall_the_backward_and_are_waited_on_be
     assert len(staged) == parts and sum(e[0] == "add" for e in log[:norm]) == parts
     adds = [i for i, e in enumerate(log) if e[0] == "add"]
     assert all(log[i - 1][0] == "wait" for i in adds), "a staged part is added only once its copy was waited on"
+    first_copies = {e[1] for e in first if e[0] == "record"}  # the buffers the adds write are filled first
+    assert first_copies <= {e[1] for e in log[:adds[0]] if e[0] == "wait"}
     _assert_the_resident_sum(optimizer, batches)
 
 
