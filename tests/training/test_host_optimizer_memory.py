@@ -173,7 +173,7 @@ def _within_ptr(ptr, view):
     return view.data_ptr() <= ptr < view.data_ptr() + view.numel() * view.element_size()
 
 
-def test_accumulating_later_micro_batches_reuses_the_staging_slots_and_allocates_nothing_on_the_host():
+def test_later_micro_batches_cross_through_the_staging_slots_made_with_the_optimizer_bit_for_bit():
     """On a CPU accelerator the same path runs with plain copies: the second micro-batch's gradients pass through
     the two slots made with the optimizer, and the gradients equal the resident sum bit for bit."""
     model = _model()
