@@ -19,6 +19,7 @@ from megatron_lc.attention.kernel_selection import running_kernel
 from megatron_lc.errors import EXIT_RESUME, ConfigError, leave_now
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
+from megatron_lc.training.optim import HostAdamW
 from megatron_lc.training.preflight import check_host_before_step_one, preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.packing import PackingSpec
@@ -267,6 +268,9 @@ def train_one_step(run: Run, step: int) -> dict:
     if run.offload is not None:
         metrics["host_offload_gib"] = run.offload.host_bytes_peak / 2**30
         metrics["host_page_locked_gib"] = run.offload.page_locked_bytes / 2**30
+    if isinstance(run.optimizer, HostAdamW):  # what the plan's host bytes count of it, and what is page-locked
+        metrics["host_optimizer_gib"] = run.optimizer.host_bytes() / 2**30
+        metrics["host_optimizer_page_locked_gib"] = run.optimizer.page_locked_bytes() / 2**30
     return metrics
 
 

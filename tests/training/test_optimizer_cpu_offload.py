@@ -48,6 +48,8 @@ def test_one_process_run_equals_the_resident_optimizer_bit_for_bit():
         a, b = train_one_step(resident, step), train_one_step(offloaded, step)
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), step
         assert all(p.grad is None for p in offloaded.model.parameters())  # moved to the host, freed
+        assert b["host_optimizer_gib"] == offloaded.optimizer.host_bytes() / 2**30 > 0
+        assert b["host_optimizer_page_locked_gib"] == 0 and "host_optimizer_gib" not in a  # ordinary memory on CPU
     assert a["grad_norm"] > 0.05  # the clip acted
     for (name, p), q in zip(resident.model.named_parameters(), offloaded.model.parameters()):
         assert torch.equal(p, q), name
