@@ -209,9 +209,11 @@ class StopRequest:
             raise StepAbandoned(self.abandoning or "a stop signal on another rank")
 
     def watch_blocks(self, blocks) -> list:
-        """Check `at_block_boundary` before each block's forward (its recompute in the backward too); the hooks'
-        handles. With several processes the ranks agree at every boundary, which they all pass in one order."""
-        return [block.register_forward_pre_hook(lambda module, args: self.at_block_boundary()) for block in blocks]
+        """Check `at_block_boundary` before each block's forward (its recompute in the backward too), ahead of the
+        block's other hooks (FSDP's all-gather); the hooks' handles. With several processes the ranks agree at every
+        boundary, which they all pass in one order."""
+        return [block.register_forward_pre_hook(lambda module, args: self.at_block_boundary(), prepend=True)
+                for block in blocks]
 
     def too_late_to_finish(self, signum: int) -> str | None:
         """Why the step in progress cannot finish and save within the grace time after signal `signum` (None: it
