@@ -414,7 +414,7 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
                 save(run, step)
                 stop.saved()
                 resumable[0] = step
-            stop.unsaved_step = step if resumable[0] != step else None
+            stop.unsaved_step = step if c.save and resumable[0] != step else None  # an abandoned step saves it
             if exiting and not history.stopped:  # asked for: this invocation is done (exit 0)
                 print_rank_0(run, f"stopping after step {step}: --exit-interval {cfg.train.exit_interval}"
                                   + ("" if c.save else " (no --save: nothing saved)"))
