@@ -275,6 +275,29 @@ def detect_launch(env: Mapping[str, str] = os.environ) -> LaunchInfo:
     return LaunchInfo(0, 1, 0, "single")
 
 
+LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+"""Processes on this node, as torchrun, Open MPI, MPICH and srun say it."""
+
+
+def local_processes(env: Mapping[str, str] = os.environ) -> int:
+    """This node's processes of the run, from the launcher's environment (1 when none says)."""
+    return next((int(env[v]) for v in LOCAL_SIZE_VARIABLES if env.get(v, "").isdigit() and int(env[v]) > 0), 1)
+
+
+def host_threads_per_process(env: Mapping[str, str] = os.environ, usable_cores: int | None = None,
+                             node_cores: int | None = None) -> int:
+    """Threads this process's host compute (the host optimizer's step) should run: the node's cores shared by its
+    processes, within the cores this process may run on (its affinity: srun --cpus-per-task and mpirun bind it)
+    and Slurm's SLURM_CPUS_PER_TASK. Not OMP_NUM_THREADS: torchrun sets it to 1 for several processes a node."""
+    usable = len(os.sched_getaffinity(0)) if usable_cores is None else usable_cores
+    node = (os.cpu_count() or 1) if node_cores is None else node_cores
+    threads = min(usable, node // local_processes(env))
+    per_task = env.get("SLURM_CPUS_PER_TASK", "")
+    if per_task.isdigit() and int(per_task) > 0:
+        threads = min(threads, int(per_task))
+    return max(1, threads)
+
+
 def require_launcher(env: Mapping[str, str] = os.environ) -> LaunchInfo:
     """`detect_launch`, refusing one process started without a launcher inside a Slurm allocation of several
     tasks (a batch script or salloc shell running python directly), which would otherwise train alone."""

@@ -114,39 +114,40 @@ def _page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
     return raw[start:start + nbytes]
 
 
-class HostArena:
-    """``slots`` host buffers of one shape and dtype, carved from one exact allocation.
+class ExactHostBuffers:
+    """Host tensors of the given shapes (one dtype), carved from one allocation of exactly their bytes.
 
-    ``lock``/``unlock`` page-lock the allocation (None: ordinary memory). The views share
-    the allocation's storage, so a memory tracker sees one buffer of exactly the bytes
-    the slots hold. A locked arena starts on a page boundary inside an allocation two
-    pages longer, so no page it locks is shared with other memory (locking a page twice
-    fails).
+    ``lock``/``unlock`` page-lock the allocation (None: ordinary memory): one registration of exactly
+    ``nbytes``, where ``pin_memory=True`` would round each tensor up to a power of two. The views share
+    the allocation's storage, so a memory tracker sees one buffer of exactly their bytes. A locked
+    allocation starts on a page boundary inside one two pages longer, so no page it locks is shared with
+    other memory (locking a page twice fails). The offload arenas and the host optimizer's master weights,
+    gradient buffers and staging are all made this way.
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, slots: int, device: torch.device,
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
                  lock=None, unlock=None) -> None:
-        numel = math.prod(shape)
-        self.nbytes = slots * numel * dtype.itemsize
-        self._storage = torch.empty(slots * numel, dtype=dtype, device=device) if lock is None \
+        numels = [math.prod(shape) for shape in shapes]
+        total = sum(numels)
+        self.nbytes = total * dtype.itemsize
+        self._storage = torch.empty(total, dtype=dtype, device=device) if lock is None \
             else _page_aligned(self.nbytes, device).view(dtype)
         self._unlock = None  # set once the lock holds: a failed registration has nothing to undo
-        if lock is not None:
+        if lock is not None and self.nbytes:
             lock(self._storage)
             self._unlock = unlock
-        self.free = [self._storage[i * numel:(i + 1) * numel].view(shape) for i in range(slots)]
-        self.slots = slots
+        starts = itertools.accumulate(numels, initial=0)
+        self.views = [self._storage[start:start + n].view(shape) for start, n, shape in zip(starts, numels, shapes)]
 
     @property
-    def idle(self) -> bool:
-        """No slot is in use."""
-        return len(self.free) == self.slots
+    def page_locked(self) -> bool:
+        return self._unlock is not None
 
     def close(self) -> None:
-        """Unlock and drop the allocation (every slot must be free)."""
+        """Unlock and drop the allocation (no view may be in use)."""
         if self._unlock is not None and self._storage is not None:
             self._unlock(self._storage)
-        self._storage, self.free = None, []
+        self._storage, self.views = None, []
 
     def __del__(self) -> None:
         # Freed memory left registered would make a later registration of the same pages fail. At
@@ -157,7 +158,27 @@ class HostArena:
         try:
             self.close()
         except Exception as error:  # noqa: BLE001 - reported, never raised from a destructor
-            LOG.warning("offload: unlocking a host arena of %s bytes failed: %s", f"{self.nbytes:,}", error)
+            LOG.warning("unlocking a host arena of %s bytes failed: %s", f"{self.nbytes:,}", error)
+
+
+class HostArena(ExactHostBuffers):
+    """``slots`` host buffers of one shape and dtype, carved from one exact allocation (`ExactHostBuffers`)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, slots: int, device: torch.device,
+                 lock=None, unlock=None) -> None:
+        super().__init__([tuple(shape)] * slots, dtype, device, lock, unlock)
+        self.free = list(self.views)
+        self.slots = slots
+
+    @property
+    def idle(self) -> bool:
+        """No slot is in use."""
+        return len(self.free) == self.slots
+
+    def close(self) -> None:
+        """Unlock and drop the allocation (every slot must be free)."""
+        super().close()
+        self.free = []
 
 
 @dataclass(eq=False)

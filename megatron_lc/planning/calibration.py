@@ -64,18 +64,20 @@ def calibrate_local(threads: int = 1, cache: Path | None = LOCAL_CACHE, processe
     of what one measured (at most all of it)."""
     import torch
 
-    key = f"threads={threads} torch={torch.__version__} {shapes.key()}"
-    measured = None if refresh else _read_cache(cache, key)
-    if measured is None or "host_adam_params" not in measured:  # a calibration from before the host optimizer
-        measured = _measure_local(threads, shapes)
-        _write_cache(cache, key, measured)
     cores = os.cpu_count() or 1
+    host_threads = max(1, cores // processes)  # the host step's threads, as the trainer sets them on a node
+    key = f"threads={threads} host_threads={host_threads} torch={torch.__version__} {shapes.key()}"
+    measured = None if refresh else _read_cache(cache, key)
+    if measured is None:
+        measured = _measure_local(threads, shapes, host_threads)
+        _write_cache(cache, key, measured)
     rates = Rates("local", measured["gemm_flops"], {"cpu": measured["attention_fwd_flops"]},
                   {"cpu": measured["attention_bwd_flops"]}, measured["copy_bytes"], measured["copy_bytes"],
                   measured["a2a_bytes"], measured["a2a_bytes"], measured["launch_s"], measured["gemm_flops"],
                   {"all": f"measured on this machine ({key}), cached in {cache}"},
-                  host_adam_params=measured["host_adam_params"])
-    return rates.scaled(cores / (processes * threads))
+                  host_adam_params=measured["host_adam_params"], host_adam_threads=host_threads)
+    # The host step was measured at its own share of the cores already.
+    return dataclasses.replace(rates.scaled(cores / (processes * threads)), host_adam_params=rates.host_adam_params)
 
 
 def _read_cache(cache: Path | None, key: str) -> dict | None:
@@ -120,9 +122,10 @@ def copy_operands(nbytes: int = COPY_BYTES):
     return src, torch.empty_like(src)
 
 
-def _measure_local(threads: int, shapes: CalibrationShapes) -> dict:
+def _measure_local(threads: int, shapes: CalibrationShapes, host_threads: int = 1) -> dict:
     """GEMM (a layer's projections, MLP and the output head at the step's shapes), CPU flash attention,
-    copy and in-process exchange rates of this machine."""
+    copy and in-process exchange rates of this machine at `threads` threads; the host optimizer's step at
+    `host_threads`."""
     import torch
 
     from megatron_lc.attention.kernels import KERNELS
@@ -148,6 +151,7 @@ def _measure_local(threads: int, shapes: CalibrationShapes) -> dict:
         copy = src.numel() * src.element_size() / _best_time(lambda: dst.copy_(src))
         small = torch.randn(8)
         launch = _best_time(lambda: [small.add(1) for _ in range(1000)]) / 1000
+        torch.set_num_threads(host_threads)
         host_adam = _measure_host_adam()
     finally:
         torch.set_num_threads(old)

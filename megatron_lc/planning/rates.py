@@ -43,7 +43,10 @@ class Rates:
     0 when absent: the rates are already the causal ones at the measured length)."""
     host_adam_params: float = 0.0
     """Parameters per second one GPU's process updates in the host's AdamW step with clipping
-    (--optimizer-cpu-offload; the host's memory bandwidth bounds it)."""
+    (--optimizer-cpu-offload; the host's memory bandwidth bounds it), running `host_adam_threads` threads."""
+    host_adam_threads: int = 0
+    """Threads of one process that `host_adam_params` assumes: the node's cores over its processes, as the trainer
+    sets them for the host step (`parallel_state.host_threads_per_process`)."""
 
     def attention_rates(self, family: str, call_tokens: int) -> tuple[float, float]:
         """(forward, backward) FLOP/s of a causal call of `call_tokens` tokens."""
@@ -91,7 +94,9 @@ _H100_SOURCES = {
                         "(same source)",
     "launch_s": "20 us per tile, stage or collective and pass (assumed)",
     "host_adam_params": "DGX H100: 2 x Xeon Platinum 8480C (DGX H100 datasheet), 8 channels of DDR5-4800 each "
-                        "(Intel ark), 614 GB/s a node, 70% sustained (assumed), shared by 8 processes, over the "
+                        "(Intel ark), 614 GB/s a node, 70% sustained (assumed), shared by 8 processes of 14 threads "
+                        "each (the node's 112 cores over its processes, as the trainer sets them; one thread moves "
+                        "about 6 GB/s in this step, measured on a CPU, so 14 reach the bandwidth share), over the "
                         f"{HOST_ADAM_BYTES_PER_PARAMETER} B a parameter's host AdamW step and clip moves",
     "nccl_sm_share": "not priced: NCCL's kernels take SMs from an attention they overlap (no published figure "
                      "for this pairing that we know of)",
@@ -99,7 +104,7 @@ _H100_SOURCES = {
 _H100 = Rates("dgx-h100", _H100_GEMM, {"fa2": 370e12, "fa3": 648e12, "efficient": 185e12},
               {"fa2": 322e12, "fa3": 561e12, "efficient": 161e12}, 3.35e12, 50e9, 320e9, 48e9, 20e-6,
               _H100_PEAK, _H100_SOURCES, causal_overhead_tokens={"fa2": 1712.0, "fa3": 851.0, "efficient": 1712.0},
-              host_adam_params=_DGX_H100_HOST_BYTES / 8 / HOST_ADAM_BYTES_PER_PARAMETER)
+              host_adam_params=_DGX_H100_HOST_BYTES / 8 / HOST_ADAM_BYTES_PER_PARAMETER, host_adam_threads=112 // 8)
 RATES = {
     "dgx-h100": _H100,
     "dgx-h200": dataclasses.replace(_H100, name="dgx-h200", hbm_bytes=4.8e12, sources={
@@ -116,6 +121,7 @@ RATES = {
             "intra_node_bytes": "NVLink 3: 300 GB/s per direction per GPU (NVIDIA), 70% (assumed)",
             "inter_node_bytes": "200 Gb/s HDR per GPU (DGX A100 datasheet), 80% (assumed)",
             "host_adam_params": "DGX A100: 2 x AMD EPYC 7742 (DGX A100 datasheet), 8 channels of DDR4-3200 each "
-                                "(AMD), 410 GB/s a node, 70% sustained (assumed), shared by 8 processes"},
-        host_adam_params=0.7 * 2 * 8 * 25.6e9 / 8 / HOST_ADAM_BYTES_PER_PARAMETER),
+                                "(AMD), 410 GB/s a node, 70% sustained (assumed), shared by 8 processes of 16 "
+                                "threads each (the node's 128 cores over its processes)"},
+        host_adam_params=0.7 * 2 * 8 * 25.6e9 / 8 / HOST_ADAM_BYTES_PER_PARAMETER, host_adam_threads=128 // 8),
 }

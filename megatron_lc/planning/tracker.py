@@ -356,7 +356,7 @@ def make_tracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     from the accelerator and counted as host. `extra` tensors are tracked from the start.
     """
     if isinstance(optimizer, HostAdamW):  # the torch optimizer that steps, and the host tensors it steps
-        extra = (*extra, *optimizer.masters, *optimizer.gradient_buffers())
+        extra = (*extra, *optimizer.host_buffers())
         optimizer = optimizer.inner
     if isinstance(model, FSDPModule):
         tracker = PlannerFSDPMemTracker(model, optimizer, host_bytes_probe)

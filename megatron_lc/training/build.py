@@ -4,6 +4,9 @@ run's AdamW from its flags. The planner builds the same model and materializes i
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from megatron_lc.config import RunSpec, TrainConfig
@@ -12,8 +15,10 @@ from megatron_lc.memory.offload import OffloadScheduler
 from megatron_lc.models.llama import Transformer, build_model
 from megatron_lc.models.llama.model import LlamaConfig
 from megatron_lc.models.llama.parallelize import ParallelizeOptions, materialize, parallelize_llama
-from megatron_lc.parallel_state import ParallelState
+from megatron_lc.parallel_state import ParallelState, host_threads_per_process, local_processes
 from megatron_lc.training.optim import HostAdamW, build_optimizer
+
+LOG = logging.getLogger(__name__)
 
 
 def build_parallel_model(model_config: LlamaConfig, opts: ParallelizeOptions, pstate: ParallelState,
@@ -34,8 +39,14 @@ def build_sharded_model(cfg: TrainConfig, spec: RunSpec, pstate: ParallelState,
 def build_run_optimizer(model: torch.nn.Module, cfg: TrainConfig, devices: Devices,
                         fused: bool | None = None) -> torch.optim.AdamW | HostAdamW:
     """The run's AdamW (--lr, --weight-decay, --adam-beta1/2, --adam-eps); fused on CUDA unless `fused` says; with
-    --optimizer-cpu-offload its state and step on the host (page-locked when the accelerator is CUDA)."""
+    --optimizer-cpu-offload its state and step on the host (page-locked when the accelerator is CUDA; there the step
+    runs `host_threads_per_process` threads)."""
     o = cfg.optim
     host = devices.host if o.optimizer_cpu_offload else None
+    if host is not None and devices.is_cuda:  # the host step's threads (torchrun leaves each process one)
+        threads = host_threads_per_process()
+        torch.set_num_threads(threads)
+        LOG.info("host optimizer: its step runs %d threads a process (%d cores here, %d processes on this node)",
+                 threads, os.cpu_count() or 1, local_processes())
     return build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.adam_beta1, o.adam_beta2),
                            eps=o.adam_eps, fused=fused, host=host, page_locked=devices.is_cuda)

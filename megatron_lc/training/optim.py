@@ -3,9 +3,20 @@ schedule is in schedule.py)."""
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from megatron_lc.memory.offload import ExactHostBuffers, page_lock, page_unlock
+
+LOG = logging.getLogger(__name__)
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95),
@@ -37,15 +48,72 @@ HOST_STATE_BYTES_PER_PARAMETER = 16
 """What the host holds per parameter with the optimizer there (--optimizer-cpu-offload: fp32 master weight, gradient
 buffer and two moments) or with FSDP's CPU offload (fp32 sharded parameter, gradient and two moments)."""
 
+STAGING_BYTES = 64 << 20
+"""Bytes of each of the host optimizer's two staging slots: a later micro-batch's gradient crosses to the host
+through them, a slot at a time, and is added to the gradient buffer there while the other slot's copy runs."""
+
+
+@dataclass(frozen=True)
+class HostOptimizerBytes:
+    """What `HostAdamW` keeps on the host for one rank's parameters: page-locked (its master weights, gradient
+    buffers and staging, each set one exact allocation) and ordinary memory (AdamW's state: two moments and a step
+    count a parameter, made at the first step or by a checkpoint load; they never cross to the accelerator)."""
+
+    masters: int
+    gradients: int
+    staging: int
+    state: int
+
+    @property
+    def page_locked(self) -> int:
+        return self.masters + self.gradients + self.staging
+
+    @property
+    def total(self) -> int:
+        return self.page_locked + self.state
+
+    @classmethod
+    def of(cls, params: list[torch.Tensor]) -> HostOptimizerBytes:
+        shapes, dtype = _host_layout(params)
+        weights = _nbytes(shapes, dtype)
+        return cls(weights, weights, _nbytes(_staging_shapes(shapes, dtype), dtype), 2 * weights + 4 * len(shapes))
+
+
+def _host_layout(params: list[torch.Tensor]) -> tuple[list[tuple[int, ...]], torch.dtype]:
+    """Each parameter's local shape, and their one dtype (the fp32 master weights)."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError("the host optimizer keeps one dtype of master weights; the parameters hold "
+                         f"{sorted(map(str, dtypes))}")
+    return [tuple(_local(p).shape) for p in params], dtypes.pop() if dtypes else torch.float32
+
+
+def _staging_shapes(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[tuple[int, ...]]:
+    """Two slots of at most `STAGING_BYTES`, no larger than the largest parameter."""
+    largest = max((math.prod(s) for s in shapes), default=0)
+    return [(min(largest, STAGING_BYTES // dtype.itemsize),)] * 2
+
+
+def _nbytes(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
+    return sum(math.prod(s) for s in shapes) * dtype.itemsize
+
 
 class HostAdamW:
     """AdamW with its fp32 master weights, moments and gradients in host memory and its step there
     (--optimizer-cpu-offload, as Megatron-LM's): the accelerator keeps only the (sharded) fp32 parameters the
     forward reads, 4 bytes per parameter of the 16 a resident AdamW holds through the backward.
 
+    Host memory is exact and made before step 1: the master weights, the gradient buffers and two staging slots
+    are three allocations of exactly their bytes (`ExactHostBuffers`), page-locked once (`page_locked`: the
+    accelerator is a GPU) where `pin_memory=True` would round each tensor up to a power of two; `host_bytes()`
+    is what they and the moments hold.
+
     Each parameter's gradient moves to the host as soon as it is final on this rank (FSDP2 calls the
-    post-accumulate-grad hook of a sharded parameter after its block's reduce-scatter): copied, or added to the
-    host copy on later micro-batches, and freed on the accelerator. The global norm, clipping and the AdamW step
+    post-accumulate-grad hook of a sharded parameter after its block's reduce-scatter, on the stream that
+    reduce-scatter ran on): copied into its buffer without stalling the backward (a copy queued on that stream and
+    an event recorded after it), and freed on the accelerator. A later micro-batch's gradient is added to the
+    buffer through the staging slots (copied into one, added on the host once that copy is done, while the next
+    part's copy runs in the other). The global norm, clipping and the AdamW step wait for every copy and add,
     then run on the host (torch's foreach AdamW: on a CPU run the arithmetic of the resident optimizer, bit for
     bit), and the new values are copied back into the parameters. Checkpoints hold the state in the resident
     optimizer's layout (`checkpoint_state`): a run resumes with or without offload, at any world size.
@@ -55,12 +123,23 @@ class HostAdamW:
                  weight_decay: float, betas, eps: float):
         self.params = params
         self.host = host
-        self._page_locked = page_locked
-        self.masters = [torch.empty(_local(p).shape, dtype=p.dtype, device=host, pin_memory=page_locked)
-                        for p in params]
+        self._page_locked = page_locked  # on a GPU: copies queued on the accelerator's streams, ordered by events
+        shapes, dtype = _host_layout(params)
+        lock = (page_lock, page_unlock) if page_locked else (None, None)
+        began = time.monotonic()
+        self._masters = ExactHostBuffers(shapes, dtype, host, *lock)
+        self._gradients = ExactHostBuffers(shapes, dtype, host, *lock)
+        self._staging = ExactHostBuffers(_staging_shapes(shapes, dtype), dtype, host, *lock)
+        if page_locked:
+            LOG.info("host optimizer: page-locked %.2f GiB (master weights, gradient buffers, staging) in %.1f s",
+                     self.page_locked_bytes() / 2**30, time.monotonic() - began)
+        self.masters = self._masters.views
+        self._grad_buffers = self._gradients.views
+        self._free_staging = list(self._staging.views)
+        self._adds: deque = deque()  # (copy done, staging slot, its part, destination): a later micro-batch's
+        self._copies: list = []  # events after this backward's copies into the gradient buffers
         self._masters_current = False  # taken from the parameters at the first step: after any checkpoint load
         self._filled = [False] * len(params)
-        self._grad_buffers: list[torch.Tensor | None] = [None] * len(params)
         self._foreach = host.type != "meta"  # the planner's fake host has no foreach clipping
         # One group per parameter: foreach AdamW's scratch (a square root of the second moment) is then one
         # parameter's at a time, not the whole shard's (4 bytes a parameter); the arithmetic is the same.
@@ -71,39 +150,101 @@ class HostAdamW:
         self._hooks = [p.register_post_accumulate_grad_hook(self.take_gradient) for p in params]
 
     def take_gradient(self, param: torch.Tensor) -> None:
-        """Move `param`'s final gradient of this backward to the host (added to an earlier micro-batch's) and
-        free it on the accelerator."""
+        """Start moving `param`'s final gradient of this backward to the host (added to an earlier micro-batch's)
+        and free it on the accelerator."""
         i = self._index[id(param)]
         grad, master = _local(param.grad), self.masters[i]
         if not self._filled[i]:
-            if self._grad_buffers[i] is None:  # one host buffer per parameter, kept across steps
-                self._grad_buffers[i] = torch.empty(master.shape, dtype=master.dtype, device=self.host,
-                                                    pin_memory=self._page_locked)
-            master.grad = self._grad_buffers[i].copy_(grad)
+            master.grad = self._grad_buffers[i]
+            self._copies.append(self._to_host(master.grad, grad))
             self._filled[i] = True
         else:
-            master.grad.add_(grad.to(self.host))
+            self._wait_for_copies()  # the earlier micro-batches' (done long since): the adds write their buffers
+            self._add_through_staging(master.grad.view(-1), grad.reshape(-1))
         param.grad = None
+
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor):
+        """`dst.copy_(src)`; on a GPU queued on the current stream (the reduce-scatter's, in FSDP2's hook) without
+        waiting, and the event after it returned (None: done)."""
+        if not self._page_locked:
+            dst.copy_(src)
+            return None
+        stream = torch.cuda.current_stream(src.device)
+        dst.copy_(src, non_blocking=True)
+        if src.is_cuda:  # its memory is reused only after the copy read it (HSDP's hook runs on another stream)
+            src.record_stream(stream)
+        return stream.record_event()
+
+    def _add_through_staging(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`dst += src` (flat), `src` crossing to the host in parts through the staging slots."""
+        for start in range(0, src.numel(), max(1, self._staging.views[0].numel())):
+            slot = self._free_staging.pop() if self._free_staging else self._finish_oldest_add()
+            part = slot[:min(slot.numel(), src.numel() - start)]
+            done = self._to_host(part, src[start:start + part.numel()])
+            self._adds.append((done, slot, part, dst[start:start + part.numel()]))
+
+    def _finish_oldest_add(self):
+        """Wait for the oldest staged copy, add it to its gradient buffer; its slot is free again (returned)."""
+        done, slot, part, dst = self._adds.popleft()
+        if done is not None:
+            done.synchronize()
+        dst.add_(part)
+        return slot
+
+    def wait_for_gradients(self) -> None:
+        """Every gradient of this step on the host: the copies done, the staged parts added."""
+        while self._adds:
+            self._free_staging.append(self._finish_oldest_add())
+        self._wait_for_copies()
+
+    def _wait_for_copies(self) -> None:
+        for done in self._copies:
+            if done is not None:
+                done.synchronize()
+        self._copies = []
+
+    def close(self) -> None:
+        """Stop taking gradients, wait for the copies, unlock and free the host buffers (unusable after; a run's
+        optimizer lives until its process exits, which frees them too)."""
+        self.wait_for_gradients()
+        if self._copied_back is not None:
+            self._copied_back.synchronize()
+        for hook in self._hooks:
+            hook.remove()
+        self.masters, self._grad_buffers, self._free_staging = [], [], []
+        self.inner.state.clear()
+        for buffers in (self._masters, self._gradients, self._staging):
+            buffers.close()
 
     @property
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
     def gradient_buffers(self) -> list[torch.Tensor]:
-        """The host buffers the gradients are moved into (allocated at a parameter's first gradient)."""
-        return [b for b in self._grad_buffers if b is not None]
+        """The host buffers the gradients are moved into (one per parameter, made with the optimizer)."""
+        return list(self._grad_buffers)
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        """Every buffer this optimizer made on the host with itself: master weights, gradient buffers, staging slots
+        (AdamW's moments are in `inner`'s state)."""
+        return [*self.masters, *self._grad_buffers, *self._staging.views]
+
+    def page_locked_bytes(self) -> int:
+        """Host bytes page-locked for this optimizer (0 when its memory is ordinary): exactly its master weights,
+        gradient buffers and staging slots."""
+        return sum(b.nbytes for b in (self._masters, self._gradients, self._staging) if b.page_locked)
 
     def host_bytes(self) -> int:
-        """Bytes this optimizer holds on the host between steps: master weights, gradient buffers and AdamW's
-        state."""
-        tensors = [*self.masters, *(b for b in self._grad_buffers if b is not None),
-                   *(t for state in self.inner.state.values() for t in state.values() if torch.is_tensor(t))]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes this optimizer holds on the host between steps: master weights, gradient buffers, staging slots
+        and AdamW's state."""
+        state = [t for held in self.inner.state.values() for t in held.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in [*self.host_buffers(), *state])
 
     def clip_grad_norm(self, max_norm: float | None, device: torch.device) -> torch.Tensor:
         """The global L2 norm of the host gradients (on `device`), computed as `clip_grad_norm` computes it over
         sharded gradients (each parameter's norm: its shards' norms squared, summed over the shard ranks, rooted;
         then the norm of those), and the gradients clipped to `max_norm` when set."""
+        self.wait_for_gradients()
         with_grad = [m for m in self.masters if m.grad is not None]
         grads = [m.grad for m in with_grad]
         norms = torch.stack(torch._foreach_norm(grads, 2.0)) if grads else torch.zeros(1)
@@ -120,6 +261,7 @@ class HostAdamW:
         return total
 
     def step(self) -> None:
+        self.wait_for_gradients()
         if self._copied_back is not None:
             self._copied_back.synchronize()
         if not self._masters_current:
@@ -131,10 +273,11 @@ class HostAdamW:
         with torch.no_grad():
             for p, master in zip(self.params, self.masters):
                 _local(p).copy_(master, non_blocking=self._page_locked)
-        if self._page_locked and torch.cuda.is_available():
+        if self._page_locked and torch.cuda.is_available():  # the masters are not overwritten before it is read
             self._copied_back = torch.cuda.current_stream().record_event()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wait_for_gradients()  # no copy or add of this step lands in the next one's buffers
         self._filled = [False] * len(self.params)
         for p, master in zip(self.params, self.masters):
             p.grad = master.grad = None  # a parameter without a gradient next step is not stepped
@@ -143,7 +286,9 @@ class HostAdamW:
 
     def checkpoint_state(self, names: dict[int, str], empty: bool = False) -> dict:
         """`get_optimizer_state_dict`'s structure (state by parameter name, param_groups naming them), the
-        moments as DTensors of the parameters' layout over the host tensors; `empty`: zeros to load into."""
+        moments as DTensors of the parameters' layout over the host tensors themselves (a save reads them, a load
+        writes into them: nothing crosses to the accelerator); `empty`: host tensors to load into (the moments
+        themselves once they exist, zeros before)."""
         state = {}
         for p, master in zip(self.params, self.masters):
             held = self.inner.state.get(master)
@@ -152,7 +297,7 @@ class HostAdamW:
             entry = {"step": torch.zeros((), dtype=torch.float32) if held is None else held["step"]}
             for key in ("exp_avg", "exp_avg_sq"):
                 local = torch.zeros_like(master) if held is None else held[key]
-                entry[key] = _like_param(local, p)
+                entry[key] = _on_host_like_param(local, p)
             state[names[id(p)]] = entry
         settings = {k: v for k, v in self.inner.param_groups[0].items() if k != "params"}  # every group's
         return {"state": state, "param_groups": [{**settings, "params": [names[id(p)] for p in self.params]}]}
@@ -164,7 +309,7 @@ class HostAdamW:
             entry = loaded["state"][names[id(p)]]
             self.inner.state[master] = {
                 "step": torch.as_tensor(entry["step"], dtype=torch.float32).clone(),
-                **{key: _local(entry[key]).to(self.host).clone() for key in ("exp_avg", "exp_avg_sq")}}
+                **{key: _local(entry[key]).to(self.host) for key in ("exp_avg", "exp_avg_sq")}}  # loaded in place
         saved = loaded["param_groups"][0]  # the resident optimizer's one group
         for group in self.inner.param_groups:
             group.update({k: v for k, v in saved.items() if k != "params"})
@@ -174,11 +319,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _on_host_like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`local` as this rank's shard of a DTensor laid out as `param`, left where it is. `DTensor.from_local` would
+    copy it to the mesh's device type (the accelerator: 8 bytes a parameter of moments at every save and load);
+    the DTensor constructor (the same in torch 2.11 to 2.13) wraps it as it is, and checkpointing reads and fills
+    a DTensor's local shard on any device."""
     if not isinstance(param, DTensor):
         return local
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    meta = TensorMeta(param.shape, param.stride(), local.dtype)
+    return DTensor(local, DTensorSpec(param.device_mesh, param.placements, tensor_meta=meta), requires_grad=False)
 
 
 def _shard_groups(params) -> list:

@@ -2,14 +2,13 @@
 process group or accelerator memory exists: the tokenizer's files, the checkpoint in `--load`, a
 `--save` directory this run may own, the wandb package, a visible GPU, and every directory the run
 writes. The trainer and evaluate call it; the planner, which plans for another machine, does not.
-Once the model is built, `check_host_memory` weighs the host memory the offload arenas will pin on
-each node against what the node lets the job use, before any page is locked.
+Once the model is built, `check_host_before_step_one` weighs the host memory the offload arenas and the host
+optimizer will hold on each node against what the node lets the job use, before any page is locked.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +21,11 @@ from megatron_lc.command_line import check_writable
 from megatron_lc.config import TrainConfig
 from megatron_lc.errors import ConfigError
 from megatron_lc.models.llama import build_model, count_parameters
+from megatron_lc.parallel_state import local_processes
 from megatron_lc.training.checkpointing import check_save_directory, checkpoint_to_load, missing_checkpoint_hint
-from megatron_lc.training.optim import HOST_STATE_BYTES_PER_PARAMETER
+from megatron_lc.training.optim import HOST_STATE_BYTES_PER_PARAMETER, HostOptimizerBytes
 
 GIB = 2**30
-LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
-"""Processes on this node, as torchrun, Open MPI, MPICH and srun say it."""
 
 
 def preflight(cfg: TrainConfig, world_size: int = 1) -> None:
@@ -67,7 +65,7 @@ def _check_host_share(cfg: TrainConfig, world_size: int) -> None:
     available = memory.usable()
     if available is None or not (activations or states):
         return
-    local = next((int(os.environ[v]) for v in LOCAL_SIZE_VARIABLES if os.environ.get(v, "").isdigit()), 1)
+    local = local_processes()
     need = local * (activations + states)
     if need > available:
         raise ConfigError(
@@ -216,6 +214,23 @@ def read_host_memory(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/
     limit, used, file = _cgroup_limit(proc, cgroup_root)
     available = _stat(proc / "meminfo", "MemAvailable:") * 1024 or None
     return HostMemory(limit, used, available, file)
+
+
+def check_host_before_step_one(cfg: TrainConfig, model: torch.nn.Module, offload_bytes: int,
+                               kept_attention_bytes: int = 0, memory: HostMemory | None = None) -> None:
+    """`check_host_memory` for what this rank keeps on the host: `offload_bytes` of block-input arenas
+    (--offload-activations), `kept_attention_bytes` of kept attention outputs (--keep-attention-output) and,
+    with --optimizer-cpu-offload, the host optimizer's exact buffers and state (`HostOptimizerBytes`). Call it on
+    every rank before any of them is made."""
+    need, what = offload_bytes, ["the offloaded block inputs (--offload-activations)"] if offload_bytes else []
+    if kept_attention_bytes:
+        need += kept_attention_bytes
+        what.append("their kept attention outputs (--keep-attention-output)")
+    if cfg.optim.optimizer_cpu_offload:
+        need += HostOptimizerBytes.of([p for p in model.parameters() if p.requires_grad]).total
+        what.append("the optimizer's master weights, gradients and moments (--optimizer-cpu-offload)")
+    if need:
+        check_host_memory(need, " and ".join(what), memory)
 
 
 def check_host_memory(need: int, what: str, memory: HostMemory | None = None) -> None:

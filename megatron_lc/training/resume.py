@@ -64,10 +64,12 @@ def _normalised_split(split: str | None) -> list[float] | None:
     return None if split is None else [round(x, 12) for x in parse_split(split)]
 
 
-def checkpoint_extra(run: Run) -> dict:
+def checkpoint_extra(run: Run, data: dict | None = None) -> dict:
+    """What a checkpoint records beside the tensors; `data`: the loader's state to record (default: now)."""
     return {"model_config": dataclasses.asdict(run.model.config), "train_config": run.cfg.to_dict(),
             "schedule": run.schedule.to_dict(), "data_settings": _data_settings(run.cfg, run.pstate),
-            "data": run.loader.state_dict(), "world_size": run.launch.world_size, "timing": run.timing.to_dict()}
+            "data": run.loader.state_dict() if data is None else data, "world_size": run.launch.world_size,
+            "timing": run.timing.to_dict()}
 
 
 def _differences(saved: dict, current: dict) -> str:
@@ -222,10 +224,11 @@ def resume(run: Run) -> int:
     return int(meta["step"])
 
 
-def save(run: Run, step: int) -> None:
+def save(run: Run, step: int, data: dict | None = None) -> None:
+    """Save `step` (`data`: the loader's state at its end, when the loader has moved on since)."""
     c = run.cfg.checkpoint
     began = time.monotonic()
-    path = checkpointing.save_checkpoint(c.save, step, run.model, run.optimizer, checkpoint_extra(run),
+    path = checkpointing.save_checkpoint(c.save, step, run.model, run.optimizer, checkpoint_extra(run, data),
                                          keep_last=c.keep_last_checkpoints, run_id=run.save_lock.run_id,
                                          save_optimizer=not c.no_save_optim, save_rng=not c.no_save_rng)
     run.timing.save_times.append(time.monotonic() - began)

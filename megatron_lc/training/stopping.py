@@ -16,9 +16,15 @@ loaded, if any, stays the one to resume).
 The only point at which every rank holds a consistent state to save is a step boundary; a
 signal is acted on there when what is left of the step and its save fit the scheduler's grace
 time (--exit-signal-grace-secs, judged from the measured step and save times x SAFETY). When
-they do not (steps of hours), the run stops at once inside the step, exit 3, and resumes from
-its last checkpoint: the work since that save is lost, which --save-interval-minutes bounds,
-instead of the whole job being killed mid-save. Each rank judges this alone from its own
+they do not (steps of hours), the step is abandoned: parameters and optimizer state are untouched
+until its optimizer step, so while it is still in its blocks they hold the last finished step.
+If that step was never saved and its save fits the grace time (or no save was timed yet: a save
+is atomic, one cut short leaves the last checkpoint whole), every rank leaves the step at the
+next block boundary (`StepAbandoned`, raised from a block's forward pre-hook, the same boundary on
+every rank: they agree at each one through a small all-reduce on a gloo group), the last
+finished step is saved, exit 3. Otherwise the run stops at once inside the step, exit 3, and
+resumes from its last checkpoint: the work since that save is lost, which --save-interval-minutes
+bounds, instead of the whole job being killed mid-save. Each rank judges this alone from its own
 times; a rank that judged otherwise is stopped by the launcher when the others have left.
 
 A signal may reach only some ranks, and clocks differ: every rank contributes its flags to one
@@ -138,6 +144,11 @@ class StartupSignals:
             signal.signal(s, handler)
 
 
+class StepAbandoned(Exception):
+    """Raised at a block boundary of a step a stop signal abandons (every rank at the same one), to save the last
+    finished step instead."""
+
+
 class StopRequest:
     """The stop and save-by-time decisions of one run, taken together by every rank at each step boundary."""
 
@@ -156,6 +167,12 @@ class StopRequest:
         """A stop signal's number once one arrived (`received`: one of start-up's, `StartupSignals`)."""
         self.in_step: tuple[int, float] | None = None
         """(step, its start) while a step runs."""
+        self.unsaved_step: int | None = None
+        """The last finished step while no checkpoint holds it (set by the trainer)."""
+        self.abandoning: str | None = None
+        """Why the step in progress is left at its next block boundary (set by the signal handler)."""
+        self.boundary_group = None
+        """The group the ranks agree through at each block boundary (a gloo group; None: one process)."""
         self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS} if handle_signals else {}
 
     def begin_step(self, step: int) -> None:
@@ -167,8 +184,36 @@ class StopRequest:
     def _on_signal(self, signum, frame) -> None:
         self.received = signum
         reason = self.too_late_to_finish(signum)
-        if reason is not None and self.abandon is not None:
+        if reason is None or self.abandon is None:
+            return
+        if self.unsaved_step is not None and self._save_fits_grace():
+            self.abandoning = reason  # left at the next block boundary, the last finished step saved
+        else:
             self.abandon(reason)
+
+    def _save_fits_grace(self) -> bool:
+        """Whether a save of the last finished step ends within the grace time (untimed: tried, it is atomic)."""
+        save = self.timing.save_s()
+        return save is None or save * SAFETY + LEAVING_S <= self.grace_s
+
+    def at_block_boundary(self) -> None:
+        """Raise `StepAbandoned` on every rank at the same block boundary once any rank abandons the step."""
+        if self.in_step is None:
+            return
+        leave = self.abandoning is not None
+        if self.boundary_group is not None:
+            flag = torch.tensor([int(leave)], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.boundary_group)
+            leave = bool(flag.item())
+        if leave:
+            raise StepAbandoned(self.abandoning or "a stop signal on another rank")
+
+    def watch_blocks(self, blocks) -> list:
+        """Check `at_block_boundary` before each block's forward (its recompute in the backward too), ahead of the
+        block's other hooks (FSDP's all-gather); the hooks' handles. With several processes the ranks agree at every
+        boundary, which they all pass in one order."""
+        return [block.register_forward_pre_hook(lambda module, args: self.at_block_boundary(), prepend=True)
+                for block in blocks]
 
     def too_late_to_finish(self, signum: int) -> str | None:
         """Why the step in progress cannot finish and save within the grace time after signal `signum` (None: it

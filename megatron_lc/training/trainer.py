@@ -12,17 +12,20 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from megatron_lc.attention.kernel_selection import running_kernel
 from megatron_lc.errors import EXIT_RESUME, ConfigError, leave_now
 from megatron_lc.config import TrainConfig
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
-from megatron_lc.training.preflight import check_host_memory, preflight
+from megatron_lc.training.optim import HostAdamW
+from megatron_lc.training.preflight import check_host_before_step_one, preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.packing import PackingSpec
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
+from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.models.llama import count_parameters
 from megatron_lc.parallel_state import ParallelState, require_launcher
 from megatron_lc.training.memory_plan import read_memory_plan
@@ -40,8 +43,8 @@ from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.training.startup import start_processes
 from megatron_lc.scheduler import current_job
 from megatron_lc.training.step_progress import StepProgress
-from megatron_lc.training.stopping import (DEFAULT_GRACE_S, StartupSignals, StopRequest, clear_stopped, deadlines,
-                                           mark_stopped)
+from megatron_lc.training.stopping import (DEFAULT_GRACE_S, StartupSignals, StepAbandoned, StopRequest, clear_stopped,
+                                           deadlines, mark_stopped)
 from megatron_lc.training.step import IGNORE_INDEX, step_autocast, train_step
 
 
@@ -129,11 +132,16 @@ def build_run(cfg: TrainConfig) -> Run:
         if isinstance(worker_loader, WorkerLoader):
             worker_loader.start()
     model, offload = build_sharded_model(cfg, spec, pstate, devices)
-    if offload is not None:  # page-lock the host arenas before step 1 (logged; minutes for a terabyte)
-        block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
-        block = (cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size, model_config.hidden_size)
-        check_host_memory(offload.reserve_bytes(block, block_dtype),
-                          "the offloaded block inputs (--offload-activations)")
+    # Everything the host keeps is weighed first, then made and page-locked before step 1 (logged; minutes for a
+    # terabyte): the offload arenas, the host optimizer's buffers (the kept attention arenas are weighed too, and
+    # made at their first use).
+    block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
+    block = (cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size, model_config.hidden_size)
+    kept = offload.attention_layers * kept_bytes_per_layer(  # the kept attention outputs' arenas (made in step 1)
+        block[0] * block[1], model_config.num_attention_heads, model_config.kv_channels,
+        2 if cfg.train.bf16 else 4) if offload else 0
+    check_host_before_step_one(cfg, model, offload.reserve_bytes(block, block_dtype) if offload else 0, kept)
+    if offload is not None:
         offload.reserve(block, block_dtype)
     optimizer = build_run_optimizer(model, cfg, devices)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
@@ -261,6 +269,9 @@ def train_one_step(run: Run, step: int) -> dict:
     if run.offload is not None:
         metrics["host_offload_gib"] = run.offload.host_bytes_peak / 2**30
         metrics["host_page_locked_gib"] = run.offload.page_locked_bytes / 2**30
+    if isinstance(run.optimizer, HostAdamW):  # what the plan's host bytes count of it, and what is page-locked
+        metrics["host_optimizer_gib"] = run.optimizer.host_bytes() / 2**30
+        metrics["host_optimizer_page_locked_gib"] = run.optimizer.page_locked_bytes() / 2**30
     return metrics
 
 
@@ -341,6 +352,10 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
                        c.save_interval_minutes, run.timing, run.devices.accelerator,
                        grace_s=DEFAULT_GRACE_S if cfg.train.exit_signal_grace_secs is None
                        else cfg.train.exit_signal_grace_secs, abandon=abandon, received=early.received)
+    if cfg.train.exit_signal_handler:  # a step a signal abandons is left at a block boundary
+        stop.watch_blocks(run.model.layers)
+        if run.pstate.distributed:
+            stop.boundary_group = dist.new_group(backend="gloo")
     history, step_times, began = History(), [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
     progress = StepProgress(list(run.model.layers), print_flushed) if run.is_logging_rank else None
@@ -359,8 +374,16 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
             if progress is not None:
                 progress.begin(step, cfg.train.train_iters, run.accumulation, run.timing.step_s())
             stop.begin_step(step)
-            metrics = train_one_step(run, step)
-            stop.end_step()
+            before = _before_step(run) if cfg.train.exit_signal_handler else None  # what an abandoned step restores
+            try:
+                metrics = train_one_step(run, step)
+            except StepAbandoned as reason:
+                history.stopped = _save_the_last_finished_step(run, step, str(reason), before)
+                resumable[0] = step - 1
+                print_rank_0(run, history.stopped)
+                break
+            finally:
+                stop.end_step()
             metrics["attention_kernel"] = kernel
             step_times.append(metrics["step_time_s"])
             run.timing.step_times.append(metrics["step_time_s"])
@@ -392,6 +415,7 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
                 save(run, step)
                 stop.saved()
                 resumable[0] = step
+            stop.unsaved_step = step if c.save and resumable[0] != step else None  # an abandoned step saves it
             if exiting and not history.stopped:  # asked for: this invocation is done (exit 0)
                 print_rank_0(run, f"stopping after step {step}: --exit-interval {cfg.train.exit_interval}"
                                   + ("" if c.save else " (no --save: nothing saved)"))
@@ -410,6 +434,32 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
             progress.close()
         logger.close()
     return history
+
+
+def _before_step(run: Run) -> dict:
+    """What a step changes before its optimizer step and a save of the step before it records: where the data
+    stood, the generators."""
+    state = {"data": run.loader.state_dict(), "rng": torch.get_rng_state()}
+    if run.devices.is_cuda:
+        state["cuda_rng"] = torch.cuda.get_rng_state(run.devices.accelerator)
+    return state
+
+
+def _save_the_last_finished_step(run: Run, step: int, reason: str, before: dict) -> str:
+    """Drop what the abandoned `step` made (gradients, unsharded parameters, offloaded inputs), save the step before
+    it as it ended; the line saying so."""
+    for module in run.model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.offload is not None:
+        run.offload.release_all()
+    torch.set_rng_state(before["rng"])
+    if "cuda_rng" in before:
+        torch.cuda.set_rng_state(before["cuda_rng"], run.devices.accelerator)
+    if run.cfg.checkpoint.save:
+        save(run, step - 1, data=before["data"])
+    return f"stopping inside step {step}: {reason}; step {step - 1}, never saved before, saved to resume from"
 
 
 def run_validation(run: Run, evaluation: int) -> dict:

@@ -37,6 +37,9 @@ reports it, after CUDA init, NCCL's first use of each collective, and around eac
   whose timeout is a recorded failure); the caching allocator's segments all expandable.
 - ratios: step-time ratios in one run, in the single_gpu setting: no stack, + checkpointing, + offload
   (prefetch and on demand), + tiled MLP and loss; Untied vs Ulysses in the cp_rank setting (compute only).
+- model_steps (tests/gpu/model_step_checks.py): --optimizer-cpu-offload against the resident AdamW and its host
+  bytes planned against page-locked; --replay-kept-attention bitwise; ring attention in a model step; packed
+  documents.
 Every case is sized to the card it finds, or skipped with the reason recorded.
 """
 
@@ -86,6 +89,7 @@ from megatron_lc.planning.trace import (
 from megatron_lc.planning.tracker import make_tracker
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model
 from megatron_lc.training.step import step_autocast, train_step
+from tests.gpu import model_step_checks
 
 LOG = logging.getLogger("gpu_checks")
 NO_STACK = dict(recompute_granularity="none", offload_mode="none", tiled_mlp=False, tiled_loss=False)
@@ -105,7 +109,7 @@ WORLD_SIZE = 8
 SECTION_BUDGET_S = 300
 """What each section may take on one H100: a first GPU contact is minutes long."""
 SECTION_ESTIMATES_S = {"nccl": 15, "kernels": 30, "kernel_cases": 60, "contracts": 150, "single_gpu": 120,
-                       "cp_rank": 150, "ratios": 150}
+                       "cp_rank": 150, "ratios": 150, "model_steps": 180}
 """Each section's time on one H100, by estimate (docs/gpu_checks.md derives them); not measured."""
 
 
@@ -816,7 +820,7 @@ def environment(s: Sizes, dry_run: bool) -> dict:
             "fp32_output_gemm": fp32_out_gemm_available(device)}
 
 
-SECTIONS = ("nccl", "kernels", "kernel_cases", "contracts", "single_gpu", "cp_rank", "ratios")
+SECTIONS = ("nccl", "kernels", "kernel_cases", "contracts", "single_gpu", "cp_rank", "ratios", "model_steps")
 
 
 def compute_seconds(s: Sizes) -> dict[str, float]:
@@ -832,7 +836,8 @@ def compute_seconds(s: Sizes) -> dict[str, float]:
     return {"single_gpu": s.steps * sum(step(config(s, n, FULL_STACK), WORLD_SIZE) for n in s.lengths),
             "cp_rank": s.steps * sum(step(cfg, WORLD_SIZE) for cfg in cp),
             "ratios": s.steps * sum(step(config(s, s.ratio_length, stack), WORLD_SIZE) for stack in STACKS.values()),
-            "contracts": (2 + len(BITWISE_STACKS)) * step(config(s, s.bitwise_length, BITWISE_BASE), 1)}
+            "contracts": (2 + len(BITWISE_STACKS)) * step(config(s, s.bitwise_length, BITWISE_BASE), 1),
+            "model_steps": model_step_checks.compute_seconds(sys.modules[__name__], s, step)}
 
 
 def section_commands(out: Path, dry_run: bool = False) -> list[str]:
@@ -875,7 +880,8 @@ def main(argv: list[str] | None = None) -> dict:
     sections = {"nccl": lambda: section_nccl(s), "kernels": lambda: section_kernels(s),
                 "kernel_cases": lambda: section_kernel_cases(s), "single_gpu": lambda: section_single_gpu(s),
                 "cp_rank": lambda: section_cp_rank(s), "ratios": lambda: section_ratios(s, results),
-                "contracts": lambda: section_contracts(s, out), "offload_bitwise": lambda: case_offload_bitwise(s)}
+                "contracts": lambda: section_contracts(s, out), "offload_bitwise": lambda: case_offload_bitwise(s),
+                "model_steps": lambda: model_step_checks.section_model_steps(sys.modules[__name__], s)}
     real_page_lock = offload_module.page_lock
     offload_module.page_lock = recording_page_lock(real_page_lock, TIMELINE)  # every arena registration
     try:

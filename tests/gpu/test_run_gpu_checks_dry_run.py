@@ -10,7 +10,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).with_name("run_gpu_checks.py")
-SECTIONS = ("nccl", "kernels", "kernel_cases", "contracts", "single_gpu", "cp_rank", "ratios")
+SECTIONS = ("nccl", "kernels", "kernel_cases", "contracts", "single_gpu", "cp_rank", "ratios", "model_steps")
 
 
 def test_dry_run_writes_every_section(tmp_path):
@@ -57,6 +57,14 @@ def test_dry_run_writes_every_section(tmp_path):
     offload = contracts["offload_bitwise"]
     assert offload["baseline"] == {"deterministic_algorithms": True, "bitwise_reproducible": True, "max_spread": 0.0}
     assert offload["k1"]["bitwise_equal"] and offload["k2"]["bitwise_equal"] and offload["failures"] == []
+    steps = results["model_steps"]["result"]
+    assert steps["failures"] == []
+    host = steps["host_optimizer"]  # on CPU the host optimizer's arithmetic is the resident one's
+    assert host["bitwise_equal"] and host["optimizer_host_bytes"] > 0
+    assert 1 <= host["planned_over_measured_host"] < 1.05  # the plan adds the host step's scratch
+    assert steps["replay_kept_attention"]["bitwise_equal"]
+    assert abs(steps["ring"]["predicted_over_measured"] - 1) < 0.01
+    assert steps["packed_documents"]["documents_per_sample"] == 8
     env = results["environment"]
     assert {"nccl_version", "NCCL_NVLS_ENABLE", "host_memory_stats_keys", "gpu_total_bytes"} <= env.keys()
     assert "expandable_segments:True" in env["PYTORCH_CUDA_ALLOC_CONF"]
@@ -264,7 +272,7 @@ def test_each_section_fits_its_budget_and_runs_alone(tmp_path):
     within half of it, the rest for traces, builds and start-up; each section is printed as a command of its own."""
     checks = _script()
     compute = checks.compute_seconds(checks.sizes(dry_run=False))
-    assert set(compute) == {"single_gpu", "cp_rank", "ratios", "contracts"}
+    assert set(compute) == {"single_gpu", "cp_rank", "ratios", "contracts", "model_steps"}
     for name in checks.SECTIONS:
         assert compute.get(name, 0) <= checks.SECTION_ESTIMATES_S[name] / 2, (name, compute)
         assert checks.SECTION_ESTIMATES_S[name] <= checks.SECTION_BUDGET_S

@@ -11,7 +11,8 @@ import pytest
 
 from megatron_lc.devices import cuda_index
 from megatron_lc.errors import ConfigError
-from megatron_lc.parallel_state import ParallelDims, _rendezvous_address, detect_launch, require_launcher
+from megatron_lc.parallel_state import (ParallelDims, _rendezvous_address, detect_launch, host_threads_per_process,
+                                        require_launcher)
 from megatron_lc.scheduler import expand_nodelist
 
 HERE = Path(__file__).parent
@@ -143,3 +144,17 @@ def test_backend_follows_the_accelerator_not_the_machine():
     cuda = torch.device("cuda", 3)
     assert process_group_options(cuda) == {"backend": "nccl", "device_id": cuda}
     assert process_group_options(cuda, backend="gloo") == {"backend": "gloo"}
+
+
+@pytest.mark.parametrize("env, usable, threads", [
+    ({"LOCAL_WORLD_SIZE": "8", "OMP_NUM_THREADS": "1"}, 112, 14),  # torchrun: every core visible, 1 OMP thread set
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, 56, 14),  # mpirun bound to a socket: its 4 processes share it
+    ({**SRUN, "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "14"}, 14, 14),  # srun --cpus-per-task binds
+    ({**SRUN, "SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_PER_TASK": "6"}, 112, 6),  # --cpu-bind=none: the ask
+    ({"LOCAL_WORLD_SIZE": "16"}, 8, 7),  # fewer usable cores than the share: the share of the node
+    ({}, 112, 112),  # one process alone
+    ({"LOCAL_WORLD_SIZE": "200"}, 112, 1),  # more processes than cores: one each
+])
+def test_host_threads_are_the_nodes_cores_shared_by_its_processes_within_the_bound_ones(env, usable, threads):
+    """The host optimizer's step threads (--optimizer-cpu-offload on a GPU): torchrun, mpirun and srun alike."""
+    assert host_threads_per_process(env, usable_cores=usable, node_cores=112) == threads

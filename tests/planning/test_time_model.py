@@ -113,10 +113,13 @@ def test_mfu_counts_three_passes_of_the_model_and_no_recompute():
 
 
 def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, monkeypatch):
-    calls = []
+    """Shared by processes: the host optimizer's step is measured at the threads each process runs it with (the
+    cores over the processes, as the trainer sets them), not scaled again."""
+    calls, host = [], []
 
-    def measure(threads, shapes):
+    def measure(threads, shapes, host_threads):
         calls.append(threads)
+        host.append(host_threads)
         return {"gemm_flops": 1e10, "attention_fwd_flops": 2e9, "attention_bwd_flops": 1e9, "copy_bytes": 1e9,
                 "a2a_bytes": 3e8, "launch_s": 1e-5, "host_adam_params": 5e7}
 
@@ -125,12 +128,13 @@ def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, 
     cache = tmp_path / "rates.json"
     one = calibration.calibrate_local(cache=cache)
     four = calibration.calibrate_local(cache=cache, processes=4)
-    assert calls == [1] and json.loads(cache.read_text())
+    assert calls == [1, 1] and host == [2, 1] and json.loads(cache.read_text())
     assert one.gemm_flops == 1e10 and four.gemm_flops == pytest.approx(0.5e10)  # 4 processes on 2 cores
+    assert (one.host_adam_threads, four.host_adam_threads) == (2, 1) and four.host_adam_params == 5e7
     calibration.calibrate_local(cache=cache, refresh=True)
-    assert calls == [1, 1]
-    calibration.calibrate_local(cache=cache, shapes=calibration.CalibrationShapes(tokens=4096))  # other shapes: measured
     assert calls == [1, 1, 1]
+    calibration.calibrate_local(cache=cache, shapes=calibration.CalibrationShapes(tokens=4096))  # other shapes: measured
+    assert calls == [1, 1, 1, 1]
 
 
 def test_local_rates_are_measured_at_the_configurations_own_shapes(monkeypatch):
@@ -396,7 +400,7 @@ def test_the_host_optimizer_step_is_priced_at_the_hosts_rate_with_its_copies():
     assert resident.seconds["optimizer"] == pytest.approx(shard * 28 / H100.hbm_bytes, rel=1e-9)
     assert {k: v for k, v in host.seconds.items() if k != "optimizer"} == {
         k: v for k, v in resident.seconds.items() if k != "optimizer"}
-    assert "Xeon Platinum 8480C" in H100.sources["host_adam_params"]
+    assert "Xeon Platinum 8480C" in H100.sources["host_adam_params"] and H100.host_adam_threads == 14
 
 
 def test_the_local_calibration_measures_the_host_optimizer_step():

@@ -76,3 +76,24 @@ def test_page_locking_lines_are_shown_on_each_nodes_first_rank(capsys):
     show_library_log(False)
     logging.getLogger(LIBRARY_LOGGER + ".memory.offload").info("offload: hidden on other ranks")
     assert capsys.readouterr().out == "offload: page-locking 1 GiB\n"
+
+
+def test_before_step_one_the_arenas_kept_attention_and_the_host_optimizer_are_weighed_together():
+    """Offloaded block inputs, kept attention outputs and the host optimizer's exact buffers and state: one sum,
+    refused in one line naming each when the node cannot hold it, before any of them is made."""
+    from megatron_lc.arguments import parse_config
+    from megatron_lc.models.llama import build_model
+    from megatron_lc.training.optim import HostOptimizerBytes
+    from megatron_lc.training.preflight import check_host_before_step_one
+    from tests.helpers import TRAIN_FLAGS
+
+    cfg = parse_config(TRAIN_FLAGS + ["--optimizer-cpu-offload"])
+    model = build_model(cfg.model_config(), device="meta")
+    states = HostOptimizerBytes.of(list(model.parameters())).total
+    need = 3 * GIB + 2 * GIB + states
+    check_host_before_step_one(cfg, model, 3 * GIB, 2 * GIB, HostMemory(mem_available=need))  # fits exactly
+    with pytest.raises(ConfigError) as error:
+        check_host_before_step_one(cfg, model, 3 * GIB, 2 * GIB, HostMemory(mem_available=need - 1))
+    assert len(str(error.value).splitlines()) == 1
+    for part in ("--offload-activations", "--keep-attention-output", "--optimizer-cpu-offload"):
+        assert part in str(error.value)

@@ -48,6 +48,8 @@ def test_one_process_run_equals_the_resident_optimizer_bit_for_bit():
         a, b = train_one_step(resident, step), train_one_step(offloaded, step)
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), step
         assert all(p.grad is None for p in offloaded.model.parameters())  # moved to the host, freed
+        assert b["host_optimizer_gib"] == offloaded.optimizer.host_bytes() / 2**30 > 0
+        assert b["host_optimizer_page_locked_gib"] == 0 and "host_optimizer_gib" not in a  # ordinary memory on CPU
     assert a["grad_norm"] > 0.05  # the clip acted
     for (name, p), q in zip(resident.model.named_parameters(), offloaded.model.parameters()):
         assert torch.equal(p, q), name
@@ -109,3 +111,73 @@ def test_a_host_share_beyond_the_nodes_available_memory_is_refused_in_one_line_w
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert "host memory: 1 process(es) on this node keep 1,051.3 GiB" in lines[0]
     assert "0.0 GiB of offloaded block inputs + 1,051.3 GiB of model states" in lines[0]
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo world and its mesh, in this process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _stepped_host_optimizer(mesh):
+    """A host AdamW over two sharded parameters, after one step (its moments exist)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(shape), mesh, [Shard(0)])) for shape in ((4, 3), (5,))]
+    optimizer = HostAdamW(params, torch.device("cpu"), False, lr=0.1, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    for p in params:
+        p.grad = torch.ones_like(p)
+        optimizer.take_gradient(p)
+    optimizer.step()
+    return optimizer, {id(p): f"w{i}" for i, p in enumerate(params)}
+
+
+def test_checkpoints_of_the_host_optimizer_read_and_fill_its_moments_where_they_are(one_rank_mesh, monkeypatch):
+    """With the mesh's device type an accelerator's (here "meta", which holds no data), the state a save reads is
+    the host moments themselves, and a load fills host tensors that become the moments: nothing is copied to the
+    accelerator (torch's `DTensor.from_local` would move each to the mesh's device type)."""
+    optimizer, names = _stepped_host_optimizer(one_rank_mesh)
+    fresh, fresh_names = _stepped_host_optimizer(one_rank_mesh)
+    fresh.inner.state.clear()  # as built, before any step: the load makes the moments
+    monkeypatch.setattr(type(one_rank_mesh), "device_type", property(lambda mesh: "meta"))
+    for empty in (False, True):
+        state = optimizer.checkpoint_state(names, empty=empty)["state"]
+        for p, master in zip(optimizer.params, optimizer.masters):
+            for key in ("exp_avg", "exp_avg_sq"):
+                shard = state[names[id(p)]][key]
+                assert shard.shape == p.shape and shard.placements == p.placements
+                assert shard.to_local().device.type == "cpu", (empty, key)
+                assert shard.to_local().data_ptr() == optimizer.inner.state[master][key].data_ptr(), (empty, key)
+    loaded = fresh.checkpoint_state(fresh_names, empty=True)
+    for entry in loaded["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert entry[key].to_local().device.type == "cpu"
+            entry[key].to_local().fill_(0.5)
+    fresh.load_checkpoint_state(loaded, fresh_names)
+    for p, master in zip(fresh.params, fresh.masters):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert fresh.inner.state[master][key].data_ptr() == loaded["state"][fresh_names[id(p)]][key].to_local().data_ptr()
+            assert torch.equal(fresh.inner.state[master][key], torch.full(master.shape, 0.5))
+
+
+def test_a_host_optimizer_checkpoint_round_trips_through_the_checkpoint_format(one_rank_mesh, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    optimizer, names = _stepped_host_optimizer(one_rank_mesh)
+    dcp.save({"optim": optimizer.checkpoint_state(names)}, checkpoint_id=str(tmp_path / "ckpt"))
+    fresh, fresh_names = _stepped_host_optimizer(one_rank_mesh)
+    fresh.inner.state.clear()
+    loaded = {"optim": fresh.checkpoint_state(fresh_names, empty=True)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"))
+    fresh.load_checkpoint_state(loaded["optim"], fresh_names)
+    for a, b in zip(optimizer.masters, fresh.masters):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.inner.state[a][key], fresh.inner.state[b][key]), key

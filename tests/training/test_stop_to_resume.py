@@ -18,7 +18,7 @@ from megatron_lc.arguments import parse_config
 from megatron_lc.errors import ConfigError
 from megatron_lc.scheduler import current_job
 from megatron_lc.training import checkpointing
-from megatron_lc.training.stopping import STOPPED_FILE, Decision, StepTiming, StopRequest, deadlines
+from megatron_lc.training.stopping import STOPPED_FILE, Decision, StepAbandoned, StepTiming, StopRequest, deadlines
 from megatron_lc.training.trainer import train
 from tests.helpers import free_port
 
@@ -206,16 +206,21 @@ def test_sigterm_mid_step_saves_exits_with_the_resume_status_and_the_resume_is_e
     assert stopped["reason"].startswith(f"stopping after step {step}: signal") and 3 <= step < 2000
     assert checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "ckpt"))["step"] == step
 
-    until = ["--exit-interval", str(step + 2)]
-    resumed = subprocess.run(_torchrun(args + ["--load", "ckpt", "--log-dir", "b", *until]), env=ENV, cwd=tmp_path,
+    _assert_the_resume_is_exact(tmp_path, args, "2000", step + 2)
+
+
+def _assert_the_resume_is_exact(tmp_path, args: list[str], train_iters: str, until: int) -> None:
+    """Resumed from ckpt to step `until` (log b), the losses of run a and b are those of one uninterrupted run."""
+    stop_at = ["--exit-interval", str(until)]
+    resumed = subprocess.run(_torchrun(args + ["--load", "ckpt", "--log-dir", "b", *stop_at]), env=ENV, cwd=tmp_path,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    reference = subprocess.run(_torchrun(BASE + ["--train-iters", "2000", "--log-dir", "ref", *until]), env=ENV,
+    reference = subprocess.run(_torchrun(BASE + ["--train-iters", train_iters, "--log-dir", "ref", *stop_at]), env=ENV,
                                cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = {m["step"]: m["loss"] for m in _metrics(tmp_path / "ref")}
     got = {m["step"]: m["loss"] for m in _metrics(tmp_path / "a") + _metrics(tmp_path / "b")}
-    assert sorted(got) == list(range(1, step + 3))
+    assert sorted(got) == list(range(1, until + 1))  # every step once: none lost, none repeated
     for s, loss in got.items():
         assert loss == pytest.approx(expected[s], rel=1e-5), s
 
@@ -301,3 +306,69 @@ def test_a_grace_time_without_the_signal_handler_is_refused_in_one_line():
         with pytest.raises(ConfigError, match="--exit-signal-grace-secs .* needs --exit-signal-handler"):
             parse_config(BASE + flags).validate(1)
     parse_config(BASE + ["--exit-signal-handler", "--exit-signal-grace-secs", "60"]).validate(1)
+
+
+def test_a_signal_abandons_the_step_at_a_block_boundary_when_the_last_finished_step_was_never_saved():
+    """Too late to finish the step, step 6 done and never saved, its save fits the grace time (or was never timed):
+    the step is left at the next block boundary instead of at once; saved already, or a save too long: at once."""
+    def signalled(unsaved, save_times, grace_s=30):
+        left = []
+        stop = StopRequest(True, [], None, StepTiming(step_times=[5.0, 3600.0], save_times=save_times),
+                           torch.device("cpu"), grace_s=grace_s, abandon=left.append)
+        stop.unsaved_step = unsaved
+        try:
+            stop.begin_step(7)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+            block = torch.nn.Linear(2, 2)
+            stop.watch_blocks([block])
+            try:
+                block(torch.zeros(2))
+                return "finished", left
+            except StepAbandoned as reason:
+                return str(reason), left
+        finally:
+            stop.close()
+
+    reason, left = signalled(unsaved=6, save_times=[20.0])
+    assert reason.startswith("signal SIGTERM during step 7") and left == []
+    assert signalled(unsaved=6, save_times=[])[0].startswith("signal SIGTERM during step 7")  # untimed: tried
+    finished, left = signalled(unsaved=None, save_times=[20.0])  # step 6 is in a checkpoint: leave at once
+    assert finished == "finished" and len(left) == 1
+    finished, left = signalled(unsaved=6, save_times=[40.0])  # its save would not end before the SIGKILL
+    assert finished == "finished" and len(left) == 1
+
+
+def test_a_sigterm_inside_step_2_of_an_unsaved_torchrun_run_saves_step_1_and_the_resume_is_exact(tmp_path):
+    """torchrun, two ranks, no --save-interval: step 1 finished and unsaved, SIGTERM inside step 2, too long for
+    the grace time. Both ranks leave step 2 at the same block boundary, step 1 is saved, exit 3; the run resumes
+    from step 1 with an uninterrupted run's losses."""
+    driver = tmp_path / "slow_steps.py"
+    driver.write_text("import sys, time\n"
+                      "from megatron_lc.training import trainer\n"
+                      "real, calls = trainer.train_step, []\n"
+                      "def slow(*args, **kwargs):\n"
+                      "    calls.append(1)\n"
+                      "    time.sleep({1: 3, 2: 8}.get(len(calls), 0))  # step 1 measured long, step 2 longer\n"
+                      "    return real(*args, **kwargs)\n"
+                      "trainer.train_step = slow\n"
+                      "from megatron_lc.train import main\n"
+                      "main(sys.argv[1:])\n")
+    args = BASE + ["--train-iters", "10", "--save", "ckpt", "--exit-signal-handler", "--exit-signal-grace-secs", "0"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
+    proc = subprocess.Popen([*launch, str(driver), *args, "--log-dir", "a"], env=ENV, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_metrics(tmp_path / "a")) < 1:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second step"
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside step 2's sleep
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    stopped = json.loads((tmp_path / "ckpt" / STOPPED_FILE).read_text())
+    assert stopped["step"] == 1, (stopped, stderr[-3000:])
+    assert stopped["reason"].startswith("stopping inside step 2: signal SIGTERM during step 2")
+    assert checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "ckpt"))["step"] == 1
+    assert "SIGKILL" not in stderr and len(_metrics(tmp_path / "a")) == 1
+
+    _assert_the_resume_is_exact(tmp_path, args, "10", 3)
