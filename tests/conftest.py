@@ -23,3 +23,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for name in tier_markers(item):
             item.add_marker(getattr(pytest.mark, name))
+
+
+@pytest.fixture(autouse=True)
+def _library_log_left_as_found():
+    """A training run in the test's process shows the package's INFO lines on stdout for the rest of that process
+    (`training.logging.show_library_log`, once per process as the entry points want); a later test reading stdout
+    (the planner's --json) must not see them."""
+    import logging
+
+    logger = logging.getLogger("megatron_lc")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
