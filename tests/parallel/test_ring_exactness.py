@@ -77,6 +77,7 @@ def test_ring_accumulators_rotated_in_place_with_data_parallel_match_single_proc
     (["--untied-backward", "lean"], "^--untied-backward lean sets what Untied Ulysses' backward holds: it needs"),
     (["--untied-backward", "lean", "--cp-impl", "untied_ulysses", "--cp-comm-type", "p2p"],
      "^--untied-backward lean sets what Untied Ulysses"),
+    (["--cp-document-layout", "local"], "^--cp-document-layout local cuts a ring by documents: it needs a ring"),
 ])
 def test_impossible_context_parallel_layouts_fail_before_any_work(flags, message):
     cfg = parse_config(BASE + ["--context-parallel-size", "4"] + flags)
