@@ -38,7 +38,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user
                   "function_call": "assistant", "observation": "tool", "tool": "tool"}
 
 # Message keys peers read as per-message training flags (axolotl's `training`/`train`/`weight`, ms-swift's `loss`,
-# LLaMA-Factory-style masks): one present but not named by --train-key is refused, as training it silently would
+# LLaMA-Factory-style masks): one given (not null) but not named by --train-key is refused, as training it silently would
 # go against what its author meant.
 TRAINING_FLAG_KEYS = ("train", "training", "trainable", "train_on", "loss", "weight", "mask", "masked", "no_loss",
                       "ignore_loss")
@@ -87,14 +87,33 @@ class Conversation:
     @property
     def chars(self) -> int:
         """The characters the template renders, about (contents, tool calls and keywords as JSON)."""
-        total = sum(len(m.get("content") or "") + (len(str(m["tool_calls"])) if m.get("tool_calls") else 0)
-                    for m in self.messages)
-        return total + sum(len(str(value)) for value in self.template_kwargs.values())
+        return sum(_message_chars(m) for m in self.messages) + self._kwargs_chars()
+
+    def rendered_chars(self, documents: ChatDocuments) -> int:
+        """The characters encoded for this conversation under `--chat-documents`, about: with `turn` each trained
+        turn renders the messages up to it (and the keywords) again, so a long conversation costs about
+        turns/2 times its own characters; else `chars`."""
+        if documents != "turn":
+            return self.chars
+        prefix, total, trained = 0, 0, set(self.trained)
+        for index, message in enumerate(self.messages):
+            prefix += _message_chars(message)
+            if index in trained:
+                total += prefix + self._kwargs_chars()
+        return total
+
+    def _kwargs_chars(self) -> int:
+        return sum(len(str(value)) for value in self.template_kwargs.values())
 
     def turns(self) -> list["Conversation"]:
         """One conversation per trained message: the messages up to it, only it trained (`--chat-documents
         turn`)."""
         return [Conversation(self.messages[: i + 1], (i,), self.template_kwargs) for i in self.trained]
+
+
+def _message_chars(message: Mapping[str, Any]) -> int:
+    """A message's characters as rendered, about (its content, its tool calls as text)."""
+    return len(message.get("content") or "") + (len(str(message["tool_calls"])) if message.get("tool_calls") else 0)
 
 
 def conversation_from_record(record: Mapping[str, Any], keys: Sequence[str], loss_on: LossOn,
@@ -141,7 +160,7 @@ def _training_flag(message: Mapping[str, Any], train_key: str | None, where: str
     """The message's own training flag under `train_key` (None: none given); a training-flag-like key not named
     is a `ConversationError`."""
     for key in TRAINING_FLAG_KEYS:
-        if key in message and key != train_key:
+        if message.get(key) is not None and key != train_key:  # null: not given (ShareGPT exports carry it)
             raise ConversationError("training flag not read", f"{where} has {key!r}: give --train-key {key} to "
                                     "honour it per message, or drop the key from the data")
     if train_key is None or message.get(train_key) is None:

@@ -260,7 +260,10 @@ def _conversation_document(location: Location, fields: Mapping, options: ReadOpt
         if surrogate:
             problems.invalid(location, "lone surrogate (not encodable as UTF-8)", surrogate)
             return None
-    if not check_length(location, " ".join(options.keys), conversation.chars, options, problems):
+    documents = options.chat.documents
+    key = " ".join(options.keys) + (" rendered once per trained turn (--chat-documents turn)" if documents == "turn"
+                                    else "")
+    if not check_length(location, key, conversation.rendered_chars(documents), options, problems):
         return None
     return Document(location, {}, conversation)
 

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from megatron_lc.data.chat import ChatEncoder, EncodedConversation
-from megatron_lc.data.chat_records import ChatSettings, Conversation
+from megatron_lc.data.chat_records import ChatDocuments, ChatSettings, Conversation
 from megatron_lc.data.corpus import Document, InvalidInputError
 from megatron_lc.data.loss_mask import LOSS_MASK_DTYPE
 from megatron_lc.data.sentences import sentence_splitter, split_all
@@ -212,14 +212,15 @@ def _as_array(ids: list[int], dtype: str) -> np.ndarray:
     return np.fromiter(ids, dtype=dtype, count=len(ids))
 
 
-def group_documents(documents: Iterable[Document], keys: Sequence[str]) -> Iterator[Task]:
-    """Consecutive documents in tasks of about `TASK_CHARS` characters (a longer document
-    is a task of its own: it is never cut)."""
+def group_documents(documents: Iterable[Document], keys: Sequence[str],
+                    chat_documents: ChatDocuments = "conversation") -> Iterator[Task]:
+    """Consecutive documents in tasks of about `TASK_CHARS` characters encoded (a conversation's as its
+    `--chat-documents` renders it; a longer document is a task of its own: it is never cut)."""
     task = Task()
     for document in documents:
         if document.conversation is not None:
             task.records.append((document.conversation,))
-            task.chars += document.conversation.chars
+            task.chars += document.conversation.rendered_chars(chat_documents)
         else:
             record = tuple(document.texts[key] for key in keys)
             task.records.append(record)

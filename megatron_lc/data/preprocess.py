@@ -318,7 +318,8 @@ def run_partition(
         TokenizerPool(config, workers) as pool,
     ):
         problems = InputProblems(options.skip_invalid, log=skipped.stream)
-        tasks = group_documents(read_documents(files, read_options, problems), options.json_keys)
+        tasks = group_documents(read_documents(files, read_options, problems), options.json_keys,
+                                options.chat.documents if options.chat is not None else "conversation")
         for encoded in pool.map_ordered(tasks):
             for location, reason, detail in encoded[0].rejected:  # in a worker: the chat template refused it
                 problems.invalid(location, reason, detail)

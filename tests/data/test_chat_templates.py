@@ -171,6 +171,30 @@ def test_train_key_flags_each_message_and_unread_flags_are_refused(chatml):
         read({"messages": [dict(m, train=False) for m in plain]}, encoder.settings)
 
 
+def test_a_null_training_flag_is_not_given_as_in_sharegpt_exports(chatml):
+    # OpenHermes-style ShareGPT records carry `"weight": null` on every turn: no flag, each turn its default
+    directory, reference = chatml
+    sharegpt = [{"from": "human", "value": "the long context", "weight": None},
+                {"from": "gpt", "value": "holds tokens", "weight": None}]
+    encoder = encoder_for(directory)
+    ids, mask = encoder.ids_and_mask(read({"conversations": sharegpt}, encoder.settings, ("conversations",)))
+    plain = [{"role": "user", "content": "the long context"}, {"role": "assistant", "content": "holds tokens"}]
+    assert ids == reference_chat_ids(reference, plain)
+    assert trained_text(reference, ids, mask) == "holds tokens<|im_end|>\n"
+    # named by --train-key, a null flag is the role's default too
+    weighted = read({"conversations": sharegpt}, ChatSettings("hf", train_key="weight"), ("conversations",))
+    assert weighted.trained == (1,)
+
+
+def test_turn_documents_count_every_trained_turn_s_rendering():
+    conversation = conversation_from_record({"messages": [
+        {"role": "user", "content": "u" * 10}, {"role": "assistant", "content": "a" * 20},
+        {"role": "user", "content": "v" * 30}, {"role": "assistant", "content": "b" * 40}]}, ("messages",),
+        "assistant")
+    assert conversation.chars == conversation.rendered_chars("conversation") == 100
+    assert conversation.rendered_chars("turn") == 30 + 100  # messages[:2], then all four
+
+
 def test_qwen3_multi_turn_is_located_only_by_last_turn_or_one_document_per_turn(qwen3):
     directory, reference = qwen3
     with pytest.raises(ConversationError, match="turn not located.*--loss-on last.*--chat-documents turn"):

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from megatron_lc.data.chat import ChatSettings
-from megatron_lc.data.corpus import InvalidInputError
+from megatron_lc.data.chat_records import conversation_from_record
+from megatron_lc.data.corpus import Document, InvalidInputError, Location
+from megatron_lc.data.encode import group_documents
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loss_mask import has_loss_mask, loss_mask_prefix
 from megatron_lc.data.preprocess import (
@@ -353,3 +355,28 @@ def test_max_document_chars_applies_to_conversations_even_with_a_tokenizer_that_
         chat_run([path], max_document_chars=400)
     summary = chat_run([path], max_document_chars=400, skip_invalid=True)
     assert summary.documents == 1 and summary.problems.counts["document over --max-document-chars"].count == 1
+
+
+def test_max_document_chars_counts_each_turn_s_rendering_under_turn_documents(chat_run, write_jsonl, prefix):
+    # 10 exchanges, 20 messages of 30 characters: 600 characters as one document, 5.5 times that as one per turn
+    many_turns = [{"role": role, "content": f"{role[0]}{n:02d}" + "x" * 27} for n in range(10)
+                  for role in ("user", "assistant")]
+    path = write_jsonl("chat.jsonl", [{"messages": CONVERSATIONS[1]}, {"messages": many_turns}])
+    assert chat_run([path], max_document_chars=1000).documents == 2
+    turn = ChatSettings("hf", "assistant", "turn")
+    with pytest.raises(InvalidInputError, match=f"^{path}:2: document over --max-document-chars: 3,300 characters "
+                       "under 'messages rendered once per trained turn \\(--chat-documents turn\\)'"):
+        chat_run([path], max_document_chars=1000, chat=turn)
+    summary = chat_run([path], max_document_chars=1000, chat=turn, skip_invalid=True)
+    assert summary.problems.counts["document over --max-document-chars"].count == 1
+    assert summary.documents == 2  # the first record's two assistant turns
+
+
+def test_turn_documents_size_tasks_by_every_turn_s_rendering(monkeypatch):
+    monkeypatch.setattr("megatron_lc.data.encode.TASK_CHARS", 1000)
+    many_turns = [{"role": role, "content": "x" * 30} for _ in range(10) for role in ("user", "assistant")]
+    conversation = conversation_from_record({"messages": many_turns}, ("messages",), "assistant")
+    documents = [Document(Location("c.jsonl", n), {}, conversation) for n in range(1, 4)]
+    assert [len(task.records) for task in group_documents(documents, ("messages",))] == [2, 1]
+    tasks = list(group_documents(documents, ("messages",), "turn"))  # 3,300 characters each
+    assert [len(task.records) for task in tasks] == [1, 1, 1] and tasks[0].chars == 3_300
