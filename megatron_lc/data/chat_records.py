@@ -38,8 +38,8 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user
                   "function_call": "assistant", "observation": "tool", "tool": "tool"}
 
 # Message keys peers read as per-message training flags (axolotl's `training`/`train`/`weight`, ms-swift's `loss`,
-# LLaMA-Factory-style masks): one given (not null) but not named by --train-key is refused, as training it silently would
-# go against what its author meant.
+# LLaMA-Factory-style masks): one given (not null) but not named by --train-key is refused, as training it silently
+# would go against what its author meant.
 TRAINING_FLAG_KEYS = ("train", "training", "trainable", "train_on", "loss", "weight", "mask", "masked", "no_loss",
                       "ignore_loss")
 # Record fields transformers' apply_chat_template takes as its own arguments: one present but not passed is refused.
