@@ -13,6 +13,9 @@ from typing import Any
 GENERATION_CONFIG_FILE = "generation_config.json"
 META_GENERATION_CONFIG = "hf_generation_config"  # checkpoint meta key: the source's generation_config.json
 META_SPECIAL_TOKENS = "hf_special_tokens"  # checkpoint meta key: the source tokenizer's special-token map
+# Meta keys about the source model, not the training: each later checkpoint of a run that loaded one carries them on
+# (a fine-tuned model generates as its source did).
+SOURCE_META_KEYS = (META_GENERATION_CONFIG, META_SPECIAL_TOKENS)
 # Keys of a generation config that describe the file, not generation: never carried over.
 _FILE_KEYS = ("transformers_version", "_from_model_config")
 

@@ -23,6 +23,7 @@ from megatron_lc.data.sources import parse_data_path, parse_split
 from megatron_lc.errors import ConfigError
 from megatron_lc.parallel_state import ParallelState
 from megatron_lc.training import checkpointing
+from megatron_lc.training.hf_generation import SOURCE_META_KEYS
 from megatron_lc.training.run import Run, global_batch_size, print_rank_0
 from megatron_lc.training.save_lock import SaveLock, acquire_save_lock
 from megatron_lc.training.schedule import LRSchedule
@@ -69,7 +70,7 @@ def checkpoint_extra(run: Run, data: dict | None = None) -> dict:
     return {"model_config": dataclasses.asdict(run.model.config), "train_config": run.cfg.to_dict(),
             "schedule": run.schedule.to_dict(), "data_settings": _data_settings(run.cfg, run.pstate),
             "data": run.loader.state_dict() if data is None else data, "world_size": run.launch.world_size,
-            "timing": run.timing.to_dict()}
+            "timing": run.timing.to_dict(), **run.source_meta}
 
 
 def _differences(saved: dict, current: dict) -> str:
@@ -184,6 +185,7 @@ def resume(run: Run) -> int:
         print_rank_0(run, f"--load {c.load}: no checkpoint there yet; training starts from scratch")
         return 0
     path, meta = found
+    run.source_meta = {key: meta[key] for key in SOURCE_META_KEYS if meta.get(key)}
     changed = checkpointing.check_model_matches(meta, run.model.config, path)
     if changed:
         print_rank_0(run, f"model settings changed on load from {path}: {changed}")

@@ -46,6 +46,9 @@ class Run:
     """The planner's estimate of this run (--memory-plan)."""
     timing: StepTiming = field(default_factory=StepTiming)
     """Measured step and save times (and the resumed checkpoint's), for the deadline."""
+    source_meta: dict = field(default_factory=dict)
+    """The loaded checkpoint's meta about its source model (`hf_generation.SOURCE_META_KEYS`), saved again with
+    every checkpoint of this run."""
 
     @property
     def is_logging_rank(self) -> bool:

@@ -71,6 +71,27 @@ def test_a_trained_export_takes_the_tokenizer_directorys_generation_config_and_t
     assert transformers.AutoTokenizer.from_pretrained(str(out)).model_max_length == 16
 
 
+def test_a_fine_tuned_checkpoint_keeps_the_converted_source_s_generation_config(tmp_path):
+    source, tokenizer = _source(tmp_path)
+    hf_to_checkpoint(str(source), str(tmp_path / "converted"))
+    # trained with the bare tokenizer.json (no directory to read a generation config from): only the meta has it
+    train(parse_config(["--mock-data", "--seq-length", "16", "--train-iters", "1", "--device", "cpu",
+                        "--load", str(tmp_path / "converted"), "--use-checkpoint-args", "--finetune",
+                        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(source / "tokenizer.json"),
+                        "--save", str(tmp_path / "tuned"), "--log-dir", str(tmp_path / "log")]))
+    # and once more from the fine-tuned checkpoint: carried on again
+    train(parse_config(["--mock-data", "--seq-length", "16", "--train-iters", "2", "--device", "cpu",
+                        "--load", str(tmp_path / "tuned"), "--use-checkpoint-args", "--override-opt_param-scheduler",
+                        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(source / "tokenizer.json"),
+                        "--save", str(tmp_path / "tuned"), "--log-dir", str(tmp_path / "log2")]))
+    assert checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "tuned"))["step"] == 2
+    out = checkpoint_to_hf(str(tmp_path / "tuned"), str(tmp_path / "hf"), dtype=torch.float32)
+    written = json.loads((out / "generation_config.json").read_text())
+    assert set(written["eos_token_id"]) == set(tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|end_of_text|>"]))
+    assert (written["temperature"], written["top_p"]) == (0.6, 0.9)
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).pad_token == "<|end_of_text|>"
+
+
 def test_a_chat_export_whose_eos_misses_the_end_of_turn_is_named_in_one_warning(tmp_path, capsys):
     source, tokenizer = _source(tmp_path, eos_token="<|end_of_text|>")  # a base tokenizer: eos ends documents
     (source / "generation_config.json").unlink()
