@@ -86,8 +86,8 @@ def _valid_count(prefix: PathLike) -> int | None:
             first = stream.readline()
     except OSError:
         return None
-    fields = first.split()
-    if len(fields) != 7 or not fields[1].isdigit() or not os.path.exists(idx_path(prefix)):
+    fields = first.split()  # the .idx's name may hold spaces: the header is compared whole, not field by field
+    if len(fields) < 2 or not fields[1].isdigit() or not os.path.exists(idx_path(prefix)):
         return None
     return int(fields[1]) if first == _header(prefix, int(fields[1])) else None
 

@@ -55,3 +55,19 @@ def test_locations_are_concatenated_by_a_merge_and_ignored_once_the_ids_change(t
     # a merge with a dataset that has no list writes none (and removes the old)
     merge_with_loss_masks([prefixes[0][0], merged], merged + "2")
     assert not (tmp_path / (locations_path(merged + "2"))).exists()
+
+
+def test_locations_are_read_where_the_prefix_holds_spaces(tmp_path, write_jsonl):
+    path = write_jsonl("my data.jsonl", [{"text": t} for t in _texts(5)])
+    prefix = str(tmp_path / "out dir" / "my data")
+    preprocess(PreprocessOptions(inputs=(str(path),), output_prefix=prefix, tokenizer_type="ByteTokenizer",
+                                 show_progress=False))
+    assert read_locations(f"{prefix}_text_document", [0, 4]) == {0: f"{path}:1", 4: f"{path}:5"}
+    # an empty file or a foreign first line is no header: nothing read
+    locations = locations_path(f"{prefix}_text_document")
+    with open(locations, encoding="utf-8") as stream:
+        body = stream.readlines()[1:]
+    for lines in ([], ["#\n"] + body, ["# many documents\n"] + body):
+        with open(locations, "w", encoding="utf-8") as stream:
+            stream.writelines(lines)
+        assert read_locations(f"{prefix}_text_document", [0]) == {}
