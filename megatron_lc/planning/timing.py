@@ -53,10 +53,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from megatron_lc.attention.untied_plan import StagePlan
 from megatron_lc.config import RunSpec, TrainConfig
 from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.planning.calibration import CalibrationShapes, calibrate_local
+from megatron_lc.planning.packed_work import SAMPLES, DocumentMix, RankWork, document_mix, packed_rank_work, \
+    total_pairs
 from megatron_lc.planning.rates import FA2_BACKWARD_WORK, RATES, Rates
 
 CAUSES = ("attention forward", "attention recompute", "attention backward", "GEMMs", "recompute of the rest",
@@ -165,9 +169,10 @@ def kept_attention_bytes_per_gpu(cfg: TrainConfig, spec: RunSpec) -> int:
     return kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels, 2 if cfg.train.bf16 else 4)
 
 
-def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> Work:
+def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None, share: RankWork | None = None) -> Work:
     """The work of one micro-batch on one rank of `cfg` on `num_gpus` GPUs (`spec`: its run spec there, when the
-    caller has it)."""
+    caller has it). `share`: the rank's tokens, attention pairs and exchanged tokens of a packed micro-batch (its
+    samples' documents); None: every sample one document of --seq-length tokens, shared evenly."""
     spec = spec or cfg.run_spec(num_gpus)
     c, stack, cp_spec = spec.model, spec.parallelize.memory, spec.parallelize.cp
     cp, layout = spec.dims.cp, cp_spec.layout
@@ -175,11 +180,16 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> W
     T, h, f, H, Hkv, d, V, L = B * S // cp, c.hidden_size, c.ffn_hidden_size, c.num_attention_heads, \
         c.num_query_groups, c.kv_channels, c.vocab_size, c.num_layers
     item = 2 if cfg.train.bf16 else 4
+    attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
+    ring_tokens = B * S // layout.ring_size  # a ring rank's tokens, whose K and V travel
+    Tx = T  # tokens through the all-to-alls
+    if share is not None:  # QK^T and PV over the pairs inside documents; only the exchanged tokens travel
+        T, attention, Tx = share.tokens, 4 * share.pairs * d * H, share.exchanged_tokens
+        ring_tokens = Tx * layout.a2a_size
     qkv = 2 * T * h * d * (H + 2 * Hkv)
     mlp = 6 * T * h * f
     layer_gemm = qkv + 2 * T * H * d * h + mlp
     head_gemm = 2 * T * h * V
-    attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
     full, selective = stack.recompute_granularity == "full", stack.recompute_granularity == "selective"
     untied = cp_spec.untied
     mlp_tiles = stack.mlp_tiles
@@ -193,9 +203,9 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> W
     plan = StagePlan(H, Hkv, layout.a2a_size, cp_spec.stage_heads) if untied else None
     lean = untied and cp_spec.untied_backward == "lean"
     kv_returns = plan.stages_per_round if lean else 1  # dK/dV sent back per round
-    a2a = (_a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full and not untied, kv_returns=kv_returns) * K
-           + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, kv_returns=kv_returns) * (R - K)
-           + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, False, kv_returns=kv_returns) * (L - R))
+    a2a = (_a2a_bytes(Tx, H, Hkv, d, item, layout.a2a_size, untied, full and not untied, kv_returns=kv_returns) * K
+           + _a2a_bytes(Tx, H, Hkv, d, item, layout.a2a_size, untied, full, kv_returns=kv_returns) * (R - K)
+           + _a2a_bytes(Tx, H, Hkv, d, item, layout.a2a_size, untied, False, kv_returns=kv_returns) * (L - R))
     attention_recomputed = R - K if full else 0
     ring_fwd = ring_bwd = ring_exposed = 0.0
     if layout.ring_size > 1:
@@ -203,7 +213,7 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> W
         # Ulysses one call per stage, each with its kv round's heads.
         calls_kv_heads = plan.num_stages * plan.kv_heads_per_round if untied else \
             max(Hkv, layout.a2a_size) // layout.a2a_size
-        kv = 2 * (B * S // layout.ring_size) * calls_kv_heads * d * item  # K and V of the ring rank's tokens
+        kv = 2 * ring_tokens * calls_kv_heads * d * item  # K and V of the ring rank's tokens
         ring_fwd = kv * (layout.ring_size - 1)
         accumulators = kv * layout.ring_size * 4 / item  # the fp32 dK/dV, R hops
         ring_bwd = ring_fwd + accumulators  # K/V again, and the accumulators
@@ -227,11 +237,11 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> W
     # Untied Ulysses a replay that reads its kept attention runs no stage (no q/k/v projection, no exchange).
     staged = replay_attention if untied else replayed
     recompute += replayed * layer_gemm - (reading * qkv if untied else 0)
-    a2a += staged * _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
+    a2a += staged * _a2a_bytes(Tx, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
     launches += replayed * (mlp_tiles or 0) + staged * stages
     pipelined = ()
     if untied and cp_spec.overlap:
-        q, kv, o = _a2a_parts(T, H, Hkv, d, item, layout.a2a_size)
+        q, kv, o = _a2a_parts(Tx, H, Hkv, d, item, layout.a2a_size)
         forwards = L + attention_recomputed + staged  # passes that run the stages forward
         pipelined = (PipelinedExchange("fwd", forwards * (q + kv + o), forwards * attention, stages, forwards * o / stages),
                      PipelinedExchange("bwd", L * (2 * q + (1 + kv_returns) * kv + 2 * o),
@@ -306,7 +316,12 @@ class StepTime:
     at the machine's kernel rates, attention at the kernel's full-tile (non-causal) rate; nothing recomputed,
     exposed or memory-bound."""
     gap_s: dict = field(default_factory=dict)
-    """What separates the step from the floor, by cause (`GAP_CAUSES`): floor_s + sum(gap_s) = step_s."""
+    """What separates the step from the floor, by cause (`GAP_CAUSES`, and `IMBALANCE` for packed data):
+    floor_s + sum(gap_s) = step_s."""
+    packed: dict | None = None
+    """--packing documents: where the documents' lengths came from, the attention call length their rates are
+    taken at, their pairs' share of a full causal square, the slowest rank's pairs over the mean rank's (median,
+    p90 and worst micro-batch) and the median step (`step_s` is the mean: what a run's steps average to)."""
 
     @property
     def step_s(self) -> float:
@@ -325,7 +340,8 @@ class StepTime:
                 "mfu": round(self.mfu, 4), "rates": self.rates, "attention_kernel": self.attention_kernel,
                 "by_cause_s": {k: round(v, 6) for k, v in self.seconds.items()}, "floor_s": round(self.floor_s, 6),
                 "over_floor": round(self.step_s / self.floor_s, 4) if self.floor_s else None,
-                "gap_to_floor_s": {k: round(v, 6) for k, v in self.gap_s.items()}}
+                "gap_to_floor_s": {k: round(v, 6) for k, v in self.gap_s.items()}} | (
+                    {"packed": self.packed} if self.packed is not None else {})
 
 
 def attention_family(cfg: TrainConfig, flash_attn: bool, flash_impl: str = "default") -> str:
@@ -344,15 +360,30 @@ def attention_family(cfg: TrainConfig, flash_attn: bool, flash_impl: str = "defa
 
 def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 8, family: str = "fa2"
             ) -> StepTime:
-    """The step time of `cfg` on `num_gpus` GPUs at `rates`, by cause."""
+    """The step time of `cfg` on `num_gpus` GPUs at `rates`, by cause; with `--packing documents` counted from the
+    documents of the samples the run draws (`packed_work.document_mix`)."""
     spec = cfg.run_spec(num_gpus)
-    w = step_work(cfg, num_gpus, spec)
+    mix = document_mix(cfg, max(SAMPLES, 4 * _replicas(spec, num_gpus) * cfg.data.micro_batch_size))
+    if mix is not None:
+        return predict_packed(cfg, num_gpus, spec, mix, rates, gpus_per_node, family)
+    return _predict(cfg, num_gpus, spec, step_work(cfg, num_gpus, spec), rates, gpus_per_node, family,
+                    cfg.data.seq_length)  # one document per sample
+
+
+def _replicas(spec: RunSpec, num_gpus: int) -> int:
+    """Context-parallel groups of the run: micro-batches trained side by side."""
+    return max(1, num_gpus // spec.dims.cp)
+
+
+def _predict(cfg: TrainConfig, num_gpus: int, spec: RunSpec, w: Work, rates: Rates, gpus_per_node: int, family: str,
+             call_tokens: int) -> StepTime:
+    """The step time of one rank doing `w` in each micro-batch, attention at the rates of calls of `call_tokens`."""
     cp = spec.dims.cp
-    dp = max(1, num_gpus // cp)
+    dp = _replicas(spec, num_gpus)
     mbs = cfg.data.micro_batch_size
     micro = max(1, (cfg.data.global_batch_size or mbs * dp) // (mbs * dp))
     layout = spec.parallelize.cp.layout
-    fwd_rate, bwd_rate = rates.attention_rates(family, cfg.data.seq_length)  # one document per sample
+    fwd_rate, bwd_rate = rates.attention_rates(family, call_tokens)
     gemm = w.gemm_fwd * 3 / rates.gemm_flops
     a_fwd, a_re, a_bwd = w.attention_fwd / fwd_rate, w.attention_recompute / fwd_rate, w.attention_bwd / bwd_rate
     a2a_link = rates.intra_node_bytes if layout.a2a_size <= gpus_per_node else rates.inter_node_bytes
@@ -402,6 +433,57 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
            "memory-bound ops, launches, optimizer": seconds["elementwise (memory-bound)"]
            + seconds["tiling and stage overhead"] + seconds["optimizer"]}
     return StepTime(seconds, tokens, micro * w.model_flops, rates.peak_flops, rates.name, family, floor, gap)
+
+
+IMBALANCE = "slowest rank over the mean"
+"""Packed data: what the slowest rank's floor exceeds the mean rank's by (a cause of the gap to the floor)."""
+
+
+def predict_packed(cfg: TrainConfig, num_gpus: int, spec: RunSpec, mix: DocumentMix, rates: Rates,
+                    gpus_per_node: int, family: str) -> StepTime:
+    """The mean step over the mix's micro-batches: each decided by its slowest rank (of the context-parallel group,
+    and of the replicas training beside it), its floor by the mean rank's work, each pair inside a document once."""
+    cp_spec, B = spec.parallelize.cp, cfg.data.micro_batch_size
+    document_layout = getattr(cp_spec, "document_layout", "sequence")
+    shares = _rank_shares(cp_spec.layout, document_layout, mix.samples, cfg.data.seq_length)
+    micro_batches = [shares[k:k + B] for k in range(0, len(shares) - B + 1, B)]
+    per_micro = [[RankWork(*(sum(getattr(s[r], f) for s in group) for f in ("tokens", "pairs", "exchanged_tokens")))
+                  for r in range(spec.dims.cp)] for group in micro_batches]
+    call_tokens = mix.call_tokens
+    dp = _replicas(spec, num_gpus)
+    steps, imbalance = [], []
+    for k in range(0, len(per_micro) - dp + 1, dp):  # one micro-batch of each replica, side by side
+        ranks = [r for group in per_micro[k:k + dp] for r in group]
+        times = [_predict(cfg, num_gpus, spec, step_work(cfg, num_gpus, spec, r), rates, gpus_per_node, family,
+                          call_tokens) for r in ranks]
+        slowest = max(times, key=lambda t: t.step_s)
+        n = len(ranks)
+        mean = RankWork(sum(r.tokens for r in ranks) / n, sum(r.pairs for r in ranks) / n,
+                        sum(r.exchanged_tokens for r in ranks) / n)
+        even = _predict(cfg, num_gpus, spec, step_work(cfg, num_gpus, spec, mean), rates, gpus_per_node, family,
+                        call_tokens)  # every pair once, shared evenly: the floor
+        slowest.gap_s[IMBALANCE] = slowest.floor_s - even.floor_s
+        slowest.floor_s, slowest.model_flops_per_gpu = even.floor_s, even.model_flops_per_gpu
+        steps.append(slowest)
+        imbalance.append(max(r.pairs for r in ranks) / mean.pairs if mean.pairs else 1.0)
+    first = steps[0]
+    n = len(steps)
+    packed = {"document_lengths": mix.source, "samples": len(mix.samples), "call_tokens": call_tokens,
+              "document_layout": document_layout,
+              "pairs_over_full_causal": float(np.mean([total_pairs(cu) for cu in mix.samples]))
+              / (cfg.data.seq_length * (cfg.data.seq_length + 1) / 2),
+              "imbalance_median": float(np.median(imbalance)), "imbalance_p90": float(np.percentile(imbalance, 90)),
+              "imbalance_max": float(max(imbalance)), "step_s_median": float(np.median([t.step_s for t in steps]))}
+    return StepTime({k: sum(t.seconds[k] for t in steps) / n for k in first.seconds}, first.tokens,
+                    sum(t.model_flops_per_gpu for t in steps) / n, first.peak_flops, first.rates,
+                    first.attention_kernel, sum(t.floor_s for t in steps) / n,
+                    {k: sum(t.gap_s[k] for t in steps) / n for k in first.gap_s}, packed)
+
+
+def _rank_shares(layout, document_layout: str, samples: tuple[tuple[int, ...], ...], seq_length: int
+                 ) -> list[list[RankWork]]:
+    """Each sample's per-rank work under the layout's cut."""
+    return [packed_rank_work(layout, document_layout, cu, seq_length) for cu in samples]
 
 
 @dataclass(frozen=True)
