@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from megatron_lc.planning.autofit import AutoFitResult
 from megatron_lc.planning.estimate import GIB, Estimate
+from megatron_lc.planning.report import packed_lines
 from megatron_lc.planning.timing import StepTime
 
 
@@ -47,7 +48,7 @@ def _choice_lines(title: str, flags: list[str], e: Estimate, c: StepTime) -> lis
             f"  predicted step {c.step_s:.2f} s ({c.tokens:,} tokens), {c.tokens_per_s:,.0f} tokens/s, "
             f"MFU {100 * c.mfu:.1f}% (s: {causes})",
             f"  floor {c.floor_s:.2f} s (every FLOP once at kernel rates): the step is {c.step_s / c.floor_s:.3f}x it; "
-            f"over it (s): {', '.join(f'{k} {v:.2f}' for k, v in c.gap_s.items())}"]
+            f"over it (s): {', '.join(f'{k} {v:.2f}' for k, v in c.gap_s.items())}", *packed_lines(c)]
 
 
 def auto_fit_text(result: AutoFitResult, command: list[str] | None = None, num_gpus: int | None = None) -> str:
