@@ -504,6 +504,9 @@ class TimeModel:
         this machine's measured ones shared by `num_gpus` processes."""
         if machine.node == "local":
             shapes = CalibrationShapes.of(cfg, cfg.run_spec(machine.num_gpus))
+            mix = document_mix(cfg)
+            if mix is not None:  # attention measured at the documents' length, not the sample's
+                shapes = dataclasses.replace(shapes, attention_tokens=min(shapes.attention_tokens, mix.call_tokens))
             return TimeModel(calibrate_local(processes=machine.num_gpus, shapes=shapes), machine.gpus_per_node, "cpu")
         impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call())
         family = attention_family(cfg, machine.flash_attn, impl)  # the node's GPUs, whatever was traced
