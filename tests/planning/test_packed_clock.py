@@ -144,3 +144,14 @@ def test_a_data_path_gives_the_runs_own_first_samples(tmp_path):
     assert mix.samples == tuple(train.cu_seqlens(k) for k in range(packed_work.SAMPLES))
     assert prefix in t.packed["document_lengths"] and "assumed" not in t.packed["document_lengths"]
     assert all(len(cu) > 3 for cu in mix.samples)  # several documents a sample
+
+
+def test_the_report_names_the_assumed_mix_and_the_imbalance():
+    from megatron_lc.planning.report import packed_lines
+
+    t = predict(_cfg("--packing", "documents", "--cp-comm-type", "p2p"), 8, H100, family="fa3")
+    text = "\n".join(packed_lines(t))
+    assert "assumed length mix" in text and "bench/bench_packing.py" in text
+    assert f"--cp-document-layout sequence: slowest rank's pairs over the mean {t.packed['imbalance_median']:.2f}x" \
+        in text
+    assert packed_lines(predict(_cfg(), 8, H100)) == []
