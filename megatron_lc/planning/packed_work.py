@@ -125,6 +125,9 @@ def _data_mix(data_path: tuple[str, ...], split: str | None, train_data_path: tu
                        f"(--packing documents, seed {seed})")
 
 
+DOCUMENT_LAYOUTS = ("sequence",)
+
+
 # --- what each rank computes --------------------------------------------------------------------------------------
 
 

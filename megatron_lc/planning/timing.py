@@ -469,7 +469,7 @@ def predict_packed(cfg: TrainConfig, num_gpus: int, spec: RunSpec, mix: Document
     first = steps[0]
     n = len(steps)
     packed = {"document_lengths": mix.source, "samples": len(mix.samples), "call_tokens": call_tokens,
-              "document_layout": document_layout,
+              "document_layout": document_layout, "cp": spec.dims.cp,
               "pairs_over_full_causal": float(np.mean([total_pairs(cu) for cu in mix.samples]))
               / (cfg.data.seq_length * (cfg.data.seq_length + 1) / 2),
               "imbalance_median": float(np.median(imbalance)), "imbalance_p90": float(np.percentile(imbalance, 90)),
