@@ -51,6 +51,7 @@ measures them (`tests/gpu/run_gpu_checks.py`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -442,48 +443,75 @@ IMBALANCE = "slowest rank over the mean"
 def predict_packed(cfg: TrainConfig, num_gpus: int, spec: RunSpec, mix: DocumentMix, rates: Rates,
                     gpus_per_node: int, family: str) -> StepTime:
     """The mean step over the mix's micro-batches: each decided by its slowest rank (of the context-parallel group,
-    and of the replicas training beside it), its floor by the mean rank's work, each pair inside a document once."""
-    cp_spec, B = spec.parallelize.cp, cfg.data.micro_batch_size
+    and of the replicas training beside it), the floor by the mean rank's work: each pair inside a document once."""
+    cp_spec = spec.parallelize.cp
     document_layout = getattr(cp_spec, "document_layout", "sequence")
-    shares = _rank_shares(cp_spec.layout, document_layout, mix.samples, cfg.data.seq_length)
-    micro_batches = [shares[k:k + B] for k in range(0, len(shares) - B + 1, B)]
-    per_micro = [[RankWork(*(sum(getattr(s[r], f) for s in group) for f in ("tokens", "pairs", "exchanged_tokens")))
-                  for r in range(spec.dims.cp)] for group in micro_batches]
+    shares = _packed_shares(cp_spec.layout, document_layout, mix, cfg.data.seq_length, cfg.data.micro_batch_size,
+                            _replicas(spec, num_gpus))
     call_tokens = mix.call_tokens
-    dp = _replicas(spec, num_gpus)
-    steps, imbalance = [], []
-    for k in range(0, len(per_micro) - dp + 1, dp):  # one micro-batch of each replica, side by side
-        ranks = [r for group in per_micro[k:k + dp] for r in group]
-        times = [_predict(cfg, num_gpus, spec, step_work(cfg, num_gpus, spec, r), rates, gpus_per_node, family,
-                          call_tokens) for r in ranks]
-        slowest = max(times, key=lambda t: t.step_s)
-        n = len(ranks)
-        mean = RankWork(sum(r.tokens for r in ranks) / n, sum(r.pairs for r in ranks) / n,
-                        sum(r.exchanged_tokens for r in ranks) / n)
-        even = _predict(cfg, num_gpus, spec, step_work(cfg, num_gpus, spec, mean), rates, gpus_per_node, family,
-                        call_tokens)  # every pair once, shared evenly: the floor
-        slowest.gap_s[IMBALANCE] = slowest.floor_s - even.floor_s
-        slowest.floor_s, slowest.model_flops_per_gpu = even.floor_s, even.model_flops_per_gpu
-        steps.append(slowest)
-        imbalance.append(max(r.pairs for r in ranks) / mean.pairs if mean.pairs else 1.0)
-    first = steps[0]
+
+    def time_of(work: RankWork) -> StepTime:
+        return _predict(cfg, num_gpus, spec, step_work(cfg, num_gpus, spec, work), rates, gpus_per_node, family,
+                        call_tokens)
+
+    # A rank's time grows with its tokens, pairs and exchanged tokens: only the ranks no other exceeds in all
+    # three can be the slowest.
+    steps = [max((time_of(r) for r in group.candidates), key=lambda t: t.step_s) for group in shares.steps]
+    even = time_of(shares.mean)  # every pair once, shared evenly: the floor (linear in the work: the mean's)
     n = len(steps)
+    gap = {k: sum(t.gap_s[k] for t in steps) / n for k in steps[0].gap_s}
+    gap[IMBALANCE] = sum(t.floor_s for t in steps) / n - even.floor_s
+    imbalance = [group.imbalance for group in shares.steps]
     packed = {"document_lengths": mix.source, "samples": len(mix.samples), "call_tokens": call_tokens,
               "document_layout": document_layout, "cp": spec.dims.cp,
-              "pairs_over_full_causal": float(np.mean([total_pairs(cu) for cu in mix.samples]))
-              / (cfg.data.seq_length * (cfg.data.seq_length + 1) / 2),
+              "pairs_over_full_causal": shares.pairs_share,
               "imbalance_median": float(np.median(imbalance)), "imbalance_p90": float(np.percentile(imbalance, 90)),
               "imbalance_max": float(max(imbalance)), "step_s_median": float(np.median([t.step_s for t in steps]))}
-    return StepTime({k: sum(t.seconds[k] for t in steps) / n for k in first.seconds}, first.tokens,
-                    sum(t.model_flops_per_gpu for t in steps) / n, first.peak_flops, first.rates,
-                    first.attention_kernel, sum(t.floor_s for t in steps) / n,
-                    {k: sum(t.gap_s[k] for t in steps) / n for k in first.gap_s}, packed)
+    return StepTime({k: sum(t.seconds[k] for t in steps) / n for k in steps[0].seconds}, even.tokens,
+                    even.model_flops_per_gpu, even.peak_flops, even.rates, even.attention_kernel, even.floor_s, gap,
+                    packed)
 
 
-def _rank_shares(layout, document_layout: str, samples: tuple[tuple[int, ...], ...], seq_length: int
-                 ) -> list[list[RankWork]]:
-    """Each sample's per-rank work under the layout's cut."""
-    return [packed_rank_work(layout, document_layout, cu, seq_length) for cu in samples]
+@dataclass(frozen=True)
+class _StepShares:
+    """The ranks of one step's micro-batches side by side (one per replica) that may be its slowest."""
+
+    candidates: tuple[RankWork, ...]
+    imbalance: float
+    """The slowest rank's pairs over the mean rank's."""
+
+
+@dataclass(frozen=True)
+class _PackedShares:
+    steps: tuple[_StepShares, ...]
+    mean: RankWork
+    """The mean rank of every step."""
+    pairs_share: float
+    """The samples' pairs inside documents over a full causal square's (mean)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_shares(layout, document_layout: str, mix: DocumentMix, seq_length: int, micro_batch: int,
+                   replicas: int) -> _PackedShares:
+    """Each rank's work in each micro-batch (its samples summed) under the layout's cut, grouped by step."""
+    per_sample = [packed_rank_work(layout, document_layout, cu, seq_length) for cu in mix.samples]
+    micro = [[RankWork(*(sum(getattr(s[r], f) for s in per_sample[k:k + micro_batch])
+                         for f in ("tokens", "pairs", "exchanged_tokens"))) for r in range(layout.cp_size)]
+             for k in range(0, len(per_sample) - micro_batch + 1, micro_batch)]
+    steps, everyone = [], []
+    for k in range(0, len(micro) - replicas + 1, replicas):
+        ranks = [r for group in micro[k:k + replicas] for r in group]
+        everyone += ranks
+        keys = {(r.tokens, r.pairs, r.exchanged_tokens): r for r in ranks}
+        candidates = tuple(r for key, r in keys.items()
+                           if not any(o != key and all(a >= b for a, b in zip(o, key)) for o in keys))
+        mean_pairs = sum(r.pairs for r in ranks) / len(ranks)
+        steps.append(_StepShares(candidates, max(r.pairs for r in ranks) / mean_pairs if mean_pairs else 1.0))
+    n = len(everyone)
+    mean = RankWork(sum(r.tokens for r in everyone) / n, sum(r.pairs for r in everyone) / n,
+                    sum(r.exchanged_tokens for r in everyone) / n)
+    share = float(np.mean([total_pairs(cu) for cu in mix.samples])) / (seq_length * (seq_length + 1) / 2)
+    return _PackedShares(tuple(steps), mean, share)
 
 
 @dataclass(frozen=True)
