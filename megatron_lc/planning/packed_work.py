@@ -51,7 +51,7 @@ class DocumentMix:
     source: str
     """One line: the data the lengths were read from, or the assumed mix."""
 
-    @property
+    @functools.cached_property
     def call_tokens(self) -> int:
         """The length attention's rate is taken at: the token-weighted mean document length, sum L^2 / sum L.
 

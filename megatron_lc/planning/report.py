@@ -111,8 +111,8 @@ def packed_lines(t: StepTime) -> list[str]:
     return [f"  packed documents ({p['document_lengths']}): their attention pairs {100 * p['pairs_over_full_causal']:.1f}% "
             f"of a full causal square, rates at {p['call_tokens']:,}-token calls (the token-weighted mean length)",
             f"  --cp-document-layout {p['document_layout']}: slowest rank's pairs over the mean {p['imbalance_median']:.2f}x "
-            f"(median micro-batch; p90 {p['imbalance_p90']:.2f}x, worst {p['imbalance_max']:.2f}x); step is the mean "
-            f"over {p['samples']} samples (median {p['step_s_median']:.2f} s)"]
+            f"(median micro-batch; p90 {p['imbalance_p90']:.2f}x, worst {p['imbalance_max']:.2f}x); the step of the "
+            f"slowest ranks' mean work over {p['samples']} samples"]
 
 
 def describe_machine(m) -> str:
