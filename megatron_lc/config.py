@@ -128,7 +128,9 @@ class TrainConfig:
     def context_parallel(self) -> ContextParallel:
         """The run's context-parallel attention (`attention.context_parallel`)."""
         p = self.parallel
-        return ContextParallel(layout=self.context_layout(), impl=p.cp_impl, heads_per_stage=p.untied_heads_per_stage,
+        layout = self.context_layout()
+        return ContextParallel(layout=layout, documents=layout.documents, impl=p.cp_impl,
+                               heads_per_stage=p.untied_heads_per_stage,
                                overlap=p.untied_overlap_stages, untied_backward=p.untied_backward,
                                ring_kv_grads=p.ring_kv_grads, kernel=p.attention_kernel,
                                flash_impl=p.flash_attention_impl)
@@ -187,8 +189,10 @@ class TrainConfig:
         from megatron_lc.context_layout import context_layout_from_flags
 
         p = self.parallel
-        return context_layout_from_flags(p.context_parallel_size, p.cp_comm_type,
-                                         p.hierarchical_context_parallel_sizes)
+        layout = context_layout_from_flags(p.context_parallel_size, p.cp_comm_type,
+                                           p.hierarchical_context_parallel_sizes)
+        documents = p.cp_document_layout or ("split" if layout.ring_size > 1 else "sequence")
+        return dataclasses.replace(layout, documents=documents)
 
     def attention_call(self):
         """The shape of this run's largest attention kernel call (`attention.flash_impl.AttentionCallShape`): a

@@ -12,15 +12,36 @@ ring rank then attends over the same number of (query, key) pairs. Inside a ring
 rank, its two chunks back to back are cut into `a2a_size` equal slices, one per
 all-to-all rank; an all-to-all gathers them back in order, so attention sees the ring
 rank's chunks as one [chunk r, chunk 2R-1-r] block per sample.
+
+Packed samples hold many documents, each attending to itself only; chunks of the sequence then leave
+whole documents where they fall, and the ring ranks' work differs by the documents each got. The
+document layout (`--cp-document-layout`) cuts a ring by documents instead (`SampleCut`): `split`
+cuts every document head-tail into 2R pieces, ring rank r holding pieces r and 2R-1-r of each (the
+same work on every ring rank, document by document); `local` keeps the documents whose whole
+attention is small beside a ring rank's share (`LOCAL_SHARE`) whole on one ring rank, balanced by
+their work, and cuts only the others head-tail. The pieces of each document are sized so that every
+ring rank holds exactly S/R tokens: the documents kept whole never fill the ranks evenly, and the cut
+ones absorb the difference. A ring rank holds, per sample, [its first pieces of the cut documents |
+its second pieces | the documents it holds whole]; only the first two travel the ring (`sent_rows`).
+`sequence` is the sequence's chunks above, whatever its documents.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 CP_COMM_TYPES = ("a2a", "p2p", "a2a+p2p")
 """`--cp-comm-type` values, as Megatron-LM names them: all-to-all, ring (point-to-point), both."""
+DocumentLayout = Literal["sequence", "split", "local"]
+DOCUMENT_LAYOUTS: tuple[str, ...] = get_args(DocumentLayout)
+LOCAL_SHARE = 0.05
+"""`local`: a document stays whole on one ring rank when its attention pairs are at most this share of a ring
+rank's mean: balancing whole documents by their work (largest first) then leaves the slowest ring rank at most
+about this share above the mean, the balance `split` reaches by cutting them."""
 
 
 @dataclass(frozen=True)
@@ -31,10 +52,24 @@ class ContextLayout:
     """Ranks of one all-to-all group (contiguous ranks: one node)."""
     ring_size: int = 1
     """Groups in the ring."""
+    documents: DocumentLayout = "sequence"
+    """How a ring cuts a sample of several documents (see the module docstring); nothing changes without a ring:
+    all-to-all ranks attend over the whole sequence, their share of the heads each."""
 
     def __post_init__(self) -> None:
         if self.a2a_size < 1 or self.ring_size < 1:
             raise ValueError(f"context-parallel sizes must be >= 1, got a2a {self.a2a_size} x ring {self.ring_size}")
+        if self.documents not in DOCUMENT_LAYOUTS:
+            raise ValueError(f"--cp-document-layout {self.documents!r}: expected one of {', '.join(DOCUMENT_LAYOUTS)}")
+
+    @property
+    def cuts_documents(self) -> bool:
+        """Whether a sample's documents decide what each ring rank holds."""
+        return self.ring_size > 1 and self.documents != "sequence"
+
+    def sample_cut(self, seq_length: int, cu_seqlens: Sequence[int]) -> SampleCut:
+        """How one sample's documents (`cu_seqlens`: its boundaries, 0 ... seq_length) are cut over the ring."""
+        return cut_sample(tuple(int(b) for b in cu_seqlens), seq_length, self.ring_size, self.documents)
 
     @property
     def cp_size(self) -> int:
@@ -67,8 +102,10 @@ class ContextLayout:
         """The two chunk indices ring rank `ring_rank` holds (load-balanced causal split)."""
         return ring_rank, 2 * self.ring_size - 1 - ring_rank
 
-    def token_ranges(self, seq_length: int, cp_rank: int) -> tuple[tuple[int, int], ...]:
-        """Sequence positions `[start, stop)` of cp rank `cp_rank`, in the order the rank holds them."""
+    def token_ranges(self, seq_length: int, cp_rank: int, cu_seqlens: Sequence[int] | None = None
+                     ) -> tuple[tuple[int, int], ...]:
+        """Sequence positions `[start, stop)` of cp rank `cp_rank`, in the order the rank holds them; a document
+        layout needs the sample's document boundaries `cu_seqlens`."""
         if not 0 <= cp_rank < self.cp_size:
             raise ValueError(f"cp_rank {cp_rank} is not a rank of a context-parallel group of size {self.cp_size}")
         self.check(seq_length)
@@ -76,6 +113,12 @@ class ContextLayout:
         if self.ring_size == 1:
             return ((cp_rank * local, (cp_rank + 1) * local),)
         ring_rank, a2a_rank = divmod(cp_rank, self.a2a_size)
+        if self.cuts_documents:
+            if cu_seqlens is None:
+                raise ValueError(f"--cp-document-layout {self.documents} cuts by documents: the sample's "
+                                 "boundaries are needed")
+            rows = self.sample_cut(seq_length, cu_seqlens).ring_rows(ring_rank)
+            return slice_ranges(rows, a2a_rank * local, (a2a_rank + 1) * local)
         chunk = seq_length // (2 * self.ring_size)
         first, stop = a2a_rank * local, (a2a_rank + 1) * local  # in the ring rank's [chunk r, chunk 2R-1-r]
         ranges = []
@@ -87,15 +130,18 @@ class ContextLayout:
 
 
 def context_layout_from_flags(cp_size: int, comm_type: str = "a2a",
-                              hierarchical_sizes: tuple[int, ...] | list[int] | None = None) -> ContextLayout:
-    """The layout of `--context-parallel-size`, `--cp-comm-type` and `--hierarchical-context-parallel-sizes`."""
+                              hierarchical_sizes: tuple[int, ...] | list[int] | None = None,
+                              documents: str = "sequence") -> ContextLayout:
+    """The layout of `--context-parallel-size`, `--cp-comm-type`, `--hierarchical-context-parallel-sizes` and
+    `--cp-document-layout`."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"--cp-comm-type {comm_type!r}: expected one of {', '.join(CP_COMM_TYPES)}")
     if comm_type != "a2a+p2p":
         if hierarchical_sizes:
             raise ValueError(f"--hierarchical-context-parallel-sizes is for --cp-comm-type a2a+p2p, "
                              f"not {comm_type}")
-        return ContextLayout(a2a_size=cp_size) if comm_type == "a2a" else ContextLayout(ring_size=cp_size)
+        return ContextLayout(a2a_size=cp_size, documents=documents) if comm_type == "a2a" else \
+            ContextLayout(ring_size=cp_size, documents=documents)
     if not hierarchical_sizes or len(hierarchical_sizes) != 2:
         raise ValueError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A R: the all-to-all "
                          f"degree (ranks of a node) and the ring degree, A x R = --context-parallel-size {cp_size}")
@@ -103,4 +149,195 @@ def context_layout_from_flags(cp_size: int, comm_type: str = "a2a",
     if a2a < 1 or ring < 1 or a2a * ring != cp_size:
         raise ValueError(f"--hierarchical-context-parallel-sizes {a2a} {ring}: the product must be "
                          f"--context-parallel-size {cp_size}")
-    return ContextLayout(a2a_size=a2a, ring_size=ring)
+    return ContextLayout(a2a_size=a2a, ring_size=ring, documents=documents)
+
+
+def slice_ranges(ranges: Sequence[tuple[int, int]], low: int, high: int) -> tuple[tuple[int, int], ...]:
+    """The positions of rows `[low, high)` of the rows `ranges` lay out back to back, as ranges."""
+    out, row = [], 0
+    for start, stop in ranges:
+        a, b = max(low, row), min(high, row + stop - start)
+        if b > a:
+            out.append((start + a - row, start + b - row))
+        row += stop - start
+    return tuple(out)
+
+
+def _piece_pairs(offset: int, length: int) -> int:
+    """Causal (query, key) pairs of `length` queries starting `offset` tokens into their document: every earlier
+    key of the document and itself."""
+    return length * offset + length * (length + 1) // 2
+
+
+@dataclass(frozen=True)
+class SampleCut:
+    """How one sample's documents lie over a ring of `ring_size` ranks (a document layout)."""
+
+    ring_size: int
+    seq_length: int
+    boundaries: tuple[int, ...]
+    """The sample's documents (padding one of them): 0, ..., seq_length."""
+    cut: tuple[int, ...]
+    """The documents cut head-tail over the ring, in sample order."""
+    cut_points: tuple[tuple[int, ...], ...]
+    """Per cut document, the 2R + 1 positions bounding its pieces (piece j: `[p[j], p[j+1])`; some may be empty)."""
+    owners: tuple[int, ...]
+    """Per document, the ring rank holding it whole; -1 when it is cut."""
+
+    def _pieces(self, slot: int) -> tuple[tuple[int, int], ...]:
+        return tuple((p[slot], p[slot + 1]) for p in self.cut_points)
+
+    def first_pieces(self, ring_rank: int) -> tuple[tuple[int, int], ...]:
+        """Ring rank `ring_rank`'s head pieces of the cut documents (piece r of each), in order."""
+        return self._pieces(ring_rank)
+
+    def second_pieces(self, ring_rank: int) -> tuple[tuple[int, int], ...]:
+        """Its tail pieces (piece 2R-1-r of each)."""
+        return self._pieces(2 * self.ring_size - 1 - ring_rank)
+
+    def whole_documents(self, ring_rank: int) -> tuple[tuple[int, int], ...]:
+        b = self.boundaries
+        return tuple((b[i], b[i + 1]) for i, owner in enumerate(self.owners) if owner == ring_rank)
+
+    def ring_rows(self, ring_rank: int) -> tuple[tuple[int, int], ...]:
+        """The positions ring rank `ring_rank` holds, in its order: head pieces, tail pieces, whole documents."""
+        pieces = self.first_pieces(ring_rank) + self.second_pieces(ring_rank) + self.whole_documents(ring_rank)
+        return tuple((a, b) for a, b in pieces if b > a)
+
+    def cut_rows(self, ring_rank: int) -> int:
+        """Rows of cut documents ring rank `ring_rank` holds (the first rows of its share)."""
+        return sum(b - a for a, b in self.first_pieces(ring_rank) + self.second_pieces(ring_rank))
+
+    @property
+    def sent_rows(self) -> int:
+        """Rows each ring rank's keys and values travel with: the most cut rows any ring rank holds (equal on
+        every rank, so every hop exchanges one shape)."""
+        return max(self.cut_rows(r) for r in range(self.ring_size))
+
+    def pairs(self, ring_rank: int) -> int:
+        """Causal (query, key) pairs the attention of ring rank `ring_rank`'s queries computes."""
+        starts = [self.boundaries[i] for i in self.cut]
+        total = sum(_piece_pairs(0, b - a) for a, b in self.whole_documents(ring_rank))
+        for start, (a, b) in zip(starts * 2, self.first_pieces(ring_rank) + self.second_pieces(ring_rank)):
+            total += _piece_pairs(a - start, b - a)
+        return total
+
+
+@functools.lru_cache(maxsize=256)
+def cut_sample(boundaries: tuple[int, ...], seq_length: int, ring_size: int, documents: str) -> SampleCut:
+    """Cut one sample's documents over a ring (`ContextLayout.sample_cut`): see the module docstring."""
+    if documents not in ("split", "local"):
+        raise ValueError(f"cut_sample cuts by documents (split or local), not {documents!r}")
+    if boundaries[0] != 0 or boundaries[-1] != seq_length or any(b <= a for a, b in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"document boundaries must rise from 0 to --seq-length {seq_length}, got "
+                         f"{boundaries[:4]}...{boundaries[-2:]}")
+    R = ring_size
+    capacity = seq_length // R
+    lengths = [b - a for a, b in zip(boundaries, boundaries[1:])]
+    pairs = [_piece_pairs(0, n) for n in lengths]
+    if documents == "split":  # cut every document that has a token for every piece
+        whole = [n < 2 * R for n in lengths]
+    else:
+        limit = LOCAL_SHARE * sum(pairs) / R
+        whole = [p <= limit and n <= capacity for p, n in zip(pairs, lengths)]
+    owners = [-1] * len(lengths)
+    work, tokens = [0] * R, [0] * R
+    # Whole documents by work, largest first, each to the ring rank with the least work among those it keeps
+    # within an even share of the whole documents' tokens (one that fits none is cut instead): the cut documents
+    # then give every ring rank about the same rows, and with them the same work. (A share of one more document
+    # let the whole documents' tokens drift, and the cut rows that fill each rank with them: 1.2-1.4x max/mean
+    # pairs on 32-64 ranks at 1M tokens, against 1.01-1.04 so.)
+    kept = [i for i, w in enumerate(whole) if w]
+    share = min(capacity, -(-sum(lengths[i] for i in kept) // R))
+    for i in sorted(kept, key=lambda i: (-pairs[i], i)):
+        fits = [r for r in range(R) if tokens[r] + lengths[i] <= share]
+        if not fits:
+            continue  # cut instead
+        r = min(fits, key=lambda r: (work[r], tokens[r], r))
+        owners[i], work[r], tokens[r] = r, work[r] + pairs[i], tokens[r] + lengths[i]
+    if all(o >= 0 for o in owners) and any(t != capacity for t in tokens):
+        largest = max(range(len(lengths)), key=lambda i: (lengths[i], -i))  # something must absorb the difference
+        tokens[owners[largest]] -= lengths[largest]
+        owners[largest] = -1
+    cut = tuple(i for i, o in enumerate(owners) if o < 0)
+    # Slot j's rows from the cut documents: ring rank r needs capacity - tokens[r], its head slot r the larger half.
+    need = [capacity - t for t in tokens]
+    slots = [0] * (2 * R)
+    for r in range(R):
+        slots[r], slots[2 * R - 1 - r] = need[r] - need[r] // 2, need[r] // 2
+    sizes = _transport([lengths[i] for i in cut], slots)
+    cut_points = []
+    for i, row in zip(cut, sizes):
+        points = [boundaries[i]]
+        for size in row:
+            points.append(points[-1] + size)
+        cut_points.append(tuple(points))
+    return SampleCut(R, seq_length, boundaries, cut, tuple(cut_points), tuple(owners))
+
+
+def _transport(rows: list[int], columns: list[int]) -> list[list[int]]:
+    """Integer sizes with the given row and column sums (equal totals), each row as close to proportional to
+    the columns as integers allow: proportional parts rounded down, the remainders by the northwest-corner rule."""
+    total = sum(rows)
+    if total != sum(columns):
+        raise ValueError(f"rows sum to {total}, columns to {sum(columns)}")
+    sizes = [[n * c // total for c in columns] if total else [0] * len(columns) for n in rows]
+    row_left = [n - sum(row) for n, row in zip(rows, sizes)]
+    col_left = [c - sum(row[j] for row in sizes) for j, c in enumerate(columns)]
+    i = j = 0
+    while i < len(rows) and j < len(columns):
+        moved = min(row_left[i], col_left[j])
+        sizes[i][j] += moved
+        row_left[i] -= moved
+        col_left[j] -= moved
+        if row_left[i] == 0:
+            i += 1
+        if j < len(columns) and col_left[j] == 0:
+            j += 1
+    return sizes
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """One cp rank's share of one packed sample, as the time model counts it."""
+
+    tokens: int
+    pairs: float
+    """Causal (query, key) pairs its attention computes, in all-heads units: P pairs over H/A of the heads count
+    P/A."""
+    a2a_tokens: int
+    """Its tokens that go through the all-to-all (all of them with an all-to-all level, else none)."""
+    ring_tokens: float
+    """Rows whose keys and values travel each ring hop, in all-heads units (0 without a ring)."""
+
+    @property
+    def exchanged_tokens(self) -> float:
+        """The tokens of its that a context-parallel exchange moves: the ring's rows with a ring, else the
+        all-to-all's."""
+        return self.ring_tokens if self.ring_tokens else self.a2a_tokens
+
+
+def packed_rank_work(layout: ContextLayout, cu_seqlens: Sequence[int], seq_length: int) -> list[RankWork]:
+    """The work of each cp rank (in cp-rank order) on one sample whose documents are `cu_seqlens` (0 ... S)."""
+    cu = tuple(int(b) for b in cu_seqlens)
+    A, R = layout.a2a_size, layout.ring_size
+    local = seq_length // layout.cp_size
+    a2a_tokens = local if A > 1 else 0
+    if R == 1:
+        total = sum(_piece_pairs(0, b - a) for a, b in zip(cu, cu[1:]))
+        return [RankWork(local, total / A, a2a_tokens, 0.0)] * layout.cp_size
+    if layout.cuts_documents:
+        cut = layout.sample_cut(seq_length, cu)
+        ring_pairs, sent = [cut.pairs(r) for r in range(R)], cut.sent_rows
+    else:
+        chunk = seq_length // (2 * R)
+        ring_pairs, sent = [], seq_length // R
+        for r in range(R):
+            total = 0
+            for index in layout.ring_chunks(r):
+                low, high = index * chunk, (index + 1) * chunk
+                for a, b in zip(cu, cu[1:]):
+                    if b > low and a < high:
+                        total += _piece_pairs(max(a, low) - a, min(b, high) - max(a, low))
+            ring_pairs.append(total)
+    return [RankWork(local, ring_pairs[c // A] / A, a2a_tokens, sent / A) for c in range(layout.cp_size)]

@@ -7,6 +7,7 @@ import itertools
 import os
 import random
 import socket
+from typing import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -113,8 +114,11 @@ def shard_batch(batch: Batch, per_sample, dp_rank: int, dp: int, cp_rank: int, c
     rows = slice(dp_rank * B, (dp_rank + 1) * B)
     layout = layout or ContextLayout(a2a_size=cp)
     assert layout.cp_size == cp
-    cols = torch.tensor([p for a, b in layout.token_ranges(S, cp_rank) for p in range(a, b)])
-    return Batch(batch.input_ids[rows, cols], batch.labels[rows, cols], batch.position_ids[rows, cols],
+    samples = range(dp_rank * B, (dp_rank + 1) * B)
+    cols = torch.stack([torch.tensor([p for a, b in layout.token_ranges(S, cp_rank, per_sample[s]) for p in range(a, b)])
+                        for s in samples])
+    picked = torch.tensor(list(samples)).unsqueeze(1)
+    return Batch(batch.input_ids[picked, cols], batch.labels[picked, cols], batch.position_ids[picked, cols],
                  flatten_cu_seqlens(per_sample[rows], S))
 
 
@@ -133,24 +137,33 @@ def write_chat_tokenizer(directory: str | os.PathLike, texts: list[str], vocab_s
     """A Llama-3-like tokenizer directory made on the spot (nothing downloaded): a byte-level BPE trained on
     `texts` with Llama 3's pre-tokenizer and chat specials, and Llama 3 Instruct's chat template in its
     tokenizer_config.json, as transformers' AutoTokenizer loads it."""
+    from megatron_lc.data.tokenizers import LLAMA3_PATTERN
+
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+              "eos_token": "<|eot_id|>", "chat_template": LLAMA3_CHAT_TEMPLATE}
+    return write_bytelevel_tokenizer(directory, texts, LLAMA3_PATTERN, LLAMA3_CHAT_SPECIALS, config, vocab_size)
+
+
+def write_bytelevel_tokenizer(directory: str | os.PathLike, texts: list[str], pattern: str, specials: Sequence[str],
+                              config: dict, vocab_size: int, added: Sequence[str] = ()) -> str:
+    """A byte-level BPE tokenizer directory trained on `texts`, split first by the regex `pattern`, with `specials`
+    (special tokens) and `added` (plain added tokens, as Qwen's <think>), and `config` as its
+    tokenizer_config.json."""
     import json
 
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from megatron_lc.data.tokenizers import LLAMA3_PATTERN
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(LLAMA3_CHAT_SPECIALS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in added])
     os.makedirs(directory, exist_ok=True)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-              "eos_token": "<|eot_id|>", "chat_template": LLAMA3_CHAT_TEMPLATE}
     with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as stream:
         json.dump(config, stream, indent=1)
     return os.fspath(directory)

@@ -66,7 +66,7 @@ def check_against_reference(rank, world, config, cp, opts, batch_args, steps=2, 
     model = build_parallel_model(config, pstate, opts, build_model(config, device="cpu", seed=0).state_dict())
     opt = build_optimizer(model, lr=LR, eps=ADAM_EPS)
     local = [shard_batch(batch, per_sample, pstate.dp_rank * micro_batches + m, pstate.dp_size * micro_batches,
-                         pstate.cp_rank, cp, pstate.context_layout) for m in range(micro_batches)]
+                         pstate.cp_rank, cp, opts.cp.on(pstate.context_layout).layout) for m in range(micro_batches)]
     for step in range(steps):
         result = forward_backward(model, local, pstate, CPU.accelerator)
         torch.testing.assert_close(result.loss, ref_losses[step], rtol=1e-5, atol=0)

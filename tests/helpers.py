@@ -74,7 +74,8 @@ def hf_model_files(path) -> str:
 
 
 CP_FIELDS = {"cp_impl": "impl", "heads_per_stage": "heads_per_stage", "untied_overlap": "overlap",
-             "untied_backward": "untied_backward", "ring_kv_grads": "ring_kv_grads", "attention_kernel": "kernel"}
+             "untied_backward": "untied_backward", "ring_kv_grads": "ring_kv_grads", "attention_kernel": "kernel",
+             "cp_documents": "documents"}
 """The tests' flat names of `ContextParallel`'s fields."""
 
 

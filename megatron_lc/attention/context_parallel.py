@@ -12,7 +12,7 @@ from typing import Literal, get_args
 from megatron_lc.attention.ulysses import check_ulysses_shapes
 from megatron_lc.attention.ring import RING_KV_GRADS, RingKvGrads
 from megatron_lc.attention.untied_plan import BACKWARD_MEMORY, BackwardMemory, check_untied_shapes
-from megatron_lc.context_layout import CP_COMM_TYPES, ContextLayout
+from megatron_lc.context_layout import CP_COMM_TYPES, DOCUMENT_LAYOUTS, ContextLayout, DocumentLayout
 from megatron_lc.errors import ConfigError
 from megatron_lc.flags import flag, flag_list
 
@@ -27,7 +27,10 @@ class ContextParallel:
     `--flash-attention-impl`)."""
 
     layout: ContextLayout | None = None
-    """The all-to-all degree and the ring degree; None: the process mesh's (`on` fills it in)."""
+    """The all-to-all degree and the ring degree; None: the process mesh's (`on` fills it in). Its document layout
+    is `documents`."""
+    documents: DocumentLayout = "sequence"
+    """How a ring cuts a sample of documents (`--cp-document-layout`, `ContextLayout.documents`)."""
     impl: CpImpl = "ulysses"
     """The all-to-all level's attention: Ulysses, or Untied Ulysses (heads in stages)."""
     heads_per_stage: int | None = None
@@ -44,11 +47,18 @@ class ContextParallel:
     flash_impl: str = "auto"
     """What runs behind torch's flash kernel (`--flash-attention-impl`)."""
 
+    def __post_init__(self) -> None:
+        if self.layout is not None and self.layout.documents != self.documents:
+            object.__setattr__(self, "layout", dataclasses.replace(self.layout, documents=self.documents))
+
     def on(self, layout: ContextLayout) -> ContextParallel:
-        """This spec on the mesh's `layout` (refused when it names another)."""
-        if self.layout is not None and self.layout != layout:
+        """This spec on the mesh's `layout` (refused when it has other degrees; the document layout is the spec's:
+        the mesh knows none)."""
+        if self.layout is None:
+            return dataclasses.replace(self, layout=layout)
+        if (self.layout.a2a_size, self.layout.ring_size) != (layout.a2a_size, layout.ring_size):
             raise ValueError(f"the context-parallel spec is for {self.layout}, the process mesh has {layout}")
-        return self if self.layout == layout else dataclasses.replace(self, layout=layout)
+        return self
 
     @property
     def _layout(self) -> ContextLayout:
@@ -80,6 +90,13 @@ class ContextParallel:
         if self.impl not in CP_IMPLS:
             raise ConfigError(f"--cp-impl {self.impl!r}: expected one of {', '.join(CP_IMPLS)}")
         self._layout.check(seq_length)
+        if self._layout.documents not in DOCUMENT_LAYOUTS:
+            raise ConfigError(f"--cp-document-layout {self._layout.documents!r}: expected one of "
+                              f"{', '.join(DOCUMENT_LAYOUTS)}")
+        if self._layout.documents != "sequence" and self._layout.ring_size < 2:
+            raise ConfigError(f"--cp-document-layout {self._layout.documents} cuts a ring by documents: it needs a "
+                              "ring (--cp-comm-type p2p or a2a+p2p); all-to-all ranks attend over every document, "
+                              "their share of the heads each, balanced as they are")
         if self.heads_per_stage is not None and self.impl != "untied_ulysses":
             raise ConfigError(f"--untied-heads-per-stage {self.heads_per_stage} sets the stages of Untied Ulysses: "
                               f"it needs --cp-impl untied_ulysses (given: {self.impl})")
@@ -129,6 +146,12 @@ class ParallelArgs:
     hierarchical_context_parallel_sizes: list[int] = flag_list(
         "with --cp-comm-type a2a+p2p: A R, the all-to-all degree (contiguous ranks: a node) and the ring degree; "
         "A x R = --context-parallel-size")
+    cp_document_layout: str | None = flag(
+        None, "how a ring (--cp-comm-type p2p or a2a+p2p) cuts a sample of several documents (--packing "
+        "documents, --reset-attention-mask): sequence (the sample's 2R chunks, whatever its documents), split "
+        "(each document cut head-tail over the ring: the same attention work on every ring rank) or local "
+        "(documents with little attention whole on one ring rank, balanced by work, never travelling the ring; "
+        "the others cut head-tail). Default: split with a ring", choices=DOCUMENT_LAYOUTS)
     untied_heads_per_stage: int | None = flag(None, "Untied Ulysses heads per stage (a multiple of the all-to-all "
                                               "degree; default that degree)")
     untied_overlap_stages: bool = flag(False, "Untied Ulysses: the next stage's projections and all-to-alls in "

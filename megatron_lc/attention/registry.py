@@ -3,6 +3,7 @@ ring attention under it when the context-parallel layout has a ring."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -23,6 +24,7 @@ from megatron_lc.parallel_state import ParallelState
 def build_attention_backend(name: str, head_dim: int, device: torch.device, pstate: ParallelState, *,
                             kernel: str = "auto", heads_per_stage: int | None = None,
                             overlap: bool = False, untied_backward: str = "fast", ring_kv_grads: str = "overlapped",
+                            documents: str = "sequence",
                             num_heads: int, num_kv_heads: int, seq_length: int | None = None,
                             kernels: Mapping[str, Kernel] | None = None, tile_bounds: TileBounds = tile_bounds,
                             fp32_out_gemm: bool | None = None):
@@ -30,7 +32,7 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
 
     `name` is the all-to-all level (`--cp-impl`); with a ring (`--cp-comm-type p2p` or
     `a2a+p2p`) its local kernel is ring attention over `pstate.ring_group`, which needs
-    the `seq_length` it cuts into chunks. `heads_per_stage` (Untied Ulysses only)
+    the `seq_length` it cuts into chunks, by `documents` (`--cp-document-layout`). `heads_per_stage` (Untied Ulysses only)
     defaults to the all-to-all degree: one head per rank per stage; `overlap` pipelines its stages and
     `untied_backward` what its backward holds; `ring_kv_grads` how the ring's dK/dV accumulators travel.
     `kernels` is the table `kernel` is looked up in (default: the real kernels; the planner passes its
@@ -42,7 +44,7 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
         return LocalAttention(head_dim, local_kernel)
     if name not in CP_IMPLS:
         raise ValueError(f"--cp-impl {name!r}: expected one of {', '.join(CP_IMPLS)}")
-    layout = pstate.context_layout
+    layout = dataclasses.replace(pstate.context_layout, documents=documents)
     if layout.ring_size > 1:
         if seq_length is None:
             raise ValueError("ring attention needs the sequence length it cuts into chunks")

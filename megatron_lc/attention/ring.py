@@ -116,6 +116,91 @@ class RingSchedule:
         return pairs
 
 
+def _aligned_calls(q_lengths: list[int], k_lengths: list[int], q0: int, k0: int) -> list[ChunkPair]:
+    """Unmasked calls of each cut document's query piece (rows from `q0`, pieces back to back) over the same
+    document's key piece (rows from `k0`): one call per run of documents with rows on both sides (a document with
+    rows on one side only breaks a run: its rows sit between the others')."""
+    calls, cu_q, cu_k, start = [], [0], [0], (q0, k0)
+
+    def close():
+        if len(cu_q) > 1:
+            (a, c) = start
+            calls.append(ChunkPair((a, a + cu_q[-1]), (c, c + cu_k[-1]), tuple(cu_q), tuple(cu_k)))
+
+    q, k = q0, k0
+    for n_q, n_k in zip(q_lengths, k_lengths):
+        if n_q and n_k:
+            if len(cu_q) == 1:
+                start = (q, k)
+            cu_q.append(cu_q[-1] + n_q)
+            cu_k.append(cu_k[-1] + n_k)
+        elif n_q or n_k:
+            close()
+            cu_q, cu_k = [0], [0]
+        q, k = q + n_q, k + n_k
+    close()
+    return calls
+
+
+def _lengths(pieces: tuple[tuple[int, int], ...]) -> list[int]:
+    return [b - a for a, b in pieces]
+
+
+@dataclass(frozen=True)
+class DocumentRingSchedule:
+    """`RingSchedule` for a ring cut by documents (`--cp-document-layout split` or `local`, `SampleCut`): a ring
+    rank holds per sample [head pieces | tail pieces | whole documents]. Its own block is one causal call (each
+    piece and whole document a segment) and its tail pieces over its head pieces; a remote block's pieces are
+    attended whole by the pieces after them in their document, two calls a step, every document in each; whole
+    documents never leave their rank (only the first `sent_rows` rows travel)."""
+
+    layout: ContextLayout
+    seq_length: int
+    cu_seqlens: tuple[int, ...]
+    ring_rank: int
+
+    @property
+    def rows(self) -> int:
+        return self.seq_length // self.layout.ring_size
+
+    @property
+    def samples(self) -> int:
+        return self.cu_seqlens[-1] // self.seq_length
+
+    def cut(self, sample: int):
+        S, cu = self.seq_length, self.cu_seqlens
+        first, last = bisect.bisect_left(cu, sample * S), bisect.bisect_left(cu, (sample + 1) * S)
+        return self.layout.sample_cut(S, [b - sample * S for b in cu[first:last + 1]])
+
+    @property
+    def sent_rows(self) -> int:
+        """Rows of the local keys and values that travel: every sample's but the last one's whole documents."""
+        return (self.samples - 1) * self.rows + self.cut(self.samples - 1).sent_rows
+
+    def own_block(self) -> ChunkPair:
+        cu = [0]
+        for b in range(self.samples):
+            for start, stop in self.cut(b).ring_rows(self.ring_rank):
+                cu.append(cu[-1] + stop - start)
+        n = self.samples * self.rows
+        return ChunkPair((0, n), (0, n), tuple(cu), None)
+
+    def cross_pairs(self, kv_ring_rank: int) -> list[ChunkPair]:
+        r, pairs = self.ring_rank, []
+        for b in range(self.samples):
+            cut, base = self.cut(b), b * self.rows
+            q_head, q_tail = _lengths(cut.first_pieces(r)), _lengths(cut.second_pieces(r))
+            k_head, k_tail = _lengths(cut.first_pieces(kv_ring_rank)), _lengths(cut.second_pieces(kv_ring_rank))
+            q_tail0, k_tail0 = base + sum(q_head), base + sum(k_head)
+            if kv_ring_rank == r:  # the tails over the heads of the same documents
+                pairs += _aligned_calls(q_tail, k_head, q_tail0, base)
+            elif kv_ring_rank < r:  # its head pieces precede both of this rank's pieces
+                pairs += _aligned_calls(q_head, k_head, base, base) + _aligned_calls(q_tail, k_head, q_tail0, base)
+            else:  # both its pieces precede this rank's tail piece only
+                pairs += _aligned_calls(q_tail, k_head, q_tail0, base) + _aligned_calls(q_tail, k_tail, q_tail0, k_tail0)
+        return pairs
+
+
 class _Ring:
     """Point-to-point exchange with the ring's neighbours: send to rank r+1, receive from rank r-1."""
 
@@ -261,12 +346,18 @@ class RingAttention:
     def as_kernel(self) -> Kernel:
         return Kernel(self.name, self.forward, self.backward)
 
-    def _schedule(self, q: torch.Tensor, cu_seqlens: CuSeqlens) -> RingSchedule:
+    def _schedule(self, q: torch.Tensor, cu_seqlens: CuSeqlens) -> RingSchedule | DocumentRingSchedule:
         cu = tuple(cu_seqlens)
         if cu[-1] % self.seq_length or q.shape[0] * self.layout.ring_size != cu[-1]:
             raise ValueError(f"ring attention over {q.shape[0]} local tokens x {self.layout.ring_size} ring ranks: "
                              f"cu_seqlens must cover whole samples of {self.seq_length} tokens, got {cu[-1]}")
-        return RingSchedule(self.layout, self.seq_length, cu, self.ring.rank)
+        kind = DocumentRingSchedule if self.layout.cuts_documents else RingSchedule
+        return kind(self.layout, self.seq_length, cu, self.ring.rank)
+
+    @staticmethod
+    def _sent_rows(schedule, rows: int) -> int:
+        """Rows of a block that travel the ring (a document cut keeps whole documents home)."""
+        return schedule.sent_rows if isinstance(schedule, DocumentRingSchedule) else rows
 
     def _kv_rank(self, step: int) -> int:
         return (self.ring.rank - step) % self.ring.size
@@ -276,7 +367,8 @@ class RingAttention:
         own = schedule.own_block()
         out, lse, state = self.kernel.forward(q, k, v, own.cu_q, scale)
         acc, states = out.to(lse.dtype), [state]
-        kv = (k, v)
+        sent = self._sent_rows(schedule, k.shape[0])
+        kv = (k[:sent], v[:sent]) if sent < k.shape[0] else (k, v)
         for step in range(self.ring.size):
             last = step == self.ring.size - 1
             transfer = None if last else self.ring.start(kv, wait=not self.overlap)
@@ -299,14 +391,17 @@ class RingAttention:
                              f"{1 + sum(map(len, steps))}")
         states = iter(calls)
         own = schedule.own_block()
+        sent = self._sent_rows(schedule, k.shape[0])
         if self.kv_grads == "in_place":
-            return self._backward_in_place(dout, q, k, v, out, lse, scale, own, steps, states)
+            return self._backward_in_place(dout, q, k, v, out, lse, scale, own, steps, states, sent)
         gq, gk, gv = self.kernel.backward(dout, q, k, v, out, lse, own.cu_q, scale, tuple(next(states)))
         dq = gq.to(lse.dtype)
         # This step's dK/dV shares of the block in hand, kept as the kernel returned them until the
         # block's fp32 accumulator arrives: only the accumulator in flight and the next one exist in fp32.
-        shares = [(own.k_rows, gk, gv)]
-        kv, accumulator = (k, v), None
+        # Rows that never travel (whole documents) have their one share, the own block's, and stay as it is.
+        shares = [((0, sent), gk[:sent], gv[:sent])]
+        home = (gk[sent:], gv[sent:])
+        kv, accumulator = (k[:sent], v[:sent]), None
         for step in range(self.ring.size):
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
@@ -315,7 +410,7 @@ class RingAttention:
                 dq[slice(*pair.q_rows)] += gq
                 shares.append((pair.k_rows, gk, gv))
             if accumulator is None:  # step 0: this rank's own block starts its round of the ring
-                dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (k, v))
+                dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in kv)
             else:  # what the ranks before this one added to the block in hand
                 dk, dv = accumulator.wait()
             for (c, d), gk, gv in shares:
@@ -327,7 +422,7 @@ class RingAttention:
             if kv_transfer is not None:
                 kv = kv_transfer.wait()
         dk, dv = accumulator.wait()  # this rank's own block, back from its last hop
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq.to(q.dtype), _with_home_rows(dk, home[0], k.dtype), _with_home_rows(dv, home[1], v.dtype)
 
     def _cross_backward(self, pair: ChunkPair, dout, q, kv, out, lse, scale, states):
         """The kernel's backward of one unmasked call of local query rows over the block in hand `kv`."""
@@ -335,19 +430,20 @@ class RingAttention:
         return self.kernel.backward(dout[a:b], q[a:b], kv[0][c:d], kv[1][c:d], out[a:b], lse[:, a:b].contiguous(),
                                     pair.cu_q, scale, tuple(next(states)), cu_seqlens_k=pair.cu_k, causal=False)
 
-    def _backward_in_place(self, dout, q, k, v, out, lse, scale, own, steps, states):
+    def _backward_in_place(self, dout, q, k, v, out, lse, scale, own, steps, states, sent):
         """The backward with one pair of fp32 dK/dV accumulators: each share added as the kernel makes it (in the
         order the overlapped backward adds them), the pair rotated in place after each step."""
         gq, gk, gv = self.kernel.backward(dout, q, k, v, out, lse, own.cu_q, scale, tuple(next(states)))
         dq = gq.to(lse.dtype)
         del gq
-        dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (k, v))
-        dk += gk
-        dv += gv
+        kv = (k[:sent], v[:sent])
+        home = (gk[sent:], gv[sent:])  # rows that never travel: the own block's share is their gradient
+        dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in kv)
+        dk += gk[:sent]
+        dv += gv[:sent]
         del gk, gv
-        row_bytes = dk[0].numel() * dk.element_size()
+        row_bytes = k[0].numel() * dk.element_size()
         chunk_rows = max(1, self.rotation_chunk_bytes // max(row_bytes, 1))
-        kv = (k, v)
         for step in range(self.ring.size):
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
@@ -362,5 +458,15 @@ class RingAttention:
             self.ring.rotate_in_place((dk, dv), chunk_rows)  # now the next block's accumulators, from behind
             if kv_transfer is not None:
                 kv = kv_transfer.wait()
-        dk = dk.to(k.dtype)  # the fp32 dk is freed before dv is rounded
-        return dq, dk, dv.to(v.dtype)
+        dk = _with_home_rows(dk, home[0], k.dtype)  # the fp32 dk is freed before dv is rounded
+        return dq, dk, _with_home_rows(dv, home[1], v.dtype)
+
+
+def _with_home_rows(travelled: torch.Tensor, home: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block's gradient in `dtype`: its rows that travelled the ring (fp32 sums), then those that stayed home."""
+    if home.shape[0] == 0:
+        return travelled.to(dtype)
+    out = torch.empty((travelled.shape[0] + home.shape[0], *home.shape[1:]), dtype=dtype, device=home.device)
+    out[:travelled.shape[0]] = travelled
+    out[travelled.shape[0]:] = home
+    return out

@@ -1,149 +1,26 @@
-"""Conversations in, token ids and a loss mask out.
+"""Conversations (`chat_records.py`) in, token ids and a loss mask out.
 
-A conversation record is read in one of three shapes (see docs/sft.md):
-
-- OpenAI's `messages`: a list of `{"role": ..., "content": ...}` (roles `CHAT_ROLES`);
-- ShareGPT's `conversations`: a list of `{"from": ..., "value": ...}` (`from` in `SHAREGPT_ROLES`: human, gpt,
-  system, and the OpenAI names user and assistant), read as the OpenAI messages they stand for;
-- prompt/completion: two fields, each a string (the user's prompt, the assistant's completion) or a list of
-  OpenAI messages (TRL's conversational form); only the completion's assistant messages are trained on.
-
-A document's ids are exactly `tokenizer.apply_chat_template(messages)`: the template rendered to text, and the
-text encoded without added special tokens, as transformers does. Its loss mask (`loss_mask.py`'s format) marks,
-for each trained assistant message i, the ids that rendering `messages[:i + 1]` adds beyond rendering
-`messages[:i]` with the generation prompt: the message's content and its end of turn, not its header. A
-template whose rendering of such a prefix is not a prefix of the whole rendering (in ids) cannot be masked
-this way; it is refused (`TemplateNotPrefixError`), never masked wrongly.
+A document's ids are exactly `tokenizer.apply_chat_template(messages, **template_kwargs)`: the template rendered
+to text, and the text encoded without added special tokens, as transformers does. Its loss mask (`loss_mask.py`'s
+format) marks, for each trained message i, what rendering `messages[:i + 1]` adds beyond rendering `messages[:i]`
+(with the generation prompt before an assistant message): the message's content and its end of turn, not its
+header. Where those prefix renderings are prefixes of the whole in ids, the mask is those ids; where they are
+prefixes in text only (a header's last characters and the content's first merge into one token, as ChatML's
+"\n" and a content opening with "\n" do), a token is trained when its characters overlap the span, as
+transformers' `return_assistant_tokens_mask` marks a generation block. A record whose prefix renderings are not
+prefixes of the whole even in text (a template that rewrites earlier turns, as Qwen3's drops past reasoning) is
+a `ConversationError` naming where they part: `--loss-on last` or `--chat-documents turn` train it.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-LossOn = Literal["assistant", "all"]
-LOSS_ON_CHOICES: tuple[LossOn, ...] = ("assistant", "all")
-
-# `--chat-template` value that means the tokenizer's own template.
-OWN_TEMPLATE = "hf"
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
-
-
-@dataclass(frozen=True)
-class ChatSettings:
-    """`--chat-template` (OWN_TEMPLATE or a Jinja file) and `--loss-on`."""
-
-    template: str
-    loss_on: LossOn = "assistant"
-
-    @property
-    def template_file(self) -> str | None:
-        return None if self.template == OWN_TEMPLATE else self.template
-
-    @property
-    def masked(self) -> bool:
-        """Whether a loss mask is written: `--loss-on all` trains on every token, as a dataset without one."""
-        return self.loss_on == "assistant"
-
-
-class ConversationError(ValueError):
-    """A record that is not a conversation: `reason` is its category (counted by --skip-invalid), `detail`
-    where in the record and what."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason, self.detail = reason, detail
-
-
-class TemplateNotPrefixError(ValueError):
-    """The template renders a prefix of the conversation as something that is not a prefix of the whole."""
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """Validated OpenAI messages; assistant messages from `first_trained` on are trained on."""
-
-    messages: tuple[dict[str, Any], ...]
-    first_trained: int = 0
-
-    @property
-    def chars(self) -> int:
-        return sum(len(message["content"]) for message in self.messages)
-
-    @property
-    def trained(self) -> list[int]:
-        """Indices of the trained assistant messages."""
-        return [i for i in range(self.first_trained, len(self.messages)) if self.messages[i]["role"] == "assistant"]
-
-
-def conversation_from_record(record: Mapping[str, Any], keys: Sequence[str], loss_on: LossOn) -> Conversation:
-    """The conversation of one record read under `keys` (one key: a message list; two: prompt, completion);
-    a `ConversationError` naming the category and the message when it is not one."""
-    if len(keys) == 2:
-        prompt = _part(record, keys[0], "user")
-        completion = _part(record, keys[1], "assistant")
-        conversation = Conversation(prompt + completion, first_trained=len(prompt))
-    else:
-        conversation = Conversation(_messages(record, keys[0]))
-    if not conversation.messages:
-        raise ConversationError("empty conversation", f"{keys[0]!r} is an empty list")
-    if loss_on == "assistant" and not conversation.trained:
-        where = f"{keys[1]!r}" if len(keys) == 2 else f"{keys[0]!r}"
-        raise ConversationError("no assistant turn", f"no assistant message in {where}: no token to train on "
-                                "(--loss-on all trains on every token)")
-    return conversation
-
-
-def _part(record: Mapping[str, Any], key: str, role: str) -> tuple[dict[str, Any], ...]:
-    """A prompt or completion: a string is one message of `role`, a list is messages."""
-    value = _field(record, key)
-    if isinstance(value, str):
-        return ({"role": role, "content": value},)
-    return _messages(record, key)
-
-
-def _field(record: Mapping[str, Any], key: str) -> Any:
-    value = record.get(key)
-    if value is None:
-        raise ConversationError(f"missing key {key!r}")
-    return value
-
-
-def _messages(record: Mapping[str, Any], key: str) -> tuple[dict[str, Any], ...]:
-    value = _field(record, key)
-    if not isinstance(value, list):
-        raise ConversationError("conversation not a list", f"{key!r} is a {type(value).__name__}")
-    return tuple(_message(item, key, index) for index, item in enumerate(value))
-
-
-def _message(item: Any, key: str, index: int) -> dict[str, Any]:
-    """One message as OpenAI's: ShareGPT's from/value renamed, other fields of an OpenAI message kept."""
-    where = f"{key}[{index}]"
-    if not isinstance(item, Mapping):
-        raise ConversationError("message not an object", f"{where} is a {type(item).__name__}")
-    if "role" not in item and "from" in item:
-        role, content_key = SHAREGPT_ROLES.get(item["from"]) if isinstance(item["from"], str) else None, "value"
-        if role is None:
-            raise ConversationError("unknown role", f"{where}: from {item['from']!r} (ShareGPT's are "
-                                    f"{', '.join(SHAREGPT_ROLES)})")
-        message = {"role": role}
-    else:
-        role, content_key = item.get("role"), "content"
-        if role not in CHAT_ROLES:
-            raise ConversationError("unknown role", f"{where}: role {role!r} (known: {', '.join(CHAT_ROLES)})")
-        message = dict(item)
-    content = item.get(content_key)
-    if content is None:
-        raise ConversationError("missing content", f"{where} has no {content_key!r}")
-    if not isinstance(content, str):
-        raise ConversationError("non-string content", f"{where}: {content_key!r} is a {type(content).__name__}")
-    message["content"] = content
-    return message
+from megatron_lc.data.chat_records import OWN_TEMPLATE, ChatSettings, Conversation, ConversationError
 
 
 def load_chat_tokenizer(model_path: str) -> Any:
@@ -181,7 +58,7 @@ class _Encoding:
 
 @dataclass(frozen=True)
 class EncodedConversation:
-    """One conversation's ids and (with `--loss-on assistant`) its uint8 loss mask; or why it was left out."""
+    """One conversation's ids and (unless `--loss-on all`) its uint8 loss mask; or why it was left out."""
 
     ids: list[int]
     mask: np.ndarray | None
@@ -244,19 +121,30 @@ class ChatEncoder:
             return None
         return backend
 
-    def render(self, conversations: Sequence[Sequence[dict]], add_generation_prompt: bool) -> list[str]:
-        """Each conversation's text; a `ConversationError` when the template refuses one."""
-        if not conversations:
-            return []
+    def render(self, conversations: Sequence[Sequence[dict]], add_generation_prompt: bool,
+               kwargs: Sequence[Any] | None = None) -> list[str]:
+        """Each conversation's text, rendered with its template keywords (`kwargs[k]`, a mapping; consecutive
+        conversations with the same mapping object, or none, in one call); a `ConversationError` when the template
+        refuses one."""
         import jinja2
 
-        try:
-            texts = self.tokenizer.apply_chat_template([list(c) for c in conversations], tokenize=False,
-                                                       chat_template=self.template,
-                                                       add_generation_prompt=add_generation_prompt)
-        except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as error:
-            raise ConversationError("refused by the chat template", f"{type(error).__name__}: {error}") from None
-        return [texts] if isinstance(texts, str) else list(texts)
+        kwargs = kwargs if kwargs is not None else [{}] * len(conversations)
+        texts: list[str] = []
+        start = 0
+        while start < len(conversations):
+            end = start + 1
+            same = kwargs[start]
+            while end < len(conversations) and (kwargs[end] is same or not (kwargs[end] or same)):
+                end += 1
+            try:
+                rendered = self.tokenizer.apply_chat_template(
+                    [list(c) for c in conversations[start:end]], tokenize=False, chat_template=self.template,
+                    add_generation_prompt=add_generation_prompt, **same)
+            except (jinja2.TemplateError, TypeError, KeyError, AttributeError, ValueError) as error:
+                raise ConversationError("refused by the chat template", f"{type(error).__name__}: {error}") from None
+            texts += [rendered] if isinstance(rendered, str) else list(rendered)
+            start = end
+        return texts
 
     def encode(self, texts: Sequence[str]) -> list[Any]:
         """Each text's encoding (`.ids`, `.offsets`: each token's character span) as `apply_chat_template`
@@ -266,22 +154,27 @@ class ChatEncoder:
             return []
         if self.backend is not None:
             return self.backend.encode_batch(list(texts), add_special_tokens=False)
-        encoded = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=bool(self.split_ids),
+        fast = getattr(self.tokenizer, "is_fast", False)
+        encoded = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=fast,
                                  return_attention_mask=False, return_token_type_ids=False)
         offsets = encoded.get("offset_mapping") or [[]] * len(texts)
         return [_Encoding(ids, spans) for ids, spans in zip(encoded["input_ids"], offsets)]
 
     def ids_and_mask(self, conversation: Conversation, location: str = "") -> tuple[list[int], np.ndarray | None]:
-        """One conversation's ids and mask; a `ConversationError` when the template refuses it."""
+        """One conversation's ids and mask; a `ConversationError` when the template refuses it or its trained turns
+        cannot be located."""
         (encoded,) = self.encode_conversations([conversation], [location])
+        if encoded.error is not None:
+            raise encoded.error
         return encoded.ids, encoded.mask
 
     def encode_conversations(self, conversations: Sequence[Conversation],
                              locations: Sequence[str]) -> list[EncodedConversation]:
-        """Each conversation's ids and mask (each template refusal in its entry); a `TemplateNotPrefixError`
-        naming the first conversation whose prefixes the template renders differently."""
+        """Each conversation's ids and mask; a conversation the template refuses, or whose trained turns cannot be
+        located in its rendering, has its `ConversationError` in its entry."""
+        kwargs = [c.template_kwargs for c in conversations]
         try:
-            wholes = self.render([c.messages for c in conversations], False)
+            wholes = self.render([c.messages for c in conversations], False, kwargs)
         except ConversationError as error:
             return self._one_by_one(conversations, locations, error)
         if not self.settings.masked:
@@ -289,8 +182,9 @@ class ChatEncoder:
         cuts = [(n, i) for n, c in enumerate(conversations) for i in c.trained]
         inner = [(n, i) for n, i in cuts if i + 1 < len(conversations[n].messages)]  # the last ends with the whole
         try:
-            starts = self.render([conversations[n].messages[:i] for n, i in cuts], True)
-            ends = self.render([conversations[n].messages[: i + 1] for n, i in inner], False)
+            starts = self._render_starts(conversations, cuts)
+            ends = self.render([conversations[n].messages[: i + 1] for n, i in inner], False,
+                               [kwargs[n] for n, _ in inner])
         except ConversationError as error:
             return self._one_by_one(conversations, locations, error)
         encoded = self.encode(wholes)
@@ -298,27 +192,70 @@ class ChatEncoder:
         anchors = [self._anchors(text, whole, encoding) for text, whole, encoding in zip(wholes, ids, encoded)]
         start_ids = self._prefixes(wholes, ids, anchors, [n for n, _ in cuts], starts)
         inner_ids = iter(self._prefixes(wholes, ids, anchors, [n for n, _ in inner], ends))
+        inner_texts = iter(ends)
         results = [EncodedConversation(whole, np.zeros(len(whole), dtype=np.uint8)) for whole in ids]
-        for (n, i), start in zip(cuts, start_ids):
+        for (n, i), start, start_text in zip(cuts, start_ids, starts):
             whole = results[n].ids
-            end = next(inner_ids) if i + 1 < len(conversations[n].messages) else whole
-            self._check_prefix(start, whole, i, True, locations[n])
-            self._check_prefix(end, whole, i + 1, False, locations[n])
-            results[n].mask[len(start): len(end)] = 1
+            last = i + 1 == len(conversations[n].messages)
+            end, end_text = (whole, wholes[n]) if last else (next(inner_ids), next(inner_texts))
+            if results[n].error is not None:
+                continue
+            if whole[: len(start)] == start and whole[: len(end)] == end:
+                results[n].mask[len(start): len(end)] = 1
+                continue
+            try:
+                self._mask_characters(results[n].mask, encoded[n], wholes[n], start_text, end_text, i,
+                                      conversations[n].messages[i]["role"] == "assistant")
+            except ConversationError as error:
+                results[n] = EncodedConversation([], None, error)
         return results
+
+    def _render_starts(self, conversations: Sequence[Conversation], cuts: Sequence[tuple[int, int]]) -> list[str]:
+        """The rendering before each trained message: with the generation prompt before an assistant's (its
+        header), without before any other role's (a message trained by its own flag: its header is trained)."""
+        prompted = [conversations[n].messages[i]["role"] == "assistant" for n, i in cuts]
+        texts: list[str] = [""] * len(cuts)  # nothing before a first message that opens without a prompt
+        for generation in (True, False):
+            chosen = [k for k, p in enumerate(prompted) if p == generation and (generation or cuts[k][1] > 0)]
+            rendered = self.render([conversations[cuts[k][0]].messages[: cuts[k][1]] for k in chosen], generation,
+                                   [conversations[cuts[k][0]].template_kwargs for k in chosen])
+            for k, text in zip(chosen, rendered):
+                texts[k] = text
+        return texts
+
+    def _mask_characters(self, mask: np.ndarray, encoding: Any, whole: str, start: str, end: str, index: int,
+                         prompted: bool) -> None:
+        """Mark the tokens whose characters overlap the span from the end of `start` to the end of `end` (both
+        renderings of a prefix of `whole`); a `ConversationError` saying where they part from the whole when
+        they are not prefixes of it, or when the tokenizer gives no character offsets."""
+        prompted = " with the generation prompt" if prompted else ""
+        for count, text, prompt in ((index, start, prompted), (index + 1, end, "")):
+            if not whole.startswith(text):
+                at = next((k for k, (a, b) in enumerate(zip(text, whole)) if a != b), min(len(text), len(whole)))
+                raise ConversationError(
+                    "turn not located in the rendering",
+                    f"messages[{index}] is trained, but the template renders messages[:{count}]{prompt} as text that "
+                    f"parts from the whole conversation's at character {at} ({whole[at: at + 40]!r} in the whole, "
+                    f"{text[at: at + 40]!r} in the prefix): the template renders what comes before the turn otherwise "
+                    "once more follows; --loss-on last trains the last turn only, --chat-documents turn each turn as "
+                    "its own document, --loss-on all every token")
+        offsets = np.asarray(getattr(encoding, "offsets", None) or [], dtype=np.int64).reshape(-1, 2)
+        if len(offsets) != len(mask):
+            raise ConversationError(
+                "turn not located in the rendering",
+                f"messages[{index}]: its first or last characters merge with the text around it into one token, and "
+                "this tokenizer gives no character offsets to tell which tokens are its (a fast tokenizer does)")
+        if len(end) > len(start):
+            mask[(offsets[:, 0] < len(end)) & (offsets[:, 1] > len(start))] = 1
 
     def _one_by_one(self, conversations: Sequence[Conversation], locations: Sequence[str],
                     error: ConversationError) -> list[EncodedConversation]:
-        """After the template refused one of a batch: each encoded alone, to find which (one alone: its error)."""
+        """After the template refused one of a batch: each encoded alone, to find which (one alone: its error in its
+        entry)."""
         if len(conversations) == 1:
-            raise error
-        results = []
-        for conversation, location in zip(conversations, locations, strict=True):
-            try:
-                results.append(self.encode_conversations([conversation], [location])[0])
-            except ConversationError as refused:
-                results.append(EncodedConversation([], None, refused))
-        return results
+            return [EncodedConversation([], None, error)]
+        return [self.encode_conversations([conversation], [location])[0]
+                for conversation, location in zip(conversations, locations, strict=True)]
 
     def _anchors(self, text: str, whole: list[int], encoding: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The token indices of the split tokens found in the whole's text (an id the model gives for something
@@ -364,15 +301,3 @@ class ChatEncoder:
         while len(self._tails) > TAIL_CACHE_SIZE:
             del self._tails[next(iter(self._tails))]
         return found
-
-    def _check_prefix(self, prefix: list[int], whole: list[int], count: int, generation: bool, location: str) -> None:
-        if whole[: len(prefix)] == prefix:
-            return
-        differ = next((k for k, (a, b) in enumerate(zip(prefix, whole)) if a != b), min(len(prefix), len(whole)))
-        where = f"{location}: " if location else ""
-        prompt = " with add_generation_prompt=True" if generation else ""
-        raise TemplateNotPrefixError(
-            f"{where}--chat-template {self.settings.template}: the rendering of messages[:{count}]{prompt} is not a "
-            f"prefix of the whole conversation's (its ids differ from token {differ}), so the assistant tokens "
-            "cannot be told from the rest: use a template that renders earlier turns the same in every prefix, or "
-            "--loss-on all")

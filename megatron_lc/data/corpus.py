@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import IO, Iterator, Mapping, Sequence, TextIO
 
-from megatron_lc.data.chat import ChatSettings, Conversation, ConversationError, conversation_from_record
+from megatron_lc.data.chat_records import ChatSettings, Conversation, ConversationError, conversation_from_record
 
 _READ_BLOCK_BYTES = 1 << 20
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -250,12 +250,13 @@ def _conversation_document(location: Location, fields: Mapping, options: ReadOpt
                            problems: InputProblems) -> Document | None:
     """A chat record as a Document holding its conversation, or None after reporting why it is not one."""
     try:
-        conversation = conversation_from_record(fields, options.keys, options.chat.loss_on)
+        conversation = conversation_from_record(fields, options.keys, options.chat.loss_on, options.chat.train_key,
+                                                options.chat.template_kwargs_keys)
     except ConversationError as error:
         problems.invalid(location, error.reason, error.detail)
         return None
     for index, message in enumerate(conversation.messages):
-        surrogate = lone_surrogate(message["content"], f"message {index}")
+        surrogate = lone_surrogate(message.get("content") or "", f"message {index}")
         if surrogate:
             problems.invalid(location, "lone surrogate (not encodable as UTF-8)", surrogate)
             return None

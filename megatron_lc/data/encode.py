@@ -4,6 +4,7 @@ past `PIECE_CHARS`), with BOS/EOD, sentence splitting or a chat template as conf
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing
 from collections import deque
@@ -12,7 +13,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from megatron_lc.data.chat import ChatEncoder, ChatSettings, Conversation, TemplateNotPrefixError
+from megatron_lc.data.chat import ChatEncoder, EncodedConversation
+from megatron_lc.data.chat_records import ChatSettings, Conversation
 from megatron_lc.data.corpus import Document, InvalidInputError
 from megatron_lc.data.loss_mask import LOSS_MASK_DTYPE
 from megatron_lc.data.sentences import sentence_splitter, split_all
@@ -61,6 +63,7 @@ class EncodedKey:
     sequences_per_document: np.ndarray | None = None
     loss_mask: np.ndarray | None = None  # uint8, one per token (chat.py)
     rejected: tuple[tuple[str, str, str], ...] = ()  # (location, reason, detail) of records left out
+    locations: tuple[str, ...] = ()  # each document's input record (`file:line`), where known
 
     @property
     def documents(self) -> int:
@@ -87,9 +90,10 @@ def encode_task(config: EncodeConfig, records: Sequence[tuple[str, ...]],
         return [encode_conversations(cached_chat_encoder(config.tokenizer, config.chat),
                                      [record[0] for record in records], locations, config.dtype)]
     try:
-        return _encode_records(config, records)
+        encoded = _encode_records(config, records)
     except TokenizeError as error:
         raise InvalidInputError(_refused_record(config, records, locations, error)) from None
+    return [dataclasses.replace(key, locations=tuple(locations)) for key in encoded]
 
 
 def _refused_record(config: EncodeConfig, records: Sequence[tuple[str, ...]], locations: Sequence[str],
@@ -177,20 +181,31 @@ def pack_documents(documents: Sequence[list[int] | np.ndarray], prefix: list[int
 
 def encode_conversations(encoder: ChatEncoder, conversations: Sequence[Conversation], locations: Sequence[str],
                          dtype: str) -> EncodedKey:
-    """Each conversation's ids (exactly `apply_chat_template`'s) and loss mask, back to back; a conversation
-    the template refuses is left out and listed in `rejected`; a template that cannot be masked exactly is an
-    `InvalidInputError` naming the first conversation that shows it."""
-    try:
+    """Each conversation's ids (exactly `apply_chat_template`'s) and loss mask, back to back (with
+    `--chat-documents turn`, one document per trained turn); a conversation the template refuses, or whose
+    trained turns cannot be located, is left out whole and listed in `rejected`."""
+    if encoder.settings.documents == "turn":
+        owners = [n for n, conversation in enumerate(conversations) for _ in conversation.trained]
+        turns = [turn for conversation in conversations for turn in conversation.turns()]
+        encoded = encoder.encode_conversations(turns, [locations[n] for n in owners])
+        errors: dict[int, EncodedConversation] = {}
+        for owner, turn in zip(owners, encoded):
+            if turn.error is not None:
+                errors.setdefault(owner, turn)
+        kept = [turn for owner, turn in zip(owners, encoded) if owner not in errors]
+        kept_locations = [locations[owner] for owner in owners if owner not in errors]
+        rejected = [(locations[n], e.error.reason, e.error.detail) for n, e in sorted(errors.items())]
+    else:
         encoded = encoder.encode_conversations(conversations, locations)
-    except TemplateNotPrefixError as error:
-        raise InvalidInputError(str(error)) from None
-    kept = [conversation for conversation in encoded if conversation.error is None]
-    rejected = [(location, c.error.reason, c.error.detail) for location, c in zip(locations, encoded) if c.error]
+        kept = [conversation for conversation in encoded if conversation.error is None]
+        rejected = [(location, c.error.reason, c.error.detail) for location, c in zip(locations, encoded) if c.error]
+        kept_locations = [location for location, c in zip(locations, encoded) if c.error is None]
     documents = [conversation.ids for conversation in kept]
     masks = [conversation.mask for conversation in kept if conversation.mask is not None]
     packed = pack_documents(documents, [], [], dtype)
     loss_mask = (np.concatenate(masks) if masks else np.zeros(0, LOSS_MASK_DTYPE)) if encoder.settings.masked else None
-    return EncodedKey(packed.tokens, packed.lengths, loss_mask=loss_mask, rejected=tuple(rejected))
+    return EncodedKey(packed.tokens, packed.lengths, loss_mask=loss_mask, rejected=tuple(rejected),
+                      locations=tuple(kept_locations))
 
 
 def _as_array(ids: list[int], dtype: str) -> np.ndarray:

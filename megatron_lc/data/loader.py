@@ -71,6 +71,7 @@ class MicroBatchLoader:
         eod_token: int | None = None,
         num_samples: int | None = None,
         cp_ring: int = 1,
+        cp_documents: str = "sequence",
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
@@ -83,6 +84,8 @@ class MicroBatchLoader:
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.cp_rank, self.cp_size, self.cp_ring = cp_rank, cp_size, cp_ring
+        # A ring cuts by documents only where attention sees them (as `collate` gives the model its segments).
+        self.cp_documents = cp_documents if reset_attention_mask else "sequence"
         self.reset_position_ids = reset_position_ids
         self.reset_attention_mask = reset_attention_mask
         self.eod_mask_loss = eod_mask_loss
@@ -113,7 +116,7 @@ class MicroBatchLoader:
 
     def _sample(self, index: int) -> Sample:
         return self.samples.get(index, self.cp_rank, self.cp_size, self.reset_position_ids, self.eod_mask_loss,
-                                self.eod_token, cp_ring=self.cp_ring)
+                                self.eod_token, cp_ring=self.cp_ring, documents=self.cp_documents)
 
     def continue_by_sample_count(self, consumed: int) -> None:
         """--override-data-settings where the stream cannot continue by token: from the whole steps of `consumed`."""

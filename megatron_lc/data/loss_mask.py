@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_lc.data.document_locations import concatenate_locations, remove_locations
 from megatron_lc.data.indexed_dataset import IndexedDataset, PathLike, bin_path, idx_path, merge_datasets
 
 LOSS_MASK_SUFFIX = "_loss_mask"
@@ -72,7 +73,9 @@ def merge_with_loss_masks(input_prefixes: Sequence[PathLike], output_prefix: Pat
         merge_datasets([loss_mask_prefix(prefix) for prefix in masked], loss_mask_prefix(output_prefix))
     else:
         remove_dataset_files(loss_mask_prefix(output_prefix))
+    remove_locations(output_prefix)
     merge_datasets(input_prefixes, output_prefix)
+    concatenate_locations(input_prefixes, output_prefix)
     return bool(masked)
 
 

@@ -25,6 +25,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
+from megatron_lc.data.document_locations import read_locations
 from megatron_lc.data.index_cache import IndexCache, array_digest, dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.samples import IGNORE_INDEX, Sample, SampleSource, cp_ranges
@@ -81,6 +82,20 @@ def check_packing(args: PackingArgs) -> None:
 
 class LongDocumentsError(ValueError):
     """Documents longer than a sample, with --long-documents stop."""
+
+
+LISTED_LONG_DOCUMENTS = 5
+
+
+def _first_documents(prefix: str, documents: np.ndarray, lengths: np.ndarray) -> str:
+    """The first few of `documents` by index, each with its input record where preprocessing listed it
+    (`document_locations.py`) and its length."""
+    first = [int(d) for d in documents[:LISTED_LONG_DOCUMENTS]]
+    where = read_locations(prefix, first)
+    named = [f"document {d} ({where[d] + ', ' if d in where else ''}{int(n):,} tokens)"
+             for d, n in zip(first, lengths[:LISTED_LONG_DOCUMENTS])]
+    more = ", ..." if len(documents) > len(first) else ""
+    return f"{'the first: ' if more else ''}{', '.join(named)}{more}"
 
 
 def pack_epoch(lengths: np.ndarray, capacity: int, start: int = 0, taken_ahead: int = 0
@@ -161,8 +176,9 @@ class PackedDocumentSamples(SampleSource):
         if self.long_count and long_documents == "stop":
             raise LongDocumentsError(
                 f"{dataset.path_prefix}: {self.long_count:,} of {len(lengths):,} documents are longer than "
-                f"--seq-length {seq_length} (the longest {self.longest:,} tokens): --packing documents splits none; "
-                "pass --long-documents truncate or drop, or a longer --seq-length")
+                f"--seq-length {seq_length} (the longest {self.longest:,} tokens; "
+                f"{_first_documents(dataset.path_prefix, self.all_documents[long], lengths[long])}): --packing "
+                "documents splits none; pass --long-documents truncate or drop, or a longer --seq-length")
         keep = ~long if long_documents == "drop" else np.ones(len(lengths), dtype=bool)
         self.documents = self.all_documents[keep]
         self._lengths = np.minimum(lengths[keep], seq_length)
@@ -288,7 +304,8 @@ class PackedDocumentSamples(SampleSource):
         return None if self.loss_mask is None else self._read(self.loss_mask, index, start, stop, 0)
 
     def get(self, index: int, cp_rank: int = 0, cp_size: int = 1, reset_position_ids: bool = False,
-            eod_mask_loss: bool = False, eod_token: int | None = None, cp_ring: int = 1) -> Sample:
+            eod_mask_loss: bool = False, eod_token: int | None = None, cp_ring: int = 1,
+            documents: str = "sequence") -> Sample:
         """This rank's rows only (host memory O(S/cp)); positions always restart at each document (and padding),
         whatever `reset_position_ids`."""
         if eod_mask_loss and eod_token is None:
@@ -297,7 +314,7 @@ class PackedDocumentSamples(SampleSource):
         boundaries = np.asarray(cu, dtype=np.int64)
         used = int(np.sum(self._sample_documents(index)[1]))
         pieces = []
-        for start, stop in cp_ranges(self.seq_length, cp_rank, cp_size, cp_ring):
+        for start, stop in cp_ranges(self.seq_length, cp_rank, cp_size, cp_ring, documents, cu):
             end = min(stop + 1, self.seq_length)  # the next token: the label of the range's last row
             tokens = self.read_tokens(index, start, end)
             labels = np.full(stop - start, IGNORE_INDEX, dtype=np.int64)

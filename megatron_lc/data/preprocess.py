@@ -27,8 +27,9 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_lc.data.chat import ChatSettings
+from megatron_lc.data.chat_records import ChatSettings
 from megatron_lc.data.corpus import BytesRead, InputProblems, ProblemCount, ReadOptions, expand_inputs, read_documents
+from megatron_lc.data.document_locations import LocationsWriter, locations_path, remove_locations
 from megatron_lc.data.encode import EncodeConfig, EncodedKey, TokenizerPool, cached_tokenizer, group_documents
 from megatron_lc.data.indexed_dataset import (
     IndexedDatasetBuilder,
@@ -181,6 +182,7 @@ class DatasetWriters:
             if masked:
                 self.mask_builders.append(IndexedDatasetBuilder(bin_path(loss_mask_prefix(prefix)),
                                                                 dtype=LOSS_MASK_DTYPE))
+        self.locations = [LocationsWriter(prefix) for prefix in self.prefixes]
         self.tokens = [0] * len(self.prefixes)
         self.loss_tokens = [0] * len(self.prefixes)
 
@@ -191,6 +193,8 @@ class DatasetWriters:
         if exc_type is not None:
             for builder in self.builders + self.mask_builders:
                 builder.abort()
+            for locations in self.locations:
+                locations.abort()
 
     def write(self, encoded: Sequence[EncodedKey]) -> None:
         """Append one task's documents to every dataset, one sequence each (and their loss masks)."""
@@ -201,6 +205,7 @@ class DatasetWriters:
             if self.mask_builders:
                 self.mask_builders[key_index].add_documents(key_documents.loss_mask, key_documents.lengths)
                 self.loss_tokens[key_index] += int(key_documents.loss_mask.sum(dtype=np.int64))
+            self.locations[key_index].add(key_documents.locations)
 
     def finalize(self) -> None:
         """Write every index and move the files into place: a dataset's old index first, then its loss mask (or,
@@ -209,11 +214,13 @@ class DatasetWriters:
         for key_index, (builder, prefix) in enumerate(zip(self.builders, self.prefixes, strict=True)):
             if os.path.exists(idx_path(prefix)):
                 os.remove(idx_path(prefix))
+            remove_locations(prefix)
             if self.mask_builders:
                 self.mask_builders[key_index].finalize(idx_path(loss_mask_prefix(prefix)))
             else:
                 remove_dataset_files(loss_mask_prefix(prefix))
             builder.finalize(idx_path(prefix))
+            self.locations[key_index].finalize(prefix)
 
 
 @dataclass
@@ -329,9 +336,10 @@ def run_partition(
 
 
 def document_limit(options: PreprocessOptions, tokenizer: Tokenizer) -> int | None:
-    """--max-document-chars where documents are encoded whole; None where the tokenizer cuts them (its
-    memory is a piece's, whatever the document's length)."""
-    if tokenizer.cuts_long_documents and not options.split_sentences:
+    """--max-document-chars where documents are encoded whole (a conversation always is: its template renders it
+    whole, and its prefixes besides); None where the tokenizer cuts them (its memory is a piece's, whatever the
+    document's length)."""
+    if tokenizer.cuts_long_documents and not options.split_sentences and options.chat is None:
         return None
     return options.max_document_chars
 
@@ -412,7 +420,8 @@ def partition_producer(options: PreprocessOptions, files: Sequence[str], dtype: 
                                                      options.lang if options.split_sentences else None],
         "token dtype": dtype,
         "input files (path, size, modification time)": input_identity(files),
-        "--chat-template (its file's SHA-256)/--loss-on": chat_identity(options.chat),
+        "--chat-template (its file's SHA-256)/--loss-on/--chat-documents/--train-key/--chat-template-kwargs-keys":
+            chat_identity(options.chat),
     }
 
 
@@ -422,7 +431,7 @@ def chat_identity(chat: ChatSettings | None) -> list | None:
     if chat is None:
         return None
     digest = path_digest(chat.template_file) if chat.template_file is not None else None
-    return [chat.template, digest, chat.loss_on]
+    return [chat.template, digest, chat.loss_on, chat.documents, chat.train_key, list(chat.template_kwargs_keys)]
 
 
 def plan_partitions(files: list[str], options: PreprocessOptions, work_dir: str) -> list[PartitionPlan]:
@@ -571,6 +580,7 @@ def output_files(options: PreprocessOptions) -> set[str]:
     prefixes = dataset_prefixes(options)
     prefixes += [loss_mask_prefix(prefix) for prefix in prefixes]
     listed = {os.path.abspath(skipped_log_path(options.output_prefix))}
+    listed |= {os.path.abspath(locations_path(prefix)) for prefix in dataset_prefixes(options)}
     return {os.path.abspath(path) for prefix in prefixes for path in (bin_path(prefix), idx_path(prefix))} | listed
 
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from megatron_lc.command_line import ArgumentParser, check_writable, report_tool_error
 from megatron_lc.data import preprocess as preprocess_module
-from megatron_lc.data.chat import LOSS_ON_CHOICES, OWN_TEMPLATE, ChatSettings
+from megatron_lc.data.chat_records import CHAT_DOCUMENTS_CHOICES, LOSS_ON_CHOICES, OWN_TEMPLATE, ChatSettings
 from megatron_lc.data.corpus import InvalidInputError
 from megatron_lc.data.encode import PIECE_CHARS, cached_chat_encoder, cached_tokenizer
 from megatron_lc.data.preprocess import PreprocessOptions, encode_config, input_files, preprocess
@@ -109,7 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--loss-on", choices=LOSS_ON_CHOICES, default=None,
         help="with --chat-template: the tokens trained on; assistant (default): each assistant message's "
-        "content and end of turn, written as a loss mask; all: every token, no mask written")
+        "content and end of turn, written as a loss mask; last: the last assistant message's only (a template "
+        "that rewrites earlier turns, as Qwen3's drops past reasoning, renders the last as it is trained); all: "
+        "every token, no mask written")
+    group.add_argument(
+        "--chat-documents", choices=CHAT_DOCUMENTS_CHOICES, default=None,
+        help="with --chat-template: conversation (default): one document per record; turn: one document per "
+        "trained turn, the messages up to it rendered as the template renders a conversation that ends there, "
+        "only that turn trained (every turn of a template that rewrites history, each as it was generated)")
+    group.add_argument(
+        "--train-key", default=None, metavar="KEY",
+        help="with --chat-template: a message's own training flag (true/false or 1/0) under KEY overrides "
+        "--loss-on for that message, any role (axolotl's message_field_training, ms-swift's loss); without it a "
+        "message holding a training-flag-like key (train, training, loss, weight, ...) is refused")
+    group.add_argument(
+        "--chat-template-kwargs-keys", nargs="+", default=(), metavar="KEY",
+        help="with --chat-template: record fields passed to the template as keywords, as "
+        "apply_chat_template(messages, tools=record['tools']) (e.g. tools, documents); a record holding tools or "
+        "documents not named here is refused")
     group.add_argument(
         "--skip-invalid",
         action="store_true",
@@ -187,13 +204,23 @@ def options_from_args(args: argparse.Namespace) -> PreprocessOptions:
 
 
 def _chat_settings(args: argparse.Namespace) -> ChatSettings | None:
-    """--chat-template and --loss-on; --loss-on alone is refused (plain text trains on every token)."""
+    """--chat-template and the flags that shape its documents; any of them alone is refused (plain text has no
+    turns: every token is trained on), and so is a per-turn flag with --loss-on all."""
+    given = {"--loss-on": args.loss_on, "--chat-documents": args.chat_documents, "--train-key": args.train_key,
+             "--chat-template-kwargs-keys": " ".join(args.chat_template_kwargs_keys) or None}
     if args.chat_template is None:
-        if args.loss_on is not None:
-            raise ConfigError(f"--loss-on {args.loss_on} needs --chat-template (plain text has no turns: every token "
-                              "is trained on)")
+        for name, value in given.items():
+            if value is not None:
+                raise ConfigError(f"{name} {value} needs --chat-template (plain text has no turns: every token is "
+                                  "trained on)")
         return None
-    return ChatSettings(args.chat_template, args.loss_on or "assistant")
+    if args.loss_on == "all":
+        for name in ("--chat-documents", "--train-key"):
+            if given[name] is not None:
+                raise ConfigError(f"{name} {given[name]} with --loss-on all: every token is trained, no turn is "
+                                  "chosen; use --loss-on assistant or last")
+    return ChatSettings(args.chat_template, args.loss_on or "assistant", args.chat_documents or "conversation",
+                        args.train_key, tuple(args.chat_template_kwargs_keys))
 
 
 def _max_document_chars(args: argparse.Namespace) -> int | None:

@@ -33,11 +33,14 @@ class Sample:
     cu_seqlens: tuple[int, ...]  # document boundaries of the whole sample: (0, ..., S)
 
 
-def cp_ranges(seq_length: int, cp_rank: int, cp_size: int, cp_ring: int = 1) -> tuple[tuple[int, int], ...]:
-    """Input positions `[start, stop)` of cp rank `cp_rank` (a ring of `cp_ring`: see `context_layout`)."""
+def cp_ranges(seq_length: int, cp_rank: int, cp_size: int, cp_ring: int = 1, documents: str = "sequence",
+              cu_seqlens: tuple[int, ...] | None = None) -> tuple[tuple[int, int], ...]:
+    """Input positions `[start, stop)` of cp rank `cp_rank` (a ring of `cp_ring` cutting a sample of documents
+    `cu_seqlens` by `documents`: see `context_layout`)."""
     if cp_size < 1 or cp_ring < 1 or cp_size % cp_ring:
         raise ValueError(f"context-parallel size {cp_size} is not a multiple of its ring degree {cp_ring}")
-    return ContextLayout(a2a_size=cp_size // cp_ring, ring_size=cp_ring).token_ranges(seq_length, cp_rank)
+    layout = ContextLayout(a2a_size=cp_size // cp_ring, ring_size=cp_ring, documents=documents)
+    return layout.token_ranges(seq_length, cp_rank, cu_seqlens)
 
 
 def position_ids_for(start: int, stop: int, cu_seqlens: tuple[int, ...], reset: bool) -> np.ndarray:
@@ -102,13 +105,15 @@ class SampleSource(ABC):
         eod_mask_loss: bool = False,
         eod_token: int | None = None,
         cp_ring: int = 1,
+        documents: str = "sequence",
     ) -> Sample:
-        """Context-parallel rank `cp_rank`'s tokens of sample `index` (one range, or two with a ring)."""
+        """Context-parallel rank `cp_rank`'s tokens of sample `index` (one range, two with a ring, a ring's pieces
+        of every document when it cuts by `documents`)."""
         if index < 0:
             raise IndexError(f"sample index {index} is negative")
         cu_seqlens = self.cu_seqlens(index)
         pieces = []
-        for start, stop in cp_ranges(self.seq_length, cp_rank, cp_size, cp_ring):
+        for start, stop in cp_ranges(self.seq_length, cp_rank, cp_size, cp_ring, documents, cu_seqlens):
             tokens = self.read_tokens(index, start, stop + 1).astype(np.int64)
             labels = labels_for(tokens, eod_mask_loss, eod_token)
             mask = self.read_loss_mask(index, start, stop + 1)

@@ -27,7 +27,7 @@ import numpy as np
 from megatron_lc.data.blending import BlendedSamples, normalize
 from megatron_lc.data.index_cache import IndexCache, dataset_fingerprint
 from megatron_lc.data.indexed_dataset import IndexedDataset, bin_path, idx_path
-from megatron_lc.data.loss_mask import open_loss_mask
+from megatron_lc.data.loss_mask import has_loss_mask, open_loss_mask
 from megatron_lc.data.packing import PackedDocumentSamples, PackingSpec
 from megatron_lc.data.samples import LongSequenceSamples, SampleSource
 from megatron_lc.data.tokenizers import TOKENIZER_TYPES
@@ -243,6 +243,7 @@ def build_datasets(
     datasets = _open(data_prefixes(data_path, train_data_path, valid_data_path, test_data_path), vocab_size, cache)
     sources = {}
     parts, notes = _parts(data_path, split, explicit, datasets)
+    notes += stream_packing_notes(datasets, packing)
     for part in parts:
         sources[part.name] = _part_source(part, datasets, seq_length, seed, shuffle and part.name == "train",
                                           cache, (num_samples or {}).get(part.name), packing)
@@ -251,6 +252,18 @@ def build_datasets(
             if isinstance(member, PackedDocumentSamples):
                 notes.append(member.note(part.name))
     return DataSources(**sources, notes=tuple(notes))
+
+
+def stream_packing_notes(datasets: dict[str, IndexedDataset], packing: PackingSpec) -> list[str]:
+    """One warning where datasets with a loss mask (chat data) are cut by `--packing stream`: their conversations
+    are split across samples and attend to each other, which fine-tuning rarely means."""
+    masked = [prefix for prefix in datasets if has_loss_mask(prefix)]
+    if packing.whole_documents or not masked:
+        return []
+    others = f" and {len(masked) - 1} more" if len(masked) > 1 else ""
+    return [f"warning: {masked[0]}{others} carries a loss mask (chat data), trained under --packing stream: its "
+            "conversations are cut where samples end and attend to the ones before them; --packing documents packs "
+            "each whole, attending to itself only (docs/sft.md)"]
 
 
 def blend_weights_and_size(

@@ -57,6 +57,8 @@ def evaluate(args) -> dict:
     cfg = config_from_values({"context_parallel_size": args.context_parallel_size, "cp_impl": args.cp_impl,
                               "data_parallel_replicate": args.data_parallel_replicate,
                               "cp_comm_type": args.cp_comm_type,
+                              # samples in stream order, loss by position in the sample: the sequence's cut
+                              "cp_document_layout": "sequence",
                               "hierarchical_context_parallel_sizes": args.hierarchical_context_parallel_sizes or [],
                               "seq_length": args.seq_length, "data_path": args.data_path or [],
                               "mock_data": args.passkey, "split": args.split, "device": args.device,

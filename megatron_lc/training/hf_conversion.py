@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -20,6 +21,14 @@ from megatron_lc.models.llama.model import LlamaConfig
 from megatron_lc.models.llama.zoo import config_from_dict
 from megatron_lc.errors import ConfigError
 from megatron_lc.training import checkpointing
+from megatron_lc.training.hf_generation import (
+    META_GENERATION_CONFIG,
+    META_SPECIAL_TOKENS,
+    eos_misses_end_of_turn,
+    export_generation_config,
+    read_generation_config,
+    read_special_tokens,
+)
 from megatron_lc.training.save_lock import acquire_save_lock
 
 
@@ -46,7 +55,11 @@ def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype: 
     in `dtype` (default: the training's precision, `training_dtype`).
 
     bos/eos/pad come from the tokenizer (by default the one the checkpoint was trained with), so
-    generate() stops at the training's end-of-document; without one they are left unset.
+    generate() stops at the training's end-of-document; without one they are left unset. The source's
+    generation_config.json (kept in the meta by `hf_to_checkpoint`, else found in a tokenizer directory) is
+    written back over them: its eos list and sampling defaults. The tokenizer's `model_max_length` is the trained
+    context (`--seq-length`; a converted checkpoint's `max_position_embeddings`). A chat template whose end of
+    turn is not among the eos ids is named in one warning on stderr.
 
     Streams: one tensor is read from the checkpoint at a time and one shard is held, so host
     memory is about one shard whatever the model's size.
@@ -58,13 +71,20 @@ def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype: 
     if tokenizer_model is None and tokenizer_type is None:  # the training's own, when it recorded one
         data = meta.get("train_config", {}).get("data", {})
         tokenizer_type, tokenizer_model = data.get("tokenizer_type"), data.get("tokenizer_model")
+    tokenizer_dir = tokenizer_model if tokenizer_model and Path(tokenizer_model).is_dir() else None
+    generation = meta.get(META_GENERATION_CONFIG) or read_generation_config(tokenizer_dir)
+    export = TokenizerExport(tokenizer_model, tokenizer_type, trained_context(meta, config),
+                             meta.get(META_SPECIAL_TOKENS) or {})
     out = Path(save)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     stage = out / f".partial-{uuid.uuid4().hex[:12]}"  # written whole, then moved in: a failure leaves no mix
     stage.mkdir()
     try:
-        _write_export(path, config, stage, dtype, tokenizer_model, tokenizer_type, max_shard_bytes)
+        _write_export(path, config, stage, dtype, export, generation, max_shard_bytes)
+        warning = eos_misses_end_of_turn(stage, out)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         remove_hf_weights(out)
         for file in stage.iterdir():
             file.replace(out / file.name)
@@ -77,11 +97,28 @@ def checkpoint_to_hf(load: str, save: str, iteration: int | None = None, dtype: 
     return out
 
 
-def _write_export(path: Path, config: LlamaConfig, out: Path, dtype: torch.dtype, tokenizer_model: str | None,
-                  tokenizer_type: str | None, max_shard_bytes: int) -> None:
+def trained_context(meta: dict, config: LlamaConfig) -> int:
+    """The context a checkpoint was trained at: its run's --seq-length, else (converted, never trained) the
+    model's max_position_embeddings."""
+    return int(meta.get("train_config", {}).get("data", {}).get("seq_length") or config.max_position_embeddings)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerExport:
+    """The tokenizer an export ships: its files, its `model_max_length`, and the special tokens a converted
+    source had (pad, unk, ...; bos and eos follow the training's ids)."""
+
+    model: str | None
+    type: str | None
+    model_max_length: int | None = None
+    special_tokens: dict = dataclasses.field(default_factory=dict)
+
+
+def _write_export(path: Path, config: LlamaConfig, out: Path, dtype: torch.dtype, export: TokenizerExport,
+                  generation: dict | None, max_shard_bytes: int) -> None:
     """Everything `checkpoint_to_hf` writes, into `out`: the tokenizer first (the quickest to fail), then the
     weights shard by shard, then the configs."""
-    ids = save_tokenizer(tokenizer_model, str(out), tokenizer_type)
+    ids = save_tokenizer(export.model, str(out), export.type, export)
     items = checkpoint_tensors(path)
     names = _hf_names_to_write(items, config)
     sizes = {hf: math.prod(items[key].size) * dtype.itemsize for hf, key in names.items()}
@@ -97,7 +134,7 @@ def _write_export(path: Path, config: LlamaConfig, out: Path, dtype: torch.dtype
     if len(shards) > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=1))
-    _write_hf_config(config, dtype, out, ids)
+    _write_hf_config(config, dtype, out, ids, generation)
 
 
 def remove_hf_weights(directory: Path) -> None:
@@ -138,13 +175,12 @@ def save_safetensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
     save_file(tensors, str(file), metadata={"format": "pt"})
 
 
-def _write_hf_config(config: LlamaConfig, dtype: torch.dtype, out: Path, ids: SpecialIds) -> None:
-    import transformers
-
+def _write_hf_config(config: LlamaConfig, dtype: torch.dtype, out: Path, ids: SpecialIds,
+                     generation: dict | None = None) -> None:
     hf_config = to_hf_config(config, torch_dtype=dtype, bos_token_id=ids.bos, eos_token_id=ids.eos,
                              pad_token_id=ids.pad)
     hf_config.save_pretrained(out)
-    transformers.GenerationConfig.from_model_config(hf_config).save_pretrained(out)
+    export_generation_config(hf_config, generation, ids.eos).save_pretrained(out)
     written = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**written, **loader_compatible_fields(config)}, indent=2,
                                                 sort_keys=True))
@@ -212,7 +248,8 @@ def _token_or_none(getter) -> int | None:
 TOKENIZERS_NOT_WRITTEN = ("GPT2BPETokenizer", "NullTokenizer")
 
 
-def save_tokenizer(tokenizer_model: str | None, save: str, tokenizer_type: str | None = None) -> SpecialIds:
+def save_tokenizer(tokenizer_model: str | None, save: str, tokenizer_type: str | None = None,
+                   export: TokenizerExport | None = None) -> SpecialIds:
     """Write the tokenizer next to the weights in a form transformers loads natively; its special ids.
 
     SentencePiece: `tokenizer.model` with a Llama tokenizer config naming its specials; a
@@ -228,16 +265,20 @@ def save_tokenizer(tokenizer_model: str | None, save: str, tokenizer_type: str |
     ids = SpecialIds(bos=_token_or_none(lambda: ours.bos), eos=_token_or_none(lambda: ours.eod))
     if tokenizer_type == "ByteTokenizer":
         return ids  # no file: the ids alone
-    fast = _fast_tokenizer(tokenizer_type, tokenizer_model, ids, save)
+    fast = _fast_tokenizer(tokenizer_type, tokenizer_model, ids, save, export or TokenizerExport(tokenizer_model,
+                                                                                                tokenizer_type))
     if fast is not None:
         fast.save_pretrained(save)
         return dataclasses.replace(ids, pad=fast.pad_token_id)
     return ids
 
 
-def _fast_tokenizer(tokenizer_type: str, tokenizer_model: str, ids: SpecialIds, save: str):
-    """A transformers fast tokenizer with the training's specials; None once written another way."""
+def _fast_tokenizer(tokenizer_type: str, tokenizer_model: str, ids: SpecialIds, save: str, export: TokenizerExport):
+    """A transformers fast tokenizer with the training's specials (and the source's others: pad, unk, ...); None
+    once written another way."""
     import transformers
+
+    limit = {"model_max_length": export.model_max_length} if export.model_max_length else {}
 
     def token(rust, token_id):
         return rust.id_to_token(token_id) if token_id is not None else None
@@ -245,14 +286,17 @@ def _fast_tokenizer(tokenizer_type: str, tokenizer_model: str, ids: SpecialIds, 
     if tokenizer_type == "HuggingFaceTokenizer":
         src = Path(tokenizer_model)
         if src.is_dir() and not (src / "tokenizer.json").exists():  # only a slow tokenizer: transformers' own copy
-            transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True).save_pretrained(save)
+            transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True, **limit).save_pretrained(save)
             return None
         file = src / "tokenizer.json" if src.is_dir() else src
         from tokenizers import Tokenizer as RustTokenizer
 
         rust = RustTokenizer.from_file(str(file))
+        source = (read_special_tokens(src) if src.is_dir() else None) or export.special_tokens
+        others = {key: value for key, value in source.items() if key not in ("bos_token", "eos_token")
+                  and isinstance(value, str) and rust.token_to_id(value) is not None}
         fast = transformers.PreTrainedTokenizerFast(tokenizer_object=rust, bos_token=token(rust, ids.bos),
-                                                    eos_token=token(rust, ids.eos))
+                                                    eos_token=token(rust, ids.eos), **others, **limit)
         if src.is_dir():  # the chat template travels with the tokenizer, as fine-tuned chat models need it
             fast.chat_template = transformers.AutoTokenizer.from_pretrained(str(src), local_files_only=True).chat_template
         return fast
@@ -264,7 +308,7 @@ def _fast_tokenizer(tokenizer_type: str, tokenizer_model: str, ids: SpecialIds, 
         rust = TikTokenConverter(vocab_file=tokenizer_model, pattern=LLAMA3_PATTERN,
                                  extra_special_tokens=llama3_special_tokens()).converted()
         return transformers.PreTrainedTokenizerFast(tokenizer_object=rust, bos_token=token(rust, ids.bos),
-                                                    eos_token=token(rust, ids.eos))
+                                                    eos_token=token(rust, ids.eos), **limit)
     import sentencepiece  # SentencePiece: transformers' Llama tokenizer reads it as tokenizer.model
 
     processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer_model)
@@ -272,7 +316,7 @@ def _fast_tokenizer(tokenizer_type: str, tokenizer_model: str, ids: SpecialIds, 
     piece = lambda i: processor.id_to_piece(i) if i is not None and i >= 0 else None  # noqa: E731
     config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": False,
               "bos_token": piece(ids.bos), "eos_token": piece(ids.eos), "pad_token": piece(processor.pad_id()),
-              "unk_token": piece(processor.unk_id())}
+              "unk_token": piece(processor.unk_id()), **limit}
     (Path(save) / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return None
 
@@ -299,6 +343,10 @@ def hf_to_checkpoint(load: str, save: str, force: bool = False) -> Path:
         shapes[name] = torch.empty(like.shape, dtype=torch.float32, device="meta")
     check_conversion_target(save, force)
     extra = {"model_config": dataclasses.asdict(config), "source": str(load), "weights_only": True}
+    for key, value in ((META_GENERATION_CONFIG, read_generation_config(load)),
+                       (META_SPECIAL_TOKENS, read_special_tokens(load))):
+        if value:  # written back by checkpoint_to_hf: generate() stops and samples as the source did
+            extra[key] = value
     lock = acquire_save_lock(save)
     try:
         return checkpointing.save_state(save, 0, {"model": shapes}, extra, planner=StreamingSavePlanner(readers),

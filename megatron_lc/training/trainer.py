@@ -102,7 +102,8 @@ def _loader(source, cfg: TrainConfig, pstate: ParallelState, eod: int | None) ->
                               pstate.cp_size, reset_position_ids=d.reset_position_ids,
                               reset_attention_mask=d.reset_attention_mask or whole_documents,
                               eod_mask_loss=d.eod_mask_loss,
-                              eod_token=eod, cp_ring=pstate.context_layout.ring_size)
+                              eod_token=eod, cp_ring=pstate.context_layout.ring_size,
+                              cp_documents=cfg.context_layout().documents)
     return WorkerLoader(loader, d.num_workers) if d.num_workers > 0 else loader
 
 

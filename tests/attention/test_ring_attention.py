@@ -10,16 +10,16 @@ import torch
 
 from megatron_lc.attention.kernels import KERNELS, attention
 from megatron_lc.attention.varlen import segment_pairs
-from megatron_lc.attention.ring import RingAttention, RingSchedule
+from megatron_lc.attention.ring import DocumentRingSchedule, RingAttention, RingSchedule
 from megatron_lc.context_layout import ContextLayout, context_layout_from_flags
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from tests.helpers import run_distributed
 
 
-def _positions(layout: ContextLayout, S: int, ring_rank: int) -> list[int]:
+def _positions(layout: ContextLayout, S: int, ring_rank: int, cu=None) -> list[int]:
     """Sequence positions of a ring rank's rows, in row order (its all-to-all ranks' ranges back to back)."""
     ranks = range(ring_rank * layout.a2a_size, (ring_rank + 1) * layout.a2a_size)
-    return [p for c in ranks for a, b in layout.token_ranges(S, c) for p in range(a, b)]
+    return [p for c in ranks for a, b in layout.token_ranges(S, c, cu) for p in range(a, b)]
 
 
 @pytest.mark.parametrize("a2a,ring,S", [(1, 2, 16), (1, 4, 32), (2, 2, 16), (3, 2, 24), (2, 3, 24), (4, 1, 16)])
@@ -35,6 +35,52 @@ def test_token_ranges_partition_the_sequence_evenly(a2a, ring, S):
                                                                                      (2 * ring - r) * C)]
 
 
+def _bench_mix_samples(S: int, count: int) -> list[tuple[int, ...]]:
+    from bench.bench_packing import realistic_lengths
+    from megatron_lc.data.packing import pack_epoch
+
+    lengths = realistic_lengths(20 * count * max(1, S // 3000))
+    lengths = lengths[lengths <= S]
+    packed = pack_epoch(lengths, S)
+    out = []
+    for k in range(count):
+        docs = lengths[packed["documents"][packed["sample_starts"][k]:packed["sample_starts"][k + 1]]]
+        cu = [0, *itertools.accumulate(int(n) for n in docs)]
+        out.append(tuple(cu + ([S] if cu[-1] < S else [])))
+    return out
+
+
+@pytest.mark.parametrize("S", [32768, 262144])
+def test_document_cuts_balance_ring_ranks_on_the_fine_tuning_mix(S):
+    """bench_packing's length mix packed into samples: every ring rank holds exactly S/R tokens, every position
+    once; `split` gives the slowest ring rank at most 1.05x the mean attention pairs (the median sample; 1.1x
+    every sample), `local` 1.05x too, keeping its whole documents off the ring on a few ranks; `sequence` does
+    not."""
+    from megatron_lc.context_layout import packed_rank_work
+
+    samples = _bench_mix_samples(S, 9)
+    for R in (2, 4, 8, 16, 64):
+        medians = {}
+        for documents in ("sequence", "split", "local"):
+            layout = ContextLayout(1, R, documents)
+            ratios = []
+            for cu in samples:
+                held = sorted(p for r in range(R) for a, b in layout.token_ranges(S, r, cu) for p in range(a, b))
+                assert held == list(range(S))
+                assert {sum(b - a for a, b in layout.token_ranges(S, r, cu)) for r in range(R)} == {S // R}
+                pairs = [w.pairs for w in packed_rank_work(layout, cu, S)]
+                assert sum(pairs) == sum((b - a) * (b - a + 1) // 2 for a, b in zip(cu, cu[1:]))
+                ratios.append(max(pairs) * R / sum(pairs))
+            medians[documents] = sorted(ratios)[len(ratios) // 2]
+            if documents == "split":
+                assert max(ratios) <= 1.1, (R, ratios)
+            if documents == "local" and R <= 4:  # (ranks of a few thousand tokens cut even 1.5K documents)
+                sent = [layout.sample_cut(S, cu).sent_rows for cu in samples]
+                assert sorted(sent)[len(sent) // 2] < S // R, "whole documents stay home"
+        assert medians["split"] <= 1.05 and medians["local"] <= 1.05, (R, medians)
+        assert medians["sequence"] > 1.1, (R, medians)
+
+
 def test_layout_refuses_lengths_it_cannot_cut_naming_the_flag():
     with pytest.raises(ValueError, match="--seq-length 20 is not divisible by 12"):
         ContextLayout(3, 2).check(20)
@@ -48,26 +94,59 @@ def test_layout_refuses_lengths_it_cannot_cut_naming_the_flag():
     assert context_layout_from_flags(4, "a2a+p2p", [2, 2]).comm_type == "a2a+p2p"
 
 
-@pytest.mark.parametrize("ring", [2, 3, 4])
-def test_schedule_attends_every_causal_same_document_pair_exactly_once(ring):
-    S, B = 24 * ring, 2
-    layout = ContextLayout(1, ring)
+SAMPLES_OF_DOCUMENTS = {
+    "uneven": None,  # random cuts: one document longer than a chunk, one of a single token
+    "one document": [[1]],
+    "all fit one rank": [[3, 2, 4, 1, 5, 3, 2, 4, 1, 5, 3, 2, 4, 1, 5, 3, 2, 4, 1, 5, 3, 2, 4, 1]],
+    "longer than a rank's share": [[1, 70, 2, 6, 1, 4]],
+}
+
+
+def _sample_boundaries(name: str, ring: int, S: int, B: int) -> list[int]:
     g = torch.Generator().manual_seed(ring)
     cu = [0]
-    for b in range(B):  # documents of uneven length, one longer than a chunk, one of a single token
-        cuts = sorted({int(x) for x in torch.randint(1, S, (4,), generator=g)} | {5, 6})
+    for b in range(B):
+        if SAMPLES_OF_DOCUMENTS[name] is None:
+            cuts = sorted({int(x) for x in torch.randint(1, S, (4,), generator=g)} | {5, 6})
+        else:  # lengths as shares of S (the last one takes the rest)
+            shares = SAMPLES_OF_DOCUMENTS[name][0]
+            cuts, at = [], 0
+            for n in shares[:-1]:
+                at += max(1, n * S // sum(shares))
+                if at < S:
+                    cuts.append(at)
+            cuts = sorted(set(cuts))
         cu += [b * S + c for c in cuts] + [(b + 1) * S]
+    return cu
+
+
+@pytest.mark.parametrize("documents", ["sequence", "split", "local"])
+@pytest.mark.parametrize("samples", list(SAMPLES_OF_DOCUMENTS))
+@pytest.mark.parametrize("ring", [2, 3, 4])
+def test_schedule_attends_every_causal_same_document_pair_exactly_once(ring, samples, documents):
+    S, B = 24 * ring, 2
+    layout = ContextLayout(1, ring, documents)
+    cu = _sample_boundaries(samples, ring, S, B)
+    per_sample = [tuple(c - b * S for c in cu if b * S <= c <= (b + 1) * S) for b in range(B)]
     doc = lambda p: max(i for i, c in enumerate(cu) if c <= p)  # noqa: E731
     want = {(b * S + i, b * S + j) for b in range(B) for i in range(S) for j in range(i + 1) if doc(b * S + i) ==
             doc(b * S + j)}
     seen = []
+    kind = RingSchedule if documents == "sequence" else DocumentRingSchedule
     for r in range(ring):
-        schedule = RingSchedule(layout, S, tuple(cu), r)
-        rows = [b * S + p for b in range(B) for p in _positions(layout, S, r)]
+        schedule = kind(layout, S, tuple(cu), r)
+        rows = [b * S + p for b in range(B) for p in _positions(layout, S, r, per_sample[b])]
+        assert len(rows) == B * S // ring, "every ring rank holds S/R tokens of each sample"
         for kv in range(ring):
-            kv_rows = [b * S + p for b in range(B) for p in _positions(layout, S, kv)]
+            kv_rows = [b * S + p for b in range(B) for p in _positions(layout, S, kv, per_sample[b])]
             pairs = ([schedule.own_block()] if kv == r else []) + schedule.cross_pairs(kv)
+            if kv != r and documents != "sequence":  # only rows that travel are attended from afar
+                assert all(pair.k_rows[1] <= schedule.sent_rows for pair in pairs)
             for pair in pairs:
+                if pair.cu_k is not None:  # no call, and no segment, pairs pieces that share no document
+                    for qa, qb, ka, kb in segment_pairs(pair.cu_q, pair.cu_k, False):
+                        assert qb > qa and kb > ka
+                        assert doc(rows[pair.q_rows[0] + qa]) == doc(kv_rows[pair.k_rows[0] + ka])
                 (a, _), (c, _) = pair.q_rows, pair.k_rows
                 for qa, qb, ka, kb in segment_pairs(pair.cu_q, pair.cu_k, pair.cu_k is None):
                     for i in range(qa, qb):
@@ -83,74 +162,87 @@ def test_schedule_attends_every_causal_same_document_pair_exactly_once(ring):
 
 
 def _full_and_local(S, B, H, Hkv, d, layout, cp_rank, seed=0):
+    """q, k, v of B samples [B, S, heads, d]; boundaries (a sample of 5 documents, one of single tokens and a long
+    one); the rank's rows of
+    each sample [B, S/cp] (they differ by sample when the ring cuts by documents)."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, S, h, d, generator=g, dtype=torch.float64) for h in (H, Hkv, Hkv))
-    cu = [0]
+    cu, idx = [0], []
     for b in range(B):
-        cu += [b * S + c for c in (3, 5, S // 2 + 1, S - 2)] + [(b + 1) * S]
-    idx = torch.tensor([p for a, e in layout.token_ranges(S, cp_rank) for p in range(a, e)])
-    return (q, k, v), tuple(cu), idx
+        cuts = (3, 5, S // 2 + 1, S - 2) if b % 2 == 0 else tuple(range(1, S // 2))  # tokens alone, one long
+        cu += [b * S + c for c in cuts] + [(b + 1) * S]
+        idx.append([p for a, e in layout.token_ranges(S, cp_rank, (0, *cuts, S)) for p in range(a, e)])
+    return (q, k, v), tuple(cu), torch.tensor(idx)
 
 
-def _check_ring_kernel(rank, world, overlap, kv_grads="overlapped"):
+def _rows(t, idx):
+    """Each sample's rows `idx[b]` of t [B, S, ...]."""
+    return t[torch.arange(t.shape[0]).unsqueeze(1), idx]
+
+
+def _check_ring_kernel(rank, world, overlap, kv_grads="overlapped", documents="sequence"):
     torch.manual_seed(0)
     S, B, H, Hkv, d = 32, 2, 4, 2, 8
-    layout = ContextLayout(1, world)
+    layout = ContextLayout(1, world, documents)
     pstate = ParallelState(ParallelDims(world, cp=world, cp_ring=world))
     # In place: 5 rows of [Hkv, d] fp64 per rotation chunk, so a rotation takes several chunks, the last short.
     ring = RingAttention(KERNELS["reference"], pstate.ring_group, layout, S, overlap=overlap, kv_grads=kv_grads,
                          rotation_chunk_bytes=5 * Hkv * d * 8).as_kernel()
     (q, k, v), cu, idx = _full_and_local(S, B, H, Hkv, d, layout, pstate.cp_rank)
+    if documents == "local":  # the single tokens stay home
+        assert DocumentRingSchedule(layout, S, cu, rank).sent_rows < B * S // world
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     out = attention(*(t.flatten(0, 1) for t in full), cu, KERNELS["reference"]).unflatten(0, (B, S))
     dout = torch.randn_like(out)
     out.backward(dout)
-    local = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
-    got = attention(*(t.flatten(0, 1) for t in local), cu, ring).unflatten(0, (B, len(idx)))
-    got.backward(dout[:, idx])
-    torch.testing.assert_close(got, out[:, idx].detach(), rtol=1e-10, atol=1e-10)
+    local = [_rows(t, idx).clone().requires_grad_() for t in (q, k, v)]
+    got = attention(*(t.flatten(0, 1) for t in local), cu, ring).unflatten(0, idx.shape)
+    got.backward(_rows(dout, idx))
+    torch.testing.assert_close(got, _rows(out, idx).detach(), rtol=1e-10, atol=1e-10)
     for mine, ref in zip(local, full):
-        torch.testing.assert_close(mine.grad, ref.grad[:, idx], rtol=1e-10, atol=1e-10)
-
+        torch.testing.assert_close(mine.grad, _rows(ref.grad, idx), rtol=1e-10, atol=1e-10)
 
     if kv_grads == "in_place":  # bit for bit what the overlapped accumulators give
         overlapped = RingAttention(KERNELS["reference"], pstate.ring_group, layout, S).as_kernel()
-        again = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
-        attention(*(t.flatten(0, 1) for t in again), cu, overlapped).backward(dout[:, idx].flatten(0, 1))
+        again = [_rows(t, idx).clone().requires_grad_() for t in (q, k, v)]
+        attention(*(t.flatten(0, 1) for t in again), cu, overlapped).backward(_rows(dout, idx).flatten(0, 1))
         for mine, theirs in zip(local, again):
             assert torch.equal(mine.grad, theirs.grad)
 
 
-@pytest.mark.parametrize("world,overlap,kv_grads", [(2, True, "overlapped"), (4, True, "overlapped"),
-                                                    (4, False, "overlapped"), (2, True, "in_place"),
-                                                    (4, True, "in_place")])
-def test_ring_kernel_matches_full_sequence_attention(world, overlap, kv_grads):
-    run_distributed(_check_ring_kernel, world, overlap, kv_grads)
+@pytest.mark.parametrize("world,overlap,kv_grads,documents", [
+    (2, True, "overlapped", "sequence"), (4, True, "overlapped", "sequence"), (4, False, "overlapped", "sequence"),
+    (2, True, "in_place", "sequence"), (4, True, "in_place", "sequence"),
+    (2, True, "overlapped", "split"), (4, True, "overlapped", "split"), (4, True, "in_place", "split"),
+    (2, True, "overlapped", "local"), (4, True, "in_place", "local")])
+def test_ring_kernel_matches_full_sequence_attention(world, overlap, kv_grads, documents):
+    run_distributed(_check_ring_kernel, world, overlap, kv_grads, documents)
 
 
-def _check_cpu_flash_in_ring(rank, world):
-    """torch's CPU flash kernel (fp32) through the ring's unmasked calls, against the fp64 reference."""
+def _check_cpu_flash_in_ring(rank, world, documents):
+    """torch's CPU flash kernel (fp32) through the ring's unmasked calls (under a document cut, calls of many
+    segments), against the fp64 reference."""
     torch.manual_seed(0)  # the same output gradient on every rank
-    S, B, H, Hkv, d = 32, 1, 4, 1, 8
-    layout = ContextLayout(1, world)
+    S, B, H, Hkv, d = 32, 2, 4, 1, 8
+    layout = ContextLayout(1, world, documents)
     pstate = ParallelState(ParallelDims(world, cp=world, cp_ring=world))
     ring = RingAttention(KERNELS["cpu_flash"], pstate.ring_group, layout, S).as_kernel()
     (q, k, v), cu, idx = _full_and_local(S, B, H, Hkv, d, layout, pstate.cp_rank, seed=1)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attention(*(t.flatten(0, 1) for t in full), cu, KERNELS["reference"])
+    out = attention(*(t.flatten(0, 1) for t in full), cu, KERNELS["reference"]).unflatten(0, (B, S))
     dout = torch.randn_like(out)
     out.backward(dout)
-    local = [t[:, idx].float().requires_grad_() for t in (q, k, v)]
+    local = [_rows(t, idx).float().requires_grad_() for t in (q, k, v)]
     got = attention(*(t.flatten(0, 1) for t in local), cu, ring)
-    got.backward(dout.unflatten(0, (B, S))[:, idx].flatten(0, 1).float())
-    torch.testing.assert_close(got.double(), out.unflatten(0, (B, S))[:, idx].flatten(0, 1).detach(),
-                               rtol=1e-5, atol=1e-5)
+    got.backward(_rows(dout, idx).flatten(0, 1).float())
+    torch.testing.assert_close(got.double(), _rows(out, idx).flatten(0, 1).detach(), rtol=1e-5, atol=1e-5)
     for mine, ref in zip(local, full):
-        torch.testing.assert_close(mine.grad.double(), ref.grad[:, idx], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.grad.double(), _rows(ref.grad, idx), rtol=1e-4, atol=1e-5)
 
 
-def test_cpu_flash_kernel_runs_in_the_ring():
-    run_distributed(_check_cpu_flash_in_ring, 2)
+@pytest.mark.parametrize("documents", ["sequence", "split"])
+def test_cpu_flash_kernel_runs_in_the_ring(documents):
+    run_distributed(_check_cpu_flash_in_ring, 2, documents)
 
 
 def test_column_blocks_of_one_buffer_travel_as_that_buffer():

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lc.data.chat import (
-    ChatEncoder,
-    ChatSettings,
-    ConversationError,
-    TemplateNotPrefixError,
-    conversation_from_record,
-)
+from megatron_lc.data.chat import ChatEncoder
+from megatron_lc.data.chat_records import ChatSettings, ConversationError, conversation_from_record
 from tests.data.helpers import reference_chat_ids
 
 CONVERSATIONS = [
@@ -92,15 +87,17 @@ def test_a_template_file_renders_instead_of_the_tokenizers_own(chat_tokenizer_di
     assert chat_hf_tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "holds many tokens<|eot_id|>"
 
 
-def test_a_template_that_renders_a_prefix_differently_is_refused_with_the_location(chat_tokenizer_dir, tmp_path):
+def test_a_template_that_renders_a_prefix_differently_is_one_record_error_naming_where(chat_tokenizer_dir, tmp_path):
     # renders the last message in a way earlier ones are not: messages[:i+1] is not a prefix of the whole
     template = tmp_path / "last.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if loop.last %} (last)"
                         "{% endif %}<|eot_id|>{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings(str(template)))
     conversation = conversation_from_record({"messages": CONVERSATIONS[1]}, ("messages",), "assistant")
-    with pytest.raises(TemplateNotPrefixError, match=r"^chat\.jsonl:7: --chat-template .*last\.jinja: the rendering "
-                       r"of messages\[:\d\](.*) is not a prefix .* --loss-on all"):
+    with pytest.raises(ConversationError, match=r"^turn not located in the rendering: messages\[2\] is trained, but "
+                       r"the template renders messages\[:2\] with the generation prompt as text that parts .* at character \d+ "
+                       r"\('<\|eot_id\|>assistant: .* in the whole, ' \(last\)<\|eot_id\|>.* in the prefix\).*--loss-on last"
+                       r".*--chat-documents turn"):
         encoder.ids_and_mask(conversation, "chat.jsonl:7")
     # with --loss-on all there is no prefix to compare: the whole renders as it is
     ChatEncoder(chat_tokenizer_dir, ChatSettings(str(template), "all")).ids_and_mask(conversation)
@@ -125,9 +122,13 @@ def test_a_template_that_refuses_a_conversation_is_a_conversation_error(chat_tok
     ({"messages": [{"content": "x"}]}, "unknown role", "role None"),
     ({"messages": [{"from": "bot", "value": "x"}]}, "unknown role", "from 'bot'"),
     ({"messages": [{"role": "user"}]}, "missing content", "messages[0] has no 'content'"),
-    ({"messages": [{"role": "user", "content": None}]}, "missing content", ""),
+    ({"messages": [{"role": "user", "content": None}]}, "missing content", "null content is read with tool_calls"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "missing content", ""),
     ({"messages": [{"from": "human"}]}, "missing content", "has no 'value'"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "non-string content", "is a list"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "non-text content part",
+     "messages[0].content[0] is not a"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "non-text content part",
+     "messages[0].content[0] is a 'image_url' part"),
     ({"messages": [{"role": "user", "content": 3}]}, "non-string content", "is a int"),
     ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}, "no assistant turn", ""),
     ({"text": "x"}, "missing key 'messages'", ""),
@@ -185,8 +186,8 @@ def test_llama3s_template_cannot_mask_a_conversation_that_opens_with_the_assista
     encoder = ChatEncoder(chat_tokenizer_dir, ChatSettings("hf"))
     conversation = conversation_from_record({"messages": [{"role": "assistant", "content": "hello"}]}, ("messages",),
                                             "assistant")
-    with pytest.raises(TemplateNotPrefixError, match=r"^a\.jsonl:2: .*messages\[:0\] with add_generation_prompt=True "
-                       r"is not a prefix .*differ from token 0"):
+    with pytest.raises(ConversationError, match=r"messages\[:0\] with the generation prompt as text that parts from "
+                       r"the whole conversation's at character 2 \('begin_of_text\|>"):
         encoder.ids_and_mask(conversation, "a.jsonl:2")
 
 

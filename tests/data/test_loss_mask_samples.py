@@ -9,6 +9,7 @@ import pytest
 from megatron_lc.data.indexed_dataset import IndexedDataset
 from megatron_lc.data.loss_mask import open_loss_mask
 from megatron_lc.data.samples import IGNORE_INDEX, LongSequenceSamples, cp_ranges
+from megatron_lc.data.packing import PackingSpec
 from megatron_lc.data.sources import build_datasets
 from tests.helpers import write_masked_dataset
 
@@ -86,3 +87,18 @@ def test_a_mask_that_does_not_match_its_ids_is_refused(tmp_path):
     prefix = write_masked_dataset(tmp_path / "chat", docs, masks)
     with pytest.raises(ValueError, match=r"chat_loss_mask.idx: its sequence lengths or document indices differ from .*chat.idx's"):
         open_loss_mask(IndexedDataset(prefix))
+
+
+def test_masked_data_under_stream_packing_gets_one_warning_naming_packing_documents(tmp_path):
+    docs, masks = _documents(40, seed=1)
+    chat = write_masked_dataset(tmp_path / "chat", docs, masks)
+    other = write_masked_dataset(tmp_path / "chat2", docs, masks)
+    plain = write_masked_dataset(tmp_path / "plain", _documents(40, seed=2)[0])
+    notes = build_datasets(["1", chat, "1", other, "1", plain], 16, seed=3).notes
+    warnings = [note for note in notes if note.startswith("warning:")]
+    assert warnings == [f"warning: {chat} and 1 more carries a loss mask (chat data), trained under --packing stream: "
+                        "its conversations are cut where samples end and attend to the ones before them; --packing "
+                        "documents packs each whole, attending to itself only (docs/sft.md)"]
+    assert not any(n.startswith("warning:") for n in build_datasets([plain], 16, seed=3).notes)
+    packed = build_datasets([chat], 64, seed=3, packing=PackingSpec("documents")).notes
+    assert not any(n.startswith("warning:") for n in packed)

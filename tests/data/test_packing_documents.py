@@ -91,7 +91,8 @@ def test_documents_longer_than_a_sample_stop_the_run_unless_truncated_or_dropped
     long = sum(len(d) > S for d in docs)
     assert long > 1
     with pytest.raises(LongDocumentsError, match=f"{long} of {len(docs)} documents are longer than --seq-length 64 "
-                                                 r"\(the longest \d+ tokens\).*--long-documents truncate or drop"):
+                                                 r"\(the longest \d+ tokens; the first: document \d+ \(\d+ tokens\), document .*, \.\.\.\).*"
+                                                 "--long-documents truncate or drop"):
         _samples(prefix, S)
     dropped = _samples(prefix, S, long_documents="drop")
     assert len(dropped.documents) == len(docs) - long

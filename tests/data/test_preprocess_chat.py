@@ -168,14 +168,23 @@ def test_skip_invalid_counts_each_category_and_lists_every_skipped_line(chat_run
     assert not os.path.exists(f"{prefix}_skipped.tsv")
 
 
-def test_a_template_that_cannot_be_masked_stops_even_with_skip_invalid(chat_run, write_jsonl, prefix, tmp_path):
+def test_a_record_whose_turns_cannot_be_located_is_one_line_and_skipped_with_skip_invalid(chat_run, write_jsonl,
+                                                                                         prefix, tmp_path):
     template = tmp_path / "last.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}<|eot_id|>"
                         "{% endfor %}")
-    path = write_jsonl("chat.jsonl", [{"messages": m} for m in CONVERSATIONS[:4]])
-    with pytest.raises(InvalidInputError, match=f"^{path}:1: --chat-template .* is not a prefix"):
-        chat_run([path], template=str(template), skip_invalid=True)
+    alone = [{"role": "assistant", "content": "alone"}]  # nothing before it: its span is the whole rendering
+    path = write_jsonl("chat.jsonl", [{"messages": m} for m in CONVERSATIONS[:3] + [alone]])
+    with pytest.raises(InvalidInputError, match=f"^{path}:1: turn not located in the rendering: messages\\[2\\] is "
+                       "trained, but the template renders messages\\[:2\\] with the generation prompt as text that "
+                       "parts from the whole conversation's"):
+        chat_run([path], template=str(template))
     assert not os.listdir(os.path.dirname(prefix))
+    summary = chat_run([path], template=str(template), skip_invalid=True)
+    documents, masks = read(prefix)
+    assert len(documents) == 1 and all(masks[0])
+    assert summary.problems.counts["turn not located in the rendering"].count == 3
+    assert [line.split("\t")[0] for line in open(f"{prefix}_skipped.tsv")] == [f"{path}:{n}" for n in (1, 2, 3)]
 
 
 def test_two_workers_and_partitions_write_the_same_bytes_as_one_pass(chat_run, write_jsonl, prefix):
@@ -230,6 +239,12 @@ def test_a_conversation_without_chat_template_says_which_flag_reads_it(write_jso
 
 @pytest.mark.parametrize("flags, message", [
     (["--loss-on", "all"], "--loss-on all needs --chat-template"),
+    (["--chat-documents", "turn"], "--chat-documents turn needs --chat-template"),
+    (["--train-key", "train"], "--train-key train needs --chat-template"),
+    (["--chat-template-kwargs-keys", "tools"], "--chat-template-kwargs-keys tools needs --chat-template"),
+    (["--chat-template", "hf", "--loss-on", "all", "--chat-documents", "turn"],
+     "--chat-documents turn with --loss-on all: every token is trained"),
+    (["--chat-template", "hf", "--loss-on", "all", "--train-key", "train"], "--train-key train with --loss-on all"),
     (["--chat-template", "hf", "--append-eod"], "--append-eod with --chat-template hf: a document's ids are exactly"),
     (["--chat-template", "hf", "--prepend-bos"], "--prepend-bos with --chat-template hf"),
     (["--chat-template", "hf", "--json-keys", "a", "b", "c"], "--chat-template hf: --json-keys names one conversation"),
@@ -304,3 +319,37 @@ def test_the_skipped_list_is_in_input_order_whatever_the_workers(chat_run, write
     expected = output_files(prefix)
     chat_run([path], template=template, skip_invalid=True, workers=2)
     assert output_files(prefix) == expected
+
+
+def test_tools_flags_and_turn_documents_from_the_command_line(chat_tokenizer_dir, chat_hf_tokenizer, write_jsonl,
+                                                              prefix, capsys):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    flagged = [dict(m, train=False) if i == 1 else m for i, m in enumerate(CONVERSATIONS[2])]
+    records = [{"messages": CONVERSATIONS[1], "tools": tools}, {"messages": flagged}]
+    path = write_jsonl("chat.jsonl", records)
+    base = ["--input", str(path), "--output-prefix", prefix, "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", chat_tokenizer_dir, "--json-keys", "messages", "--chat-template", "hf",
+            "--no-progress"]
+    assert main(base) == 1  # the record's tools and flags would be dropped: refused, naming the flag
+    assert "--chat-template-kwargs-keys tools" in capsys.readouterr().err
+    assert main(base + ["--chat-template-kwargs-keys", "tools", "--train-key", "train", "--chat-documents",
+                        "turn"]) == 0
+    documents, masks = read(prefix)
+    plain = CONVERSATIONS[2]
+    expected = [reference_chat_ids(chat_hf_tokenizer, CONVERSATIONS[1][: i + 1], tools=tools)
+                for i, m in enumerate(CONVERSATIONS[1]) if m["role"] == "assistant"]
+    expected += [reference_chat_ids(chat_hf_tokenizer, plain[: i + 1]) for i in (3, 5)]  # message 1 not trained
+    assert documents == expected
+    for ids, mask, turn in zip(documents[-2:], masks[-2:], (3, 5)):
+        assert chat_hf_tokenizer.decode([t for t, k in zip(ids, mask) if k]) == plain[turn]["content"] + "<|eot_id|>"
+
+
+def test_max_document_chars_applies_to_conversations_even_with_a_tokenizer_that_cuts_text(chat_run, write_jsonl,
+                                                                                          prefix):
+    # the byte-level BPE of Llama 3's pattern encodes long plain text in pieces; a conversation is rendered whole
+    long = [{"role": "user", "content": "a" * 500}, {"role": "assistant", "content": "b"}]
+    path = write_jsonl("chat.jsonl", [{"messages": CONVERSATIONS[0]}, {"messages": long}])
+    with pytest.raises(InvalidInputError, match=f"^{path}:2: document over --max-document-chars: 501 characters"):
+        chat_run([path], max_document_chars=400)
+    summary = chat_run([path], max_document_chars=400, skip_invalid=True)
+    assert summary.documents == 1 and summary.problems.counts["document over --max-document-chars"].count == 1

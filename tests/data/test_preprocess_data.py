@@ -153,6 +153,7 @@ def test_partitions_write_the_same_bytes_as_one_pass(run, write_jsonl, output_pr
     assert sorted(os.listdir(os.path.dirname(output_prefix))) == [
         "corpus_text_document.bin",
         "corpus_text_document.idx",
+        "corpus_text_document_locations.tsv",
     ]
 
 

@@ -96,7 +96,7 @@ def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: Par
     model.set_attention_backend(build_attention_backend(
         cp.impl if pstate.cp_size > 1 else "local", c.kv_channels, devices.accelerator, pstate,
         kernel=cp.kernel, heads_per_stage=cp.heads_per_stage, overlap=cp.overlap, untied_backward=cp.untied_backward,
-        ring_kv_grads=cp.ring_kv_grads,
+        ring_kv_grads=cp.ring_kv_grads, documents=cp.layout.documents,
         num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups, seq_length=opts.seq_length,
         kernels=opts.kernels, tile_bounds=opts.tile_bounds, fp32_out_gemm=opts.fp32_out_gemm,
     ))
