@@ -35,11 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_lc.config import TrainConfig
+from megatron_lc.context_layout import DOCUMENT_LAYOUTS
 from megatron_lc.data.packing import PackingSpec
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.estimate_pool import EstimatePool
 from megatron_lc.planning.layouts import Layout, layout_of
-from megatron_lc.planning.packed_work import DOCUMENT_LAYOUTS
 from megatron_lc.planning.search_space import (
     MODES,
     OFFLOAD_ORDER,
@@ -230,20 +230,19 @@ def _auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None, 
 
 
 def fastest_document_layout(time_model: TimeModel, cfg: TrainConfig, num_gpus: int) -> StepTime:
-    """The predicted step of `cfg`; for packed documents under context parallelism, at the fastest
-    --cp-document-layout (its `packed["document_layout"]`). The layouts cut the same S/cp tokens a rank, so one
-    trace holds for all: only the time model tells them apart."""
-    if not PackingSpec.of(cfg.packing).whole_documents or cfg.parallel.context_parallel_size == 1 \
-            or len(DOCUMENT_LAYOUTS) == 1:
-        return time_model.predict(cfg, num_gpus)
+    """The predicted step of `cfg`; for packed documents on a ring, at the fastest --cp-document-layout (its
+    `packed["document_layout"]`). Every layout gives each rank S/cp tokens, so one trace holds for all: only the
+    time model tells them apart."""
+    if not PackingSpec.of(cfg.packing).whole_documents or cfg.context_layout().ring_size == 1:
+        return time_model.predict(cfg, num_gpus)  # without a ring every document layout is the same
     return min((time_model.predict(dataclasses.replace(cfg, parallel=dataclasses.replace(
         cfg.parallel, cp_document_layout=layout)), num_gpus) for layout in DOCUMENT_LAYOUTS),
         key=lambda t: t.step_s)
 
 
 def document_layout_flags(cost: StepTime | None) -> list[str]:
-    """The --cp-document-layout the answer was predicted at (none for unpacked data or without cp)."""
-    if cost is None or cost.packed is None or cost.packed.get("cp", 1) == 1:
+    """The --cp-document-layout the answer was predicted at (none for unpacked data or without a ring)."""
+    if cost is None or cost.packed is None or cost.packed["ring"] == 1:
         return []
     return ["--cp-document-layout", cost.packed["document_layout"]]
 

@@ -21,7 +21,6 @@ from typing import Sequence
 import numpy as np
 
 from megatron_lc.config import TrainConfig
-from megatron_lc.context_layout import ContextLayout
 from megatron_lc.data.packing import PackingSpec, pack_epoch
 from megatron_lc.errors import ConfigError
 
@@ -125,51 +124,7 @@ def _data_mix(data_path: tuple[str, ...], split: str | None, train_data_path: tu
                        f"(--packing documents, seed {seed})")
 
 
-DOCUMENT_LAYOUTS = ("sequence",)
-
-
-# --- what each rank computes --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankWork:
-    """One context-parallel rank's share of a packed sample."""
-
-    tokens: int
-    """Tokens it holds (its GEMMs, norms and offloaded inputs)."""
-    pairs: float
-    """Causal (query, key) pairs inside documents its attention computes, in all-heads units."""
-    exchanged_tokens: int
-    """Its tokens that go through the context-parallel exchanges."""
-
-
-def causal_pairs_of_queries(cu_seqlens: Sequence[int], start: int, stop: int) -> float:
-    """Causal pairs (key <= query, same document) whose query lies in positions [start, stop)."""
-    cu = np.asarray(cu_seqlens, dtype=np.float64)
-    s, e = cu[:-1], cu[1:]
-    lo, hi = np.maximum(start, s) - s, np.minimum(stop, e) - s  # query offsets in each document
-    hi = np.maximum(hi, lo)
-    return float(((hi * (hi + 1) - lo * (lo + 1)) / 2).sum())
-
-
-def packed_rank_work(layout: ContextLayout, document_layout: str, cu_seqlens: Sequence[int], seq_length: int
-                     ) -> list[RankWork]:
-    """Each cp rank's work on one sample cut as one sequence (`sequence`): ring rank r holds chunks r and 2R-1-r of
-    the packed sample and attends its queries there to every earlier key of their documents; its all-to-all ranks
-    each compute a 1/A share of the heads."""
-    if document_layout != "sequence":
-        raise ValueError(f"--cp-document-layout {document_layout}: not modelled")
-    out = []
-    for rank in range(layout.cp_size):
-        ring_rank = rank // layout.a2a_size
-        first = ring_rank * layout.a2a_size
-        queries = [r for a in range(layout.a2a_size) for r in layout.token_ranges(seq_length, first + a)]
-        pairs = sum(causal_pairs_of_queries(cu_seqlens, a, b) for a, b in queries) / layout.a2a_size
-        tokens = sum(b - a for a, b in layout.token_ranges(seq_length, rank))
-        out.append(RankWork(tokens, pairs, tokens if layout.cp_size > 1 else 0))
-    return out
-
-
 def total_pairs(cu_seqlens: Sequence[int]) -> float:
-    """Causal pairs inside the documents of one sample, each once."""
-    return causal_pairs_of_queries(cu_seqlens, 0, int(cu_seqlens[-1]))
+    """Causal pairs inside the documents of one sample (its padding one more segment), each once."""
+    lengths = np.diff(np.asarray(cu_seqlens, dtype=np.float64))
+    return float((lengths * (lengths + 1) / 2).sum())

@@ -60,8 +60,8 @@ from megatron_lc.attention.untied_plan import StagePlan
 from megatron_lc.config import RunSpec, TrainConfig
 from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.planning.calibration import CalibrationShapes, calibrate_local
-from megatron_lc.planning.packed_work import SAMPLES, DocumentMix, RankWork, document_mix, packed_rank_work, \
-    total_pairs
+from megatron_lc.context_layout import RankWork, packed_rank_work
+from megatron_lc.planning.packed_work import SAMPLES, DocumentMix, document_mix, total_pairs
 from megatron_lc.planning.rates import FA2_BACKWARD_WORK, RATES, Rates
 
 CAUSES = ("attention forward", "attention recompute", "attention backward", "GEMMs", "recompute of the rest",
@@ -185,8 +185,8 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None, shar
     ring_tokens = B * S // layout.ring_size  # a ring rank's tokens, whose K and V travel
     Tx = T  # tokens through the all-to-alls
     if share is not None:  # QK^T and PV over the pairs inside documents; only the exchanged tokens travel
-        T, attention, Tx = share.tokens, 4 * share.pairs * d * H, share.exchanged_tokens
-        ring_tokens = Tx * layout.a2a_size
+        T, attention, Tx = share.tokens, 4 * share.pairs * d * H, share.a2a_tokens
+        ring_tokens = share.ring_tokens * layout.a2a_size  # the ring rank's rows that travel (a share per a2a rank)
     qkv = 2 * T * h * d * (H + 2 * Hkv)
     mlp = 6 * T * h * f
     layer_gemm = qkv + 2 * T * H * d * h + mlp
@@ -444,18 +444,16 @@ def predict_packed(cfg: TrainConfig, num_gpus: int, spec: RunSpec, mix: Document
                     gpus_per_node: int, family: str) -> StepTime:
     """The mean step over the mix's micro-batches: each decided by its slowest rank (of the context-parallel group,
     and of the replicas training beside it), the floor by the mean rank's work: each pair inside a document once."""
-    cp_spec = spec.parallelize.cp
-    document_layout = getattr(cp_spec, "document_layout", "sequence")
-    shares = _packed_shares(cp_spec.layout, document_layout, mix, cfg.data.seq_length, cfg.data.micro_batch_size,
-                            _replicas(spec, num_gpus))
+    layout = spec.parallelize.cp.layout
+    shares = _packed_shares(layout, mix, cfg.data.seq_length, cfg.data.micro_batch_size, _replicas(spec, num_gpus))
     call_tokens = mix.call_tokens
 
     def time_of(work: RankWork) -> StepTime:
         return _predict(cfg, num_gpus, spec, step_work(cfg, num_gpus, spec, work), rates, gpus_per_node, family,
                         call_tokens)
 
-    # A rank's time grows with its tokens, pairs and exchanged tokens: only the ranks no other exceeds in all
-    # three can be a step's slowest. The step is the time of the steps' slowest ranks' mean work: the model is
+    # A rank's time grows with its tokens, pairs and exchanged tokens: only the ranks no other exceeds in all of
+    # them can be a step's slowest. The step is the time of the steps' slowest ranks' mean work: the model is
     # linear in a rank's work except where an exchange surfaces from behind attention in some micro-batches and
     # not in others (the mean of each micro-batch's own step agrees to 1e-5 on Llama3-8B at 1M on 8 GPUs, ring
     # and Untied Ulysses), and one prediction a stack keeps auto-fit's tens of thousands of stacks fast.
@@ -465,7 +463,7 @@ def predict_packed(cfg: TrainConfig, num_gpus: int, spec: RunSpec, mix: Document
     gap = dict(step.gap_s)
     gap[IMBALANCE] = step.floor_s - even.floor_s
     packed = {"document_lengths": mix.source, "samples": len(mix.samples), "call_tokens": call_tokens,
-              "document_layout": document_layout, "cp": spec.dims.cp, **shares.statistics}
+              "document_layout": layout.documents, "ring": layout.ring_size, **shares.statistics}
     return StepTime(step.seconds, even.tokens, even.model_flops_per_gpu, even.peak_flops, even.rates,
                     even.attention_kernel, even.floor_s, gap, packed)
 
@@ -491,24 +489,28 @@ class _PackedShares:
     and worst."""
 
 
+_FIELDS = ("tokens", "pairs", "a2a_tokens", "ring_tokens")
+
+
+def _sum(ranks: list[RankWork]) -> RankWork:
+    return RankWork(*(sum(getattr(r, f) for r in ranks) for f in _FIELDS))
+
+
 def _mean(ranks: list[RankWork]) -> RankWork:
-    n = len(ranks)
-    return RankWork(*(sum(getattr(r, f) for r in ranks) / n for f in ("tokens", "pairs", "exchanged_tokens")))
+    return RankWork(*(sum(getattr(r, f) for r in ranks) / len(ranks) for f in _FIELDS))
 
 
 @functools.lru_cache(maxsize=64)
-def _packed_shares(layout, document_layout: str, mix: DocumentMix, seq_length: int, micro_batch: int,
-                   replicas: int) -> _PackedShares:
+def _packed_shares(layout, mix: DocumentMix, seq_length: int, micro_batch: int, replicas: int) -> _PackedShares:
     """Each rank's work in each micro-batch (its samples summed) under the layout's cut, grouped by step."""
-    per_sample = [packed_rank_work(layout, document_layout, cu, seq_length) for cu in mix.samples]
-    micro = [[RankWork(*(sum(getattr(s[r], f) for s in per_sample[k:k + micro_batch])
-                         for f in ("tokens", "pairs", "exchanged_tokens"))) for r in range(layout.cp_size)]
+    per_sample = [packed_rank_work(layout, cu, seq_length) for cu in mix.samples]
+    micro = [[_sum([s[r] for s in per_sample[k:k + micro_batch]]) for r in range(layout.cp_size)]
              for k in range(0, len(per_sample) - micro_batch + 1, micro_batch)]
     steps, everyone = [], []
     for k in range(0, len(micro) - replicas + 1, replicas):
         ranks = [r for group in micro[k:k + replicas] for r in group]
         everyone += ranks
-        keys = {(r.tokens, r.pairs, r.exchanged_tokens): r for r in ranks}
+        keys = {(r.tokens, r.pairs, r.a2a_tokens, r.ring_tokens): r for r in ranks}
         candidates = tuple(r for key, r in keys.items()
                            if not any(o != key and all(a >= b for a, b in zip(o, key)) for o in keys))
         mean_pairs = sum(r.pairs for r in ranks) / len(ranks)

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from megatron_lc.arguments import parse_config
-from megatron_lc.context_layout import ContextLayout
+from megatron_lc.context_layout import ContextLayout, RankWork, packed_rank_work
 from megatron_lc.data.indexed_dataset import write_dataset
 from megatron_lc.data.sources import build_datasets
 from megatron_lc.data.packing import PackingSpec
 from megatron_lc.errors import ConfigError
 from megatron_lc.planning import cli as estimate_memory
 from megatron_lc.planning import packed_work
-from megatron_lc.planning.packed_work import DocumentMix, packed_rank_work, total_pairs
+from megatron_lc.planning.packed_work import DocumentMix, total_pairs
 from megatron_lc.planning.rates import FA2_BACKWARD_WORK, RATES
 from megatron_lc.planning.timing import IMBALANCE, _predict, predict, predict_packed, step_work
 
@@ -28,32 +28,49 @@ def _cfg(*flags):
 
 
 def _brute_pairs(layout: ContextLayout, cu: tuple[int, ...], S: int) -> list[float]:
-    """Per cp rank: (query, key) pairs with key <= query in one document, over the queries of its ring rank,
-    shared by the ring rank's all-to-all ranks (a head share each)."""
+    """Per cp rank: (query, key) pairs with key <= query in one document, over the queries its ring rank holds
+    (under the layout's cut), shared by the ring rank's all-to-all ranks (a head share each)."""
     document = np.searchsorted(np.asarray(cu), np.arange(S), side="right") - 1
     out = []
     for rank in range(layout.cp_size):
         first = rank // layout.a2a_size * layout.a2a_size
-        queries = [i for a in range(layout.a2a_size) for lo, hi in layout.token_ranges(S, first + a)
+        queries = [i for a in range(layout.a2a_size) for lo, hi in layout.token_ranges(S, first + a, cu)
                    for i in range(lo, hi)]
         out.append(sum(1 for i in queries for j in range(i + 1) if document[i] == document[j]) / layout.a2a_size)
     return out
 
 
-@pytest.mark.parametrize("layout", [ContextLayout(a2a_size=2), ContextLayout(ring_size=2), ContextLayout(ring_size=4),
-                                    ContextLayout(a2a_size=2, ring_size=2)])
+LAYOUTS = [ContextLayout(a2a_size=2), *(ContextLayout(ring_size=R, documents=d) for R in (2, 4)
+                                        for d in ("sequence", "split", "local")),
+           ContextLayout(a2a_size=2, ring_size=2, documents="sequence"),
+           ContextLayout(a2a_size=2, ring_size=2, documents="local")]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"a2a{l.a2a_size}-ring{l.ring_size}-{l.documents}")
 def test_pairs_of_each_rank_equal_a_brute_force_count(layout):
-    S = 32
+    S = 64
     rng = np.random.default_rng(0)
-    for _ in range(6):
+    for _ in range(5):
         cuts = sorted(rng.choice(np.arange(1, S), size=int(rng.integers(0, 6)), replace=False).tolist())
         cu = tuple([0, *cuts, S])
-        work = packed_rank_work(layout, "sequence", cu, S)
+        work = packed_rank_work(layout, cu, S)
         assert [w.pairs for w in work] == pytest.approx(_brute_pairs(layout, cu, S))
         assert sum(w.pairs for w in work) == pytest.approx(total_pairs(cu))  # each pair computed by one rank
         assert total_pairs(cu) == sum(d * (d + 1) / 2 for d in np.diff(cu))
         assert [w.tokens for w in work] == [S // layout.cp_size] * layout.cp_size
-        assert [w.exchanged_tokens for w in work] == [w.tokens for w in work]  # every token through the exchanges
+
+
+def test_the_step_prices_the_exchanged_tokens_only():
+    """A rank's all-to-all and ring bytes scale with the tokens it sends: none sent, none exposed."""
+    cfg = _cfg("--packing", "documents", "--cp-comm-type", "p2p")
+    spec = cfg.run_spec(8)
+    sent = step_work(cfg, 8, spec, RankWork(131072, 1e9, 0, 131072))
+    kept = step_work(cfg, 8, spec, RankWork(131072, 1e9, 0, 0))
+    assert sent.ring_bytes_fwd == pytest.approx(step_work(_cfg("--cp-comm-type", "p2p"), 8).ring_bytes_fwd)
+    assert kept.ring_bytes_fwd == kept.ring_bytes_bwd == 0 and kept.gemm_fwd == sent.gemm_fwd
+    untied = _cfg("--packing", "documents", "--cp-impl", "untied_ulysses")
+    assert step_work(untied, 8, untied.run_spec(8), RankWork(131072, 1e9, 131072, 0)).a2a_bytes == pytest.approx(
+        step_work(_cfg("--cp-impl", "untied_ulysses"), 8).a2a_bytes)
 
 
 def test_one_document_a_sample_is_the_unpacked_step():
@@ -100,10 +117,11 @@ def test_the_slowest_rank_decides_the_step():
     attention, and the step is its step."""
     S = 1048576
     cu = (0, *range(4096, 786432 + 1, 4096), S)  # short documents, then one of 262,144 in chunk 3
-    cfg = _cfg("--packing", "documents", "--context-parallel-size", "2", "--cp-comm-type", "p2p")
+    cfg = _cfg("--packing", "documents", "--context-parallel-size", "2", "--cp-comm-type", "p2p",
+               "--cp-document-layout", "sequence")
     spec = cfg.run_spec(8)
     t = predict_packed(cfg, 8, spec, DocumentMix((cu,) * 4, "skewed"), H100, 8, "fa3")
-    ranks = packed_rank_work(spec.parallelize.cp.layout, "sequence", cu, S)
+    ranks = packed_rank_work(spec.parallelize.cp.layout, cu, S)
     assert ranks[0].pairs > 3 * ranks[1].pairs
     slowest = _predict(cfg, 8, spec, step_work(cfg, 8, spec, ranks[0]), H100, 8, "fa3", t.packed["call_tokens"])
     assert t.step_s == pytest.approx(slowest.step_s, rel=1e-9)
@@ -152,6 +170,6 @@ def test_the_report_names_the_assumed_mix_and_the_imbalance():
     t = predict(_cfg("--packing", "documents", "--cp-comm-type", "p2p"), 8, H100, family="fa3")
     text = "\n".join(packed_lines(t))
     assert "assumed length mix" in text and "bench/bench_packing.py" in text
-    assert f"--cp-document-layout sequence: slowest rank's pairs over the mean {t.packed['imbalance_median']:.2f}x" \
+    assert f"--cp-document-layout split: slowest rank's pairs over the mean {t.packed['imbalance_median']:.2f}x" \
         in text
     assert packed_lines(predict(_cfg(), 8, H100)) == []
