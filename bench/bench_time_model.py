@@ -55,7 +55,12 @@ CONFIGS = {
 PACKED = ["--packing", "documents", "--split", "100,0,0", "--long-documents", "drop"]
 PACKED_CONFIGS = {
     "cp1 packed": (1, []),
-    "cp4 ring packed": (4, ["--context-parallel-size", "4", "--cp-comm-type", "p2p"]),
+    "cp4 ring packed, sequence": (4, ["--context-parallel-size", "4", "--cp-comm-type", "p2p",
+                                      "--cp-document-layout", "sequence"]),
+    "cp4 ring packed, split": (4, ["--context-parallel-size", "4", "--cp-comm-type", "p2p",
+                                   "--cp-document-layout", "split"]),
+    "cp4 ring packed, local": (4, ["--context-parallel-size", "4", "--cp-comm-type", "p2p",
+                                   "--cp-document-layout", "local"]),
     "cp4 Untied Ulysses packed": (4, ["--context-parallel-size", "4", "--cp-impl", "untied_ulysses",
                                       "--untied-heads-per-stage", "4"]),
 }
