@@ -173,3 +173,22 @@ def test_the_report_names_the_assumed_mix_and_the_imbalance():
     assert f"--cp-document-layout split: slowest rank's pairs over the mean {t.packed['imbalance_median']:.2f}x" \
         in text
     assert packed_lines(predict(_cfg(), 8, H100)) == []
+
+
+def test_auto_fit_prices_each_document_layout_on_a_ring_and_its_command_carries_the_fastest():
+    from megatron_lc.planning.autofit import document_layout_flags, fastest_document_layout
+    from megatron_lc.planning.autofit_report import with_document_layout
+    from megatron_lc.planning.timing import TimeModel
+
+    model = TimeModel(H100, 8, "fa3")
+    ring = _cfg("--packing", "documents", "--cp-comm-type", "p2p", "--cp-document-layout", "sequence", *STACK)
+    best = fastest_document_layout(model, ring, 8)
+    each = {layout: model.predict(_cfg("--packing", "documents", "--cp-comm-type", "p2p", "--cp-document-layout",
+                                       layout, *STACK), 8).step_s for layout in ("sequence", "split", "local")}
+    assert best.step_s == min(each.values()) < each["sequence"]
+    assert best.packed["document_layout"] == min(each, key=each.get)
+    command = ["torchrun", "-m", "megatron_lc.train", "--cp-document-layout", "sequence", "--bf16"]
+    assert with_document_layout(command, best) == ["torchrun", "-m", "megatron_lc.train", "--bf16",
+                                                   "--cp-document-layout", best.packed["document_layout"]]
+    untied = fastest_document_layout(model, _cfg("--packing", "documents", "--cp-impl", "untied_ulysses"), 8)
+    assert document_layout_flags(untied) == [] and document_layout_flags(predict(_cfg(), 8, H100)) == []
