@@ -6,7 +6,10 @@ causal attention, forward, recomputed and backward; the bytes of every all-to-al
 exchange and FSDP collective, and over which link; the bytes each offloaded block input
 moves to the host and back. Each item's time is work over the machine's rate for it
 (`Rates`: published figures with their sources, or this machine's, measured once by
-`calibrate_local`). Streams overlap as the code runs them:
+`calibrate_local`). With `--packing documents` a sample is its documents (`predict_packed`): each
+rank's attention is the pairs inside documents its layout's cut gives it (`context_layout.packed_rank_work`),
+its exchanges the tokens it sends, and the slowest rank decides each micro-batch; the documents' lengths
+are the run's own or an assumed mix (`packed_work`). Streams overlap as the code runs them:
 
 - compute (GEMMs, attention, the optimizer) is serial on one stream;
 - all-to-all exchanges (Ulysses, Untied Ulysses) are synchronous: exposed in full;
@@ -59,8 +62,8 @@ import numpy as np
 from megatron_lc.attention.untied_plan import StagePlan
 from megatron_lc.config import RunSpec, TrainConfig
 from megatron_lc.memory.kept_attention import kept_bytes_per_layer
-from megatron_lc.planning.calibration import CalibrationShapes, calibrate_local
 from megatron_lc.context_layout import RankWork, packed_rank_work
+from megatron_lc.planning.calibration import CalibrationShapes, calibrate_local
 from megatron_lc.planning.packed_work import SAMPLES, DocumentMix, document_mix, total_pairs
 from megatron_lc.planning.rates import FA2_BACKWARD_WORK, RATES, Rates
 
