@@ -8,13 +8,15 @@
 #
 # CHAT_JSONL: one {"messages": [{"role": ..., "content": ...}, ...]} per line (docs/sft.md for the other formats).
 # The stack is the planner's auto-fit answer for one 1M-token sample a step (predicted on a DGX H100, not yet
-# measured on a GPU): cp 8 ring attention with each document cut head-tail over the ring (--cp-document-layout
-# split: every ring rank the same attention work), full recompute with each block's input and attention output
-# offloaded early (the recompute runs no attention forward), tiled MLP and loss, bf16: 34.0 GiB GPU, 500 GiB host
-# per node. Counted from the documents (the planner's packed clock, on bench/bench_packing.py's assumed chat mix;
-# with --data-path, the data's own): 20.2 s a step at FA3's kernel rates, 1.33x its floor of 15.1 s; the ring's
-# plain 2R chunks (--cp-document-layout sequence) 30.6 s, their slowest rank 2.3x the mean rank's pairs; the
-# default full stack (Untied Ulysses, input-only offload) 24.1 s (docs/sft.md, docs/time_model.md).
+# measured on a GPU; searched when the planner still counted a sample as one document): cp 8 ring attention, full
+# recompute with each block's input and attention output offloaded early (the recompute runs no attention
+# forward), tiled MLP and loss, bf16: 34.0 GiB GPU, 500 GiB host per node. Counted from the documents (the
+# planner's packed clock, on bench/bench_packing.py's assumed chat mix; with --data-path, the data's own), the
+# ring's document layouts rank split (each document cut head-tail over the ring: every ring rank the same work)
+# at 20.2 s a step at FA3's kernel rates, 1.33x its floor of 15.1 s, local the same (20.2 s), and the plain 2R
+# chunks (sequence) at 30.6 s, their slowest rank 2.3x the mean rank's pairs; the default full stack (Untied
+# Ulysses, input-only offload) 24.1 s (docs/sft.md, docs/time_model.md). Auto-fit now ranks the document layouts
+# too and prints --cp-document-layout; rerun it on your data to re-plan the stack:
 #   python tools/estimate_memory.py --model llama3-8b --bf16 --num-gpus 8 --machine dgx-h100 \
 #       --seq-length 1048576 --packing documents --data-path DATA --with-fa3 --auto-fit
 # Environment variables for another run: SEQ_LENGTH, STEPS, GPUS_PER_NODE, CP, LAUNCH ("torchrun" or "python"),
