@@ -22,14 +22,10 @@ import time
 import numpy as np
 
 from megatron_lc.data.packing import pack_epoch
+from megatron_lc.planning.packed_work import assumed_lengths
 
 
-def realistic_lengths(count: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    chat = np.minimum(rng.lognormal(np.log(1500), 1.0, size=count).astype(np.int64) + 1, 32_768)
-    long = rng.random(count) < 0.02
-    chat[long] = rng.integers(16_384, 131_072, size=int(long.sum()))
-    return chat
+realistic_lengths = assumed_lengths  # the mix the planner assumes without --data-path
 
 
 def main() -> None:

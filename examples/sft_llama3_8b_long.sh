@@ -8,11 +8,15 @@
 #
 # CHAT_JSONL: one {"messages": [{"role": ..., "content": ...}, ...]} per line (docs/sft.md for the other formats).
 # The stack is the planner's auto-fit answer for one 1M-token sample a step (predicted on a DGX H100, not yet
-# measured on a GPU): cp 8 ring attention, full recompute with each block's input and attention output offloaded
-# early (the recompute runs no attention forward), tiled MLP and loss, bf16: 34.0 GiB GPU, 500 GiB host per node,
-# 229 s per step at FA3's kernel rates (390 s at FA2's), 1.023x the step's floor; the default full stack (Untied
-# Ulysses, input-only offload) is predicted at 286 s (FA3). Auto-fit's own first answer, cp 4 ring with 2 data-
-# parallel replicas, trains 2 samples a step at the same tokens per second.
+# measured on a GPU; searched when the planner still counted a sample as one document): cp 8 ring attention, full
+# recompute with each block's input and attention output offloaded early (the recompute runs no attention
+# forward), tiled MLP and loss, bf16: 34.0 GiB GPU, 500 GiB host per node. Counted from the documents (the
+# planner's packed clock, on bench/bench_packing.py's assumed chat mix; with --data-path, the data's own), the
+# ring's document layouts rank split (each document cut head-tail over the ring: every ring rank the same work)
+# at 20.2 s a step at FA3's kernel rates, 1.33x its floor of 15.1 s, local the same (20.2 s), and the plain 2R
+# chunks (sequence) at 30.6 s, their slowest rank 2.3x the mean rank's pairs; the default full stack (Untied
+# Ulysses, input-only offload) 24.1 s (docs/sft.md, docs/time_model.md). Auto-fit now ranks the document layouts
+# too and prints --cp-document-layout; rerun it on your data to re-plan the stack:
 #   python tools/estimate_memory.py --model llama3-8b --bf16 --num-gpus 8 --machine dgx-h100 \
 #       --seq-length 1048576 --packing documents --data-path DATA --with-fa3 --auto-fit
 # Environment variables for another run: SEQ_LENGTH, STEPS, GPUS_PER_NODE, CP, LAUNCH ("torchrun" or "python"),
@@ -29,7 +33,7 @@ CP=${CP:-8}
 LAUNCH=${LAUNCH:-torchrun}
 LONG_DOCUMENTS=${LONG_DOCUMENTS:-stop}
 WORKERS=${WORKERS:-16}
-read -r -a MEMORY <<< "${MEMORY_FLAGS:---cp-comm-type p2p --recompute-granularity full --offload-mode early --keep-attention-output --tiled-mlp --tiled-loss --bf16}"
+read -r -a MEMORY <<< "${MEMORY_FLAGS:---cp-comm-type p2p --cp-document-layout split --recompute-granularity full --offload-mode early --keep-attention-output --tiled-mlp --tiled-loss --bf16}"
 
 source "$(dirname "$0")/run_module.sh"
 source "$(dirname "$0")/nccl_settings.sh"

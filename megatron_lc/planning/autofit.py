@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_lc.config import TrainConfig
+from megatron_lc.context_layout import DOCUMENT_LAYOUTS
+from megatron_lc.data.packing import PackingSpec
 from megatron_lc.planning.estimate import GIB, Estimate, Machine, estimate
 from megatron_lc.planning.estimate_pool import EstimatePool
 from megatron_lc.planning.layouts import Layout, layout_of
@@ -227,6 +229,24 @@ def _auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None, 
     return result
 
 
+def fastest_document_layout(time_model: TimeModel, cfg: TrainConfig, num_gpus: int) -> StepTime:
+    """The predicted step of `cfg`; for packed documents on a ring, at the fastest --cp-document-layout (its
+    `packed["document_layout"]`). Every layout gives each rank S/cp tokens, so one trace holds for all: only the
+    time model tells them apart."""
+    if not PackingSpec.of(cfg.packing).whole_documents or cfg.context_layout().ring_size == 1:
+        return time_model.predict(cfg, num_gpus)  # without a ring every document layout is the same
+    return min((time_model.predict(dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, cp_document_layout=layout)), num_gpus) for layout in DOCUMENT_LAYOUTS),
+        key=lambda t: t.step_s)
+
+
+def document_layout_flags(cost: StepTime | None) -> list[str]:
+    """The --cp-document-layout the answer was predicted at (none for unpacked data or without a ring)."""
+    if cost is None or cost.packed is None or cost.packed["ring"] == 1:
+        return []
+    return ["--cp-document-layout", cost.packed["document_layout"]]
+
+
 class _Search:
     """The state of one auto-fit search: knowledge, traces, costs.
 
@@ -259,7 +279,7 @@ class _Search:
         layout, point = option[0], self.spaces[option[0]].canonical(option[1])
         if (layout, point) not in self.costs:
             cfg = self.spaces[layout].candidate(point).apply(self.configs[layout])
-            self.costs[(layout, point)] = self.time_model.predict(cfg, self.machine.num_gpus)
+            self.costs[(layout, point)] = fastest_document_layout(self.time_model, cfg, self.machine.num_gpus)
         return self.costs[(layout, point)]
 
     def per_token(self, option: Option) -> float:
@@ -531,7 +551,7 @@ class _Search:
                 continue  # every block keeping is a candidate of the search itself, already decided
             candidate = dataclasses.replace(choice, offload=mode, offload_every=k, keep_attention=True,
                                             keep_attention_layers=n)
-            cost = self.time_model.predict(candidate.apply(cfg), self.machine.num_gpus)
+            cost = fastest_document_layout(self.time_model, candidate.apply(cfg), self.machine.num_gpus)
             if cost.step_s / cost.tokens < result.cost.step_s / result.cost.tokens:
                 faster.append((cost.step_s / cost.tokens, candidate, cost))
         # Fastest first; a mode that brings kept tensors back later holds less at the GPU's peak.

@@ -3,9 +3,26 @@
 
 from __future__ import annotations
 
-from megatron_lc.planning.autofit import AutoFitResult
+from megatron_lc.planning.autofit import AutoFitResult, document_layout_flags
 from megatron_lc.planning.estimate import GIB, Estimate
+from megatron_lc.planning.report import packed_lines
 from megatron_lc.planning.timing import StepTime
+
+
+def with_document_layout(command: list[str], cost: StepTime) -> list[str]:
+    """`command` with the --cp-document-layout the answer was predicted at (replacing a given one)."""
+    flags = document_layout_flags(cost)
+    if not flags:
+        return command
+    out, skip = [], False
+    for arg in command:
+        if skip:
+            skip = False
+        elif arg == flags[0]:
+            skip = True
+        elif not arg.startswith(flags[0] + "="):
+            out.append(arg)
+    return out + flags
 
 
 def _estimate_json(e: Estimate) -> dict:
@@ -25,7 +42,7 @@ def auto_fit_json(result: AutoFitResult, command: list[str] | None = None, num_g
                          "cp_comm_type": result.layout.comm_type,
                          "hierarchical_context_parallel_sizes": list(result.layout.hierarchical)}
         if command is not None:
-            out["command"] = command + result.choice.flags()
+            out["command"] = with_document_layout(command, result.cost) + result.choice.flags()
     runner_up = result.runner_up
     if runner_up is not None:
         out["runner_up"] = {"flags": runner_up.candidate.flags(), **_estimate_json(runner_up.estimate),
@@ -47,7 +64,7 @@ def _choice_lines(title: str, flags: list[str], e: Estimate, c: StepTime) -> lis
             f"  predicted step {c.step_s:.2f} s ({c.tokens:,} tokens), {c.tokens_per_s:,.0f} tokens/s, "
             f"MFU {100 * c.mfu:.1f}% (s: {causes})",
             f"  floor {c.floor_s:.2f} s (every FLOP once at kernel rates): the step is {c.step_s / c.floor_s:.3f}x it; "
-            f"over it (s): {', '.join(f'{k} {v:.2f}' for k, v in c.gap_s.items())}"]
+            f"over it (s): {', '.join(f'{k} {v:.2f}' for k, v in c.gap_s.items())}", *packed_lines(c)]
 
 
 def auto_fit_text(result: AutoFitResult, command: list[str] | None = None, num_gpus: int | None = None) -> str:
@@ -66,7 +83,7 @@ def auto_fit_text(result: AutoFitResult, command: list[str] | None = None, num_g
                                              if result.tolerance else "")
         lines += _choice_lines(title, result.choice.flags(), result.estimate, result.cost)
         if command is not None:
-            lines.append("paste: " + " ".join(command + result.choice.flags()))
+            lines.append("paste: " + " ".join(with_document_layout(command, result.cost) + result.choice.flags()))
         if result.runner_up is not None:
             r = result.runner_up
             lines += _choice_lines("runner-up (traced)", (r.layout.flags() if r.layout and result.layout_searched

@@ -32,6 +32,7 @@ from megatron_lc.planning.machine import DEFAULT_NODE, NODES
 from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, TOLERANCE
 from megatron_lc.planning.estimate_pool import CACHE_ENV, MAX_WORKERS
 from megatron_lc.planning.gpu_allocations import NcclSettings
+from megatron_lc.planning.packed_work import check_packed_planning
 
 NCCL = NcclSettings()
 AUTO_FIT_HELP = (
@@ -126,6 +127,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
     planner, training = split_argv(argv)
     check_planner_flags(planner)
     cfg = parse_config(training + (["--mock-data"] if not args.data_path else []))
+    check_packed_planning(cfg, args.mock_data)
     return planner, cfg
 
 

@@ -7,7 +7,7 @@ import dataclasses
 from megatron_lc.config import TrainConfig
 from megatron_lc.planning.estimate import GIB, Estimate
 from megatron_lc.planning.machine import NODES, Term
-from megatron_lc.planning.timing import TimeModel, layer_costs
+from megatron_lc.planning.timing import StepTime, TimeModel, layer_costs
 from megatron_lc.planning.search import SearchResult, StackLayer
 from megatron_lc.planning.tracker import CATEGORIES
 
@@ -95,11 +95,24 @@ def time_lines(cfg: TrainConfig, e: Estimate) -> list[str]:
     lines.append("  what separates the step from its floor:")
     for cause in e.time.gap_s:
         lines.append(f"    {cause:<38}" + "".join(f"{t.gap_s[cause]:>8.2f} s" for _, t in columns))
+    lines += packed_lines(e.time)
     costs = layer_costs(cfg, m.num_gpus, model.rates, model.gpus_per_node, model.family)
     if costs:
         lines.append("  what each memory layer costs (this step against it without that layer):")
         lines += [f"    {name:<40}{seconds:>+10.2f} s ({100 * seconds / e.time.step_s:+.1f}%)" for name, seconds in costs]
     return lines
+
+
+def packed_lines(t: StepTime) -> list[str]:
+    """--packing documents: where the documents' lengths came from and how evenly the layout shares their work."""
+    p = t.packed
+    if p is None:
+        return []
+    return [f"  packed documents ({p['document_lengths']}): their attention pairs {100 * p['pairs_over_full_causal']:.1f}% "
+            f"of a full causal square, rates at {p['call_tokens']:,}-token calls (the token-weighted mean length)",
+            f"  --cp-document-layout {p['document_layout']}: slowest rank's pairs over the mean {p['imbalance_median']:.2f}x "
+            f"(median micro-batch; p90 {p['imbalance_p90']:.2f}x, worst {p['imbalance_max']:.2f}x); the step of the "
+            f"slowest ranks' mean work over {p['samples']} samples"]
 
 
 def describe_machine(m) -> str:

@@ -6,7 +6,10 @@ causal attention, forward, recomputed and backward; the bytes of every all-to-al
 exchange and FSDP collective, and over which link; the bytes each offloaded block input
 moves to the host and back. Each item's time is work over the machine's rate for it
 (`Rates`: published figures with their sources, or this machine's, measured once by
-`calibrate_local`). Streams overlap as the code runs them:
+`calibrate_local`). With `--packing documents` a sample is its documents (`predict_packed`): each
+rank's attention is the pairs inside documents its layout's cut gives it (`context_layout.packed_rank_work`),
+its exchanges the tokens it sends, and the slowest rank decides each micro-batch; the documents' lengths
+are the run's own or an assumed mix (`packed_work`). Streams overlap as the code runs them:
 
 - compute (GEMMs, attention, the optimizer) is serial on one stream;
 - all-to-all exchanges (Ulysses, Untied Ulysses) are synchronous: exposed in full;
@@ -51,12 +54,17 @@ measures them (`tests/gpu/run_gpu_checks.py`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from megatron_lc.attention.untied_plan import StagePlan
 from megatron_lc.config import RunSpec, TrainConfig
 from megatron_lc.memory.kept_attention import kept_bytes_per_layer
+from megatron_lc.context_layout import RankWork, packed_rank_work
 from megatron_lc.planning.calibration import CalibrationShapes, calibrate_local
+from megatron_lc.planning.packed_work import SAMPLES, DocumentMix, document_mix, total_pairs
 from megatron_lc.planning.rates import FA2_BACKWARD_WORK, RATES, Rates
 
 CAUSES = ("attention forward", "attention recompute", "attention backward", "GEMMs", "recompute of the rest",
@@ -165,9 +173,10 @@ def kept_attention_bytes_per_gpu(cfg: TrainConfig, spec: RunSpec) -> int:
     return kept_bytes_per_layer(tokens, c.num_attention_heads, c.kv_channels, 2 if cfg.train.bf16 else 4)
 
 
-def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> Work:
+def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None, share: RankWork | None = None) -> Work:
     """The work of one micro-batch on one rank of `cfg` on `num_gpus` GPUs (`spec`: its run spec there, when the
-    caller has it)."""
+    caller has it). `share`: the rank's tokens, attention pairs and exchanged tokens of a packed micro-batch (its
+    samples' documents); None: every sample one document of --seq-length tokens, shared evenly."""
     spec = spec or cfg.run_spec(num_gpus)
     c, stack, cp_spec = spec.model, spec.parallelize.memory, spec.parallelize.cp
     cp, layout = spec.dims.cp, cp_spec.layout
@@ -175,11 +184,16 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> W
     T, h, f, H, Hkv, d, V, L = B * S // cp, c.hidden_size, c.ffn_hidden_size, c.num_attention_heads, \
         c.num_query_groups, c.kv_channels, c.vocab_size, c.num_layers
     item = 2 if cfg.train.bf16 else 4
+    attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
+    ring_tokens = B * S // layout.ring_size  # a ring rank's tokens, whose K and V travel
+    Tx = T  # tokens through the all-to-alls
+    if share is not None:  # QK^T and PV over the pairs inside documents; only the exchanged tokens travel
+        T, attention, Tx = share.tokens, 4 * share.pairs * d * H, share.a2a_tokens
+        ring_tokens = share.ring_tokens * layout.a2a_size  # the ring rank's rows that travel (a share per a2a rank)
     qkv = 2 * T * h * d * (H + 2 * Hkv)
     mlp = 6 * T * h * f
     layer_gemm = qkv + 2 * T * H * d * h + mlp
     head_gemm = 2 * T * h * V
-    attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
     full, selective = stack.recompute_granularity == "full", stack.recompute_granularity == "selective"
     untied = cp_spec.untied
     mlp_tiles = stack.mlp_tiles
@@ -193,9 +207,9 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> W
     plan = StagePlan(H, Hkv, layout.a2a_size, cp_spec.stage_heads) if untied else None
     lean = untied and cp_spec.untied_backward == "lean"
     kv_returns = plan.stages_per_round if lean else 1  # dK/dV sent back per round
-    a2a = (_a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full and not untied, kv_returns=kv_returns) * K
-           + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, kv_returns=kv_returns) * (R - K)
-           + _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, False, kv_returns=kv_returns) * (L - R))
+    a2a = (_a2a_bytes(Tx, H, Hkv, d, item, layout.a2a_size, untied, full and not untied, kv_returns=kv_returns) * K
+           + _a2a_bytes(Tx, H, Hkv, d, item, layout.a2a_size, untied, full, kv_returns=kv_returns) * (R - K)
+           + _a2a_bytes(Tx, H, Hkv, d, item, layout.a2a_size, untied, False, kv_returns=kv_returns) * (L - R))
     attention_recomputed = R - K if full else 0
     ring_fwd = ring_bwd = ring_exposed = 0.0
     if layout.ring_size > 1:
@@ -203,7 +217,7 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> W
         # Ulysses one call per stage, each with its kv round's heads.
         calls_kv_heads = plan.num_stages * plan.kv_heads_per_round if untied else \
             max(Hkv, layout.a2a_size) // layout.a2a_size
-        kv = 2 * (B * S // layout.ring_size) * calls_kv_heads * d * item  # K and V of the ring rank's tokens
+        kv = 2 * ring_tokens * calls_kv_heads * d * item  # K and V of the ring rank's tokens
         ring_fwd = kv * (layout.ring_size - 1)
         accumulators = kv * layout.ring_size * 4 / item  # the fp32 dK/dV, R hops
         ring_bwd = ring_fwd + accumulators  # K/V again, and the accumulators
@@ -227,11 +241,11 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> W
     # Untied Ulysses a replay that reads its kept attention runs no stage (no q/k/v projection, no exchange).
     staged = replay_attention if untied else replayed
     recompute += replayed * layer_gemm - (reading * qkv if untied else 0)
-    a2a += staged * _a2a_bytes(T, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
+    a2a += staged * _a2a_bytes(Tx, H, Hkv, d, item, layout.a2a_size, untied, full, forward_only=True)
     launches += replayed * (mlp_tiles or 0) + staged * stages
     pipelined = ()
     if untied and cp_spec.overlap:
-        q, kv, o = _a2a_parts(T, H, Hkv, d, item, layout.a2a_size)
+        q, kv, o = _a2a_parts(Tx, H, Hkv, d, item, layout.a2a_size)
         forwards = L + attention_recomputed + staged  # passes that run the stages forward
         pipelined = (PipelinedExchange("fwd", forwards * (q + kv + o), forwards * attention, stages, forwards * o / stages),
                      PipelinedExchange("bwd", L * (2 * q + (1 + kv_returns) * kv + 2 * o),
@@ -306,7 +320,12 @@ class StepTime:
     at the machine's kernel rates, attention at the kernel's full-tile (non-causal) rate; nothing recomputed,
     exposed or memory-bound."""
     gap_s: dict = field(default_factory=dict)
-    """What separates the step from the floor, by cause (`GAP_CAUSES`): floor_s + sum(gap_s) = step_s."""
+    """What separates the step from the floor, by cause (`GAP_CAUSES`, and `IMBALANCE` for packed data):
+    floor_s + sum(gap_s) = step_s."""
+    packed: dict | None = None
+    """--packing documents: where the documents' lengths came from, the attention call length their rates are
+    taken at, their pairs' share of a full causal square, the slowest rank's pairs over the mean rank's (median,
+    p90 and worst micro-batch)."""
 
     @property
     def step_s(self) -> float:
@@ -325,7 +344,8 @@ class StepTime:
                 "mfu": round(self.mfu, 4), "rates": self.rates, "attention_kernel": self.attention_kernel,
                 "by_cause_s": {k: round(v, 6) for k, v in self.seconds.items()}, "floor_s": round(self.floor_s, 6),
                 "over_floor": round(self.step_s / self.floor_s, 4) if self.floor_s else None,
-                "gap_to_floor_s": {k: round(v, 6) for k, v in self.gap_s.items()}}
+                "gap_to_floor_s": {k: round(v, 6) for k, v in self.gap_s.items()}} | (
+                    {"packed": self.packed} if self.packed is not None else {})
 
 
 def attention_family(cfg: TrainConfig, flash_attn: bool, flash_impl: str = "default") -> str:
@@ -344,15 +364,30 @@ def attention_family(cfg: TrainConfig, flash_attn: bool, flash_impl: str = "defa
 
 def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 8, family: str = "fa2"
             ) -> StepTime:
-    """The step time of `cfg` on `num_gpus` GPUs at `rates`, by cause."""
+    """The step time of `cfg` on `num_gpus` GPUs at `rates`, by cause; with `--packing documents` counted from the
+    documents of the samples the run draws (`packed_work.document_mix`)."""
     spec = cfg.run_spec(num_gpus)
-    w = step_work(cfg, num_gpus, spec)
+    mix = document_mix(cfg, max(SAMPLES, 4 * _replicas(spec, num_gpus) * cfg.data.micro_batch_size))
+    if mix is not None:
+        return predict_packed(cfg, num_gpus, spec, mix, rates, gpus_per_node, family)
+    return _predict(cfg, num_gpus, spec, step_work(cfg, num_gpus, spec), rates, gpus_per_node, family,
+                    cfg.data.seq_length)  # one document per sample
+
+
+def _replicas(spec: RunSpec, num_gpus: int) -> int:
+    """Context-parallel groups of the run: micro-batches trained side by side."""
+    return max(1, num_gpus // spec.dims.cp)
+
+
+def _predict(cfg: TrainConfig, num_gpus: int, spec: RunSpec, w: Work, rates: Rates, gpus_per_node: int, family: str,
+             call_tokens: int) -> StepTime:
+    """The step time of one rank doing `w` in each micro-batch, attention at the rates of calls of `call_tokens`."""
     cp = spec.dims.cp
-    dp = max(1, num_gpus // cp)
+    dp = _replicas(spec, num_gpus)
     mbs = cfg.data.micro_batch_size
     micro = max(1, (cfg.data.global_batch_size or mbs * dp) // (mbs * dp))
     layout = spec.parallelize.cp.layout
-    fwd_rate, bwd_rate = rates.attention_rates(family, cfg.data.seq_length)  # one document per sample
+    fwd_rate, bwd_rate = rates.attention_rates(family, call_tokens)
     gemm = w.gemm_fwd * 3 / rates.gemm_flops
     a_fwd, a_re, a_bwd = w.attention_fwd / fwd_rate, w.attention_recompute / fwd_rate, w.attention_bwd / bwd_rate
     a2a_link = rates.intra_node_bytes if layout.a2a_size <= gpus_per_node else rates.inter_node_bytes
@@ -404,6 +439,94 @@ def predict(cfg: TrainConfig, num_gpus: int, rates: Rates, gpus_per_node: int = 
     return StepTime(seconds, tokens, micro * w.model_flops, rates.peak_flops, rates.name, family, floor, gap)
 
 
+IMBALANCE = "slowest rank over the mean"
+"""Packed data: what the slowest rank's floor exceeds the mean rank's by (a cause of the gap to the floor)."""
+
+
+def predict_packed(cfg: TrainConfig, num_gpus: int, spec: RunSpec, mix: DocumentMix, rates: Rates,
+                    gpus_per_node: int, family: str) -> StepTime:
+    """The mean step over the mix's micro-batches: each decided by its slowest rank (of the context-parallel group,
+    and of the replicas training beside it), the floor by the mean rank's work: each pair inside a document once."""
+    layout = spec.parallelize.cp.layout
+    shares = _packed_shares(layout, mix, cfg.data.seq_length, cfg.data.micro_batch_size, _replicas(spec, num_gpus))
+    call_tokens = mix.call_tokens
+
+    def time_of(work: RankWork) -> StepTime:
+        return _predict(cfg, num_gpus, spec, step_work(cfg, num_gpus, spec, work), rates, gpus_per_node, family,
+                        call_tokens)
+
+    # A rank's time grows with its tokens, pairs and exchanged tokens: only the ranks no other exceeds in all of
+    # them can be a step's slowest. The step is the time of the steps' slowest ranks' mean work: the model is
+    # linear in a rank's work except where an exchange surfaces from behind attention in some micro-batches and
+    # not in others (the mean of each micro-batch's own step agrees to 1e-5 on Llama3-8B at 1M on 8 GPUs, ring
+    # and Untied Ulysses), and one prediction a stack keeps auto-fit's tens of thousands of stacks fast.
+    step = time_of(shares.slowest_mean or _mean([max(group.candidates, key=lambda r: time_of(r).step_s)
+                                                  for group in shares.steps]))
+    even = time_of(shares.mean)  # every pair once, shared evenly: the floor (linear in the work: the mean's)
+    gap = dict(step.gap_s)
+    gap[IMBALANCE] = step.floor_s - even.floor_s
+    packed = {"document_lengths": mix.source, "samples": len(mix.samples), "call_tokens": call_tokens,
+              "document_layout": layout.documents, "ring": layout.ring_size, **shares.statistics}
+    return StepTime(step.seconds, even.tokens, even.model_flops_per_gpu, even.peak_flops, even.rates,
+                    even.attention_kernel, even.floor_s, gap, packed)
+
+
+@dataclass(frozen=True)
+class _StepShares:
+    """The ranks of one step's micro-batches side by side (one per replica) that may be its slowest."""
+
+    candidates: tuple[RankWork, ...]
+    imbalance: float
+    """The slowest rank's pairs over the mean rank's."""
+
+
+@dataclass(frozen=True)
+class _PackedShares:
+    steps: tuple[_StepShares, ...]
+    mean: RankWork
+    """The mean rank of every step."""
+    slowest_mean: RankWork | None
+    """The mean of the steps' slowest ranks when each step has one candidate (else priced per step)."""
+    statistics: dict
+    """The samples' pairs inside documents over a full causal square's (mean), and the imbalance's median, p90
+    and worst."""
+
+
+_FIELDS = ("tokens", "pairs", "a2a_tokens", "ring_tokens")
+
+
+def _sum(ranks: list[RankWork]) -> RankWork:
+    return RankWork(*(sum(getattr(r, f) for r in ranks) for f in _FIELDS))
+
+
+def _mean(ranks: list[RankWork]) -> RankWork:
+    return RankWork(*(sum(getattr(r, f) for r in ranks) / len(ranks) for f in _FIELDS))
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_shares(layout, mix: DocumentMix, seq_length: int, micro_batch: int, replicas: int) -> _PackedShares:
+    """Each rank's work in each micro-batch (its samples summed) under the layout's cut, grouped by step."""
+    per_sample = [packed_rank_work(layout, cu, seq_length) for cu in mix.samples]
+    micro = [[_sum([s[r] for s in per_sample[k:k + micro_batch]]) for r in range(layout.cp_size)]
+             for k in range(0, len(per_sample) - micro_batch + 1, micro_batch)]
+    steps, everyone = [], []
+    for k in range(0, len(micro) - replicas + 1, replicas):
+        ranks = [r for group in micro[k:k + replicas] for r in group]
+        everyone += ranks
+        keys = {(r.tokens, r.pairs, r.a2a_tokens, r.ring_tokens): r for r in ranks}
+        candidates = tuple(r for key, r in keys.items()
+                           if not any(o != key and all(a >= b for a, b in zip(o, key)) for o in keys))
+        mean_pairs = sum(r.pairs for r in ranks) / len(ranks)
+        steps.append(_StepShares(candidates, max(r.pairs for r in ranks) / mean_pairs if mean_pairs else 1.0))
+    single = all(len(step.candidates) == 1 for step in steps)
+    imbalance = [step.imbalance for step in steps]
+    statistics = {"pairs_over_full_causal": float(np.mean([total_pairs(cu) for cu in mix.samples]))
+                  / (seq_length * (seq_length + 1) / 2), "imbalance_median": float(np.median(imbalance)),
+                  "imbalance_p90": float(np.percentile(imbalance, 90)), "imbalance_max": float(max(imbalance))}
+    return _PackedShares(tuple(steps), _mean(everyone), _mean([s.candidates[0] for s in steps]) if single else None,
+                         statistics)
+
+
 @dataclass(frozen=True)
 class TimeModel:
     """The rates a step is predicted at, and how attention runs on that machine."""
@@ -422,6 +545,9 @@ class TimeModel:
         this machine's measured ones shared by `num_gpus` processes."""
         if machine.node == "local":
             shapes = CalibrationShapes.of(cfg, cfg.run_spec(machine.num_gpus))
+            mix = document_mix(cfg)
+            if mix is not None:  # attention measured at the documents' length, not the sample's
+                shapes = dataclasses.replace(shapes, attention_tokens=min(shapes.attention_tokens, mix.call_tokens))
             return TimeModel(calibrate_local(processes=machine.num_gpus, shapes=shapes), machine.gpus_per_node, "cpu")
         impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call())
         family = attention_family(cfg, machine.flash_attn, impl)  # the node's GPUs, whatever was traced

@@ -208,6 +208,7 @@ def test_the_chat_fine_tuning_recipe_packs_1m_token_samples_and_evaluates_the_sa
     cfg = _validated(train + ["--model", "llama3-8b"], 8, data)
     assert cfg.packing.packing == "documents" and cfg.data.seq_length == 1_048_576 and cfg.checkpoint.finetune
     assert cfg.parallel.context_parallel_size == 8 and cfg.train.bf16 and cfg.checkpoint.save
+    assert cfg.context_layout().ring_size == 8 and cfg.parallel.cp_document_layout == "split"  # balanced ring
     assert cfg.checkpoint.save_interval_minutes
     (evaluate,) = _module_args(launches, "megatron_lc.evaluate")
     from megatron_lc.evaluate import build_parser
