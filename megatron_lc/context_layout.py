@@ -17,7 +17,8 @@ Packed samples hold many documents, each attending to itself only; chunks of the
 whole documents where they fall, and the ring ranks' work differs by the documents each got. The
 document layout (`--cp-document-layout`) cuts a ring by documents instead (`SampleCut`): `split`
 cuts every document head-tail into 2R pieces, ring rank r holding pieces r and 2R-1-r of each (the
-same work on every ring rank, document by document); `local` keeps the documents whose whole
+same work on every ring rank, document by document; light documents too short for pieces of
+`MIN_PIECE` tokens stay whole); `local` keeps the documents whose whole
 attention is small beside a ring rank's share (`LOCAL_SHARE`) whole on one ring rank, balanced by
 their work, and cuts only the others head-tail. The pieces of each document are sized so that every
 ring rank holds exactly S/R tokens: the documents kept whole never fill the ranks evenly, and the cut
@@ -38,6 +39,11 @@ CP_COMM_TYPES = ("a2a", "p2p", "a2a+p2p")
 """`--cp-comm-type` values, as Megatron-LM names them: all-to-all, ring (point-to-point), both."""
 DocumentLayout = Literal["sequence", "split", "local"]
 DOCUMENT_LAYOUTS: tuple[str, ...] = get_args(DocumentLayout)
+MIN_PIECE = 128
+"""`split` keeps a document whole when its 2R pieces would get fewer tokens than this (a flash-attention tile of rows:
+a shorter piece costs a call segment and a tile for little work; cutting chat turns into pieces of a few tokens made
+the CPU kernels' time 1.9x Ulysses' on the same pairs, bench/bench_packed_sft.py) and its work is light enough for the
+ring's balance (`LOCAL_SHARE`)."""
 LOCAL_SHARE = 0.05
 """`local`: a document stays whole on one ring rank when its attention pairs are at most this share of a ring
 rank's mean: balancing whole documents by their work (largest first) then leaves the slowest ring rank at most
@@ -235,11 +241,12 @@ def cut_sample(boundaries: tuple[int, ...], seq_length: int, ring_size: int, doc
     capacity = seq_length // R
     lengths = [b - a for a, b in zip(boundaries, boundaries[1:])]
     pairs = [_piece_pairs(0, n) for n in lengths]
-    if documents == "split":  # cut every document that has a token for every piece
-        whole = [n < 2 * R for n in lengths]
+    limit = LOCAL_SHARE * sum(pairs) / R
+    light = [p <= limit and n <= capacity for p, n in zip(pairs, lengths)]  # whole, it cannot unbalance the ring
+    if documents == "split":  # only where its pieces would be below a tile
+        whole = [w and n < 2 * R * MIN_PIECE for w, n in zip(light, lengths)]
     else:
-        limit = LOCAL_SHARE * sum(pairs) / R
-        whole = [p <= limit and n <= capacity for p, n in zip(pairs, lengths)]
+        whole = light
     owners = [-1] * len(lengths)
     work, tokens = [0] * R, [0] * R
     # Whole documents by work, largest first, each to the ring rank with the least work among those it keeps
