@@ -495,8 +495,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(python: str, side: str, work: Path, tag: str, world: int, timeout: float, profile: bool = False) -> list[dict]:
-    """`world` processes of `side` (rank env as torchrun sets it), started from this small process; their results."""
+def launch(python: str, side: str, work: Path, tag: str, world: int, timeout: float, profile: bool = False,
+           script: Path | None = None) -> list[dict]:
+    """`world` processes of `side` (rank env as torchrun sets it), started from this small process; their results.
+    `script` (default this one) is the bench whose `--_worker side` runs in them."""
     port = _free_port()
     with contextlib.ExitStack() as logs:
         procs = []
@@ -506,7 +508,7 @@ def launch(python: str, side: str, work: Path, tag: str, world: int, timeout: fl
             if side == "peer":
                 env.setdefault("DS_ACCELERATOR", "cpu")
             log = logs.enter_context(open(work / f"{tag}.rank{rank}.log", "w"))
-            cmd = [python, str(Path(__file__).resolve()), "--_worker", side, "--_work", str(work), "--_tag", tag]
+            cmd = [python, str(script or Path(__file__).resolve()), "--_worker", side, "--_work", str(work), "--_tag", tag]
             cmd += ["--_profile"] if profile else []
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         deadline, failed = time.monotonic() + timeout, None
