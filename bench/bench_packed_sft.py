@@ -118,10 +118,10 @@ def prepare(work: Path) -> None:
     for name, (comm, _, documents) in ROWS.items():
         work_per_rank = packed_rank_work(context_layout_from_flags(world, comm, documents=documents), cu, S)
         pairs[name] = [w.pairs for w in work_per_rank]
-    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    lengths = [b - a for a, b in zip(cu, cu[1:])][:len(cu) - 1 - bool(padding)]
     _write_json(work / "prepared.json", {
         "parameters": count_parameters(model), "mlp_tiles": plan.mlp_tiles, "loss_tiles": plan.loss_tiles,
-        "local_tokens": local, "documents": len(lengths) - bool(padding), "padding_tokens": padding,
+        "local_tokens": local, "documents": len(lengths), "padding_tokens": padding,
         "median_document": statistics.median(lengths), "longest_document": max(lengths),
         "valid_labels": int((labels != IGNORE_INDEX).sum()), "pairs_per_rank": pairs,
         "pairs_share_of_causal": sum(pairs["ulysses (a2a)"]) / (S * (S + 1) / 2)})

@@ -40,6 +40,10 @@ Peer: ZeRO-3 (`deepspeed.initialize`, optimizer AdamW with `torch_adam`) + Ulyss
     (from the sample's S + 1 tokens, so the last token keeps its real label as on our side), then
     input_ids, position_ids and shift_labels cut into contiguous chunks.
 
+bench/bench_packed_sft.py runs the peer worker on a packed sample (`"packed"` in the spec): position ids restart
+in every document, and the core attention under DeepSpeed's Ulysses is `PACKED_ATTENTION` (sdpa per document, from
+the gathered position ids, as the flash cores do on a GPU) instead of `sdpa` (causal over the whole sample).
+
 The optimizer is `torch.optim.AdamW` on both sides: ours from `build_optimizer` (foreach, over the FSDP2
 shards), the peer's from DeepSpeed's `"torch_adam": true` (over ZeRO-3's flat fp32 partition).
 
