@@ -28,7 +28,9 @@ launch after it. Per row: the median wall seconds of the timed steps; the second
 attention kernel (ours: a timing wrapper around the local kernel, forward incl. recompute and backward, so the
 exchanges of Ulysses and the ring are outside it and the ring's kernel calls inside; the peer: the core attention
 under DeepSpeed's all-to-all, forward incl. recompute, and its backward between two autograd markers), max and
-mean over the ranks; the max / mean attention pairs per rank from `packed_rank_work` (what the layout gives each
+mean over the ranks, in wall seconds and in the calling thread's CPU seconds (what the kernel computed, whatever
+else the cores ran meanwhile: on a machine shared with other work the steadier figure); the slowest rank's CPU
+seconds of the step (the process's, gloo's threads included); the max / mean attention pairs per rank from `packed_rank_work` (what the layout gives each
 rank to compute); the first step's loss and grad norm. Our rows compute the same function: their first losses
 must agree within `--loss-tol`. The peer's loss is its own numerics (HF's rotary and loss): printed beside ours.
 """
@@ -131,16 +133,18 @@ def prepare(work: Path) -> None:
 
 
 def _timed_kernels(seconds: list):
-    """The kernel table with every kernel wrapped to add its wall seconds (forward and backward) to seconds[0]."""
+    """The kernel table with every kernel wrapped to add its wall seconds (forward and backward) to seconds[0] and
+    this thread's CPU seconds to seconds[1] (what the kernel computed, whatever else the cores ran meanwhile)."""
     from megatron_lc.attention.kernels import KERNELS, Kernel
 
     def timed(fn):
         def call(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 seconds[0] += time.perf_counter() - start
+                seconds[1] += time.thread_time() - cpu_start
         return call
 
     return {name: Kernel(k.name, timed(k.forward), timed(k.backward)) for name, k in KERNELS.items()}
@@ -176,7 +180,7 @@ def ours_worker(work: Path, tag: str) -> None:
     cu = tuple(full["cu_seqlens"])
     batch = Batch(full["input_ids"], full["labels"], full["position_ids"], cu)
     reference_state = build_model(config, device="cpu", seed=0).state_dict()
-    seconds = [0.0]
+    seconds = [0.0, 0.0]
     kernels = _timed_kernels(seconds)
     rows = {}
     for name, (comm, impl, documents) in ROWS.items():
@@ -201,11 +205,12 @@ def ours_worker(work: Path, tag: str) -> None:
     steps = {name: [] for name in rows}
     for step in range(spec["warmup"] + spec["steps"]):
         for name, (model, optimizer, pstate, local) in rows.items():
-            seconds[0] = 0.0
+            seconds[:] = 0.0, 0.0
             timer.start()
             result = train_step(model, optimizer, [local], pstate, cpu.accelerator, clip_grad=None)
             wall, cpu_s = timer.stop()
-            steps[name].append({"wall_s": wall, "cpu_s": cpu_s, "attention_s": seconds[0], "loss": float(result.loss),
+            steps[name].append({"wall_s": wall, "cpu_s": cpu_s, "attention_s": seconds[0],
+                                "attention_cpu_s": seconds[1], "loss": float(result.loss),
                                 "grad_norm": float(result.grad_norm), "timed": step >= spec["warmup"]})
         if rank == 0:
             print(f"step {step}: " + ", ".join(f"{n} {s[-1]['wall_s']:.2f} s" for n, s in steps.items()), flush=True)
@@ -222,11 +227,17 @@ def ours_worker(work: Path, tag: str) -> None:
 def _row_summary(per_rank_steps: list[list[dict]], pairs: list[float] | None) -> dict:
     timed = [i for i, s in enumerate(per_rank_steps[0]) if s["timed"]]
     walls = [per_rank_steps[0][i]["wall_s"] for i in timed]
-    attention = [statistics.median(steps[i]["attention_s"] for i in timed) for steps in per_rank_steps]
+    def per_rank(key):
+        return [statistics.median(steps[i][key] for i in timed) for steps in per_rank_steps]
+
+    attention, attention_cpu, cpu = per_rank("attention_s"), per_rank("attention_cpu_s"), per_rank("cpu_s")
     first = per_rank_steps[0][0]
     out = {"median_s": statistics.median(walls), "min_s": min(walls), "step_times_s": walls,
+           "cpu_s_per_rank": cpu, "cpu_s_max": max(cpu),
            "attention_s_per_rank": attention, "attention_s_max": max(attention),
-           "attention_s_mean": statistics.mean(attention), "first_loss": first["loss"],
+           "attention_s_mean": statistics.mean(attention), "attention_cpu_s_per_rank": attention_cpu,
+           "attention_cpu_s_max": max(attention_cpu), "attention_cpu_s_mean": statistics.mean(attention_cpu),
+           "first_loss": first["loss"],
            "first_grad_norm": first["grad_norm"], "losses": [s["loss"] for s in per_rank_steps[0]]}
     if pairs is not None:
         out["pairs_per_rank"] = pairs
@@ -237,8 +248,9 @@ def _row_summary(per_rank_steps: list[list[dict]], pairs: list[float] | None) ->
 def summarize(ours: list[dict], peer: list[dict] | None, prepared: dict, args) -> dict:
     rows = {name: _row_summary([r["rows"][name] for r in ours], prepared["pairs_per_rank"][name]) for name in ROWS}
     if peer is not None:
-        rows[PEER] = _row_summary([[{**s, "attention_s": s.get("attention_s", float("nan"))} for s in r["steps"]]
-                                   for r in peer], prepared["pairs_per_rank"]["ulysses (a2a)"])
+        rows[PEER] = _row_summary(
+            [[{"attention_s": float("nan"), "attention_cpu_s": float("nan"), **s} for s in r["steps"]] for r in peer],
+            prepared["pairs_per_rank"]["ulysses (a2a)"])
         rows[PEER]["checks"] = peer[0]["checks"]
     base = rows[BASELINE]["median_s"]
     for row in rows.values():
@@ -263,12 +275,15 @@ def print_report(r: dict) -> None:
           f"after {s['warmup']} warm-up")
     has_peer = PEER in r["rows"]
     print("| layout | step (s) | / ring, sequence |" + (" / ALST |" if has_peer else "") +
-          " attention s per rank, max / mean | attention pairs max / mean | first loss | first grad norm |")
-    print("| --- | ---: | ---: |" + (" ---: |" if has_peer else "") + " ---: | ---: | ---: | ---: |")
+          " step CPU s, slowest rank | attention s per rank, max / mean | attention CPU s per rank, max / mean "
+          "| attention pairs max / mean | first loss | first grad norm |")
+    print("| --- | ---: | ---: |" + (" ---: |" if has_peer else "") + " ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, x in r["rows"].items():
         peer_col = f" {x['vs_alst']:.3f} |" if has_peer else ""
-        att = "-" if math.isnan(x["attention_s_max"]) else f"{x['attention_s_max']:.2f} / {x['attention_s_mean']:.2f}"
-        print(f"| {name} | {x['median_s']:.2f} | {x['vs_ring_sequence']:.3f} |{peer_col} {att} | "
+        att, att_cpu = ("-" if math.isnan(x[f"{k}_max"]) else f"{x[f'{k}_max']:.2f} / {x[f'{k}_mean']:.2f}"
+                        for k in ("attention_s", "attention_cpu_s"))
+        print(f"| {name} | {x['median_s']:.2f} | {x['vs_ring_sequence']:.3f} |{peer_col} {x['cpu_s_max']:.2f} | {att} | "
+              f"{att_cpu} | "
               f"{x['pairs_max_over_mean']:.3f} | {x['first_loss']:.6f} | {x['first_grad_norm']:.6f} |")
     print(f"\nour rows' first losses agree within {r['first_loss_spread']:.2e}")
     if has_peer:

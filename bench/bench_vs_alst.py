@@ -332,8 +332,9 @@ runs causally over each document alone."""
 
 def _packed_sdpa_attention(seconds: list):
     """The `PACKED_ATTENTION` core: attention per document (from the gathered position ids), adding its wall seconds
-    to seconds[0]: its forward (recompute included) directly, its backward between two autograd markers (the
-    gradient reaching its output and leaving its inputs)."""
+    to seconds[0] and this thread's CPU seconds to seconds[1]: its forward (recompute included) directly, its
+    backward between two autograd markers (the gradient reaching its output and leaving its inputs; a CPU backward
+    runs on the calling thread)."""
     import torch
     import torch.nn.functional as F
 
@@ -344,7 +345,7 @@ def _packed_sdpa_attention(seconds: list):
 
         @staticmethod
         def backward(ctx, grad):
-            seconds[1] = time.perf_counter()
+            seconds[2:] = time.perf_counter(), time.thread_time()
             return grad
 
     class BackwardEnds(torch.autograd.Function):
@@ -354,12 +355,13 @@ def _packed_sdpa_attention(seconds: list):
 
         @staticmethod
         def backward(ctx, gq, gk, gv):
-            seconds[0] += time.perf_counter() - seconds[1]
+            seconds[0] += time.perf_counter() - seconds[2]
+            seconds[1] += time.thread_time() - seconds[3]
             return gq, gk, gv
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         assert attention_mask is None and dropout == 0.0, "the packed core takes no mask and no dropout"
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         positions = kwargs["position_ids"]
         assert positions.shape[0] == 1 and positions.shape[1] == query.shape[2], positions.shape
         bounds = [*torch.nonzero(positions[0] == 0).flatten().tolist(), query.shape[2]]
@@ -371,6 +373,7 @@ def _packed_sdpa_attention(seconds: list):
                          for a, b in zip(bounds, bounds[1:])], dim=2)
         out = BackwardStarts.apply(out)
         seconds[0] += time.perf_counter() - start
+        seconds[1] += time.thread_time() - cpu_start
         return out.transpose(1, 2).contiguous(), None
 
     return attention
@@ -407,7 +410,7 @@ def peer_worker(work: Path, tag: str, profile: bool) -> None:
     # Packed samples (bench/bench_packed_sft.py): position ids restart in every document, attention per document.
     packed = spec.get("packed", False)
     attn_impl = PACKED_ATTENTION if packed else "sdpa"
-    attention_seconds = [0.0, 0.0]
+    attention_seconds = [0.0, 0.0, 0.0, 0.0]  # wall, CPU; the backward's start
     if packed:
         AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa_attention(attention_seconds))
     from transformers.models.llama import modeling_llama
@@ -524,14 +527,14 @@ def peer_worker(work: Path, tag: str, profile: bool) -> None:
     steps = []
     for step in range(spec["warmup"] + spec["steps"]):
         calls.update(attention=0, mlp=0)
-        attention_seconds[0] = 0.0
+        attention_seconds[:2] = 0.0, 0.0
         timer.start()
         loss = one_step()
         wall, cpu_s = timer.stop()
         m = timer.marks
         assert calls == {"attention": 2 * len(decoder_layers), "mlp": 2 * len(decoder_layers)}, calls
         steps.append({"wall_s": wall, "cpu_s": cpu_s, "loss": float(loss), "grad_norm": float(engine.get_global_grad_norm()),
-                      "timed": step >= spec["warmup"], **({"attention_s": attention_seconds[0]} if packed else {}),
+                      "timed": step >= spec["warmup"], **({"attention_s": attention_seconds[0], "attention_cpu_s": attention_seconds[1]} if packed else {}),
                       "phases": {"forward": m["loss_end"], "forward_model": m["model_end"],
                                  "loss": m["loss_end"] - m["model_end"], "backward": m["backward_end"] - m["loss_end"],
                                  "optimizer": m["step_end"] - m["backward_end"], "other": wall - m["step_end"]}})
