@@ -365,12 +365,14 @@ def _packed_sdpa_attention(seconds: list):
         positions = kwargs["position_ids"]
         assert positions.shape[0] == 1 and positions.shape[1] == query.shape[2], positions.shape
         bounds = [*torch.nonzero(positions[0] == 0).flatten().tolist(), query.shape[2]]
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         query, key, value = BackwardEnds.apply(query, key, value)
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        out = torch.cat([F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
-                                                        is_causal=True, scale=scaling)
-                         for a, b in zip(bounds, bounds[1:])], dim=2)
+        # split, not slices: its backward writes each input's gradient once, where a slice's would zero-fill a
+        # whole input-sized gradient per document
+        out = torch.cat([F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+                         for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)))], dim=2)
         out = BackwardStarts.apply(out)
         seconds[0] += time.perf_counter() - start
         seconds[1] += time.thread_time() - cpu_start
