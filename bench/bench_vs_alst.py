@@ -40,6 +40,10 @@ Peer: ZeRO-3 (`deepspeed.initialize`, optimizer AdamW with `torch_adam`) + Ulyss
     (from the sample's S + 1 tokens, so the last token keeps its real label as on our side), then
     input_ids, position_ids and shift_labels cut into contiguous chunks.
 
+bench/bench_packed_sft.py runs the peer worker on a packed sample (`"packed"` in the spec): position ids restart
+in every document, and the core attention under DeepSpeed's Ulysses is `PACKED_ATTENTION` (sdpa per document, from
+the gathered position ids, as the flash cores do on a GPU) instead of `sdpa` (causal over the whole sample).
+
 The optimizer is `torch.optim.AdamW` on both sides: ours from `build_optimizer` (foreach, over the FSDP2
 shards), the peer's from DeepSpeed's `"torch_adam": true` (over ZeRO-3's flat fp32 partition).
 
@@ -317,6 +321,65 @@ def ours_worker(work: Path, tag: str, profile: bool) -> None:
 
 # --- peer: DeepSpeed ALST (peer interpreter; deepspeed is imported here only) ------------------------
 
+PACKED_ATTENTION = "sdpa_documents"
+"""The peer's core attention on packed samples (bench/bench_packed_sft.py), registered with transformers'
+AttentionInterface: DeepSpeed's Ulysses discards attention masks and hands its core attention the sample's
+position ids gathered over the sp group; only its flash-attention cores (CUDA) turn them into documents, and on
+`sdpa` or `flex_attention` it attends causally over the whole sample, across documents. This core does on CPU what
+the flash varlen path does on a GPU: the documents start where the gathered position ids are 0, and torch's sdpa
+runs causally over each document alone."""
+
+
+def _packed_sdpa_attention(seconds: list):
+    """The `PACKED_ATTENTION` core: attention per document (from the gathered position ids), adding its wall seconds
+    to seconds[0] and this thread's CPU seconds to seconds[1]: its forward (recompute included) directly, its
+    backward between two autograd markers (the gradient reaching its output and leaving its inputs; a CPU backward
+    runs on the calling thread)."""
+    import torch
+    import torch.nn.functional as F
+
+    class BackwardStarts(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out):
+            return out.view_as(out)
+
+        @staticmethod
+        def backward(ctx, grad):
+            seconds[2:] = time.perf_counter(), time.thread_time()
+            return grad
+
+    class BackwardEnds(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            return q.view_as(q), k.view_as(k), v.view_as(v)
+
+        @staticmethod
+        def backward(ctx, gq, gk, gv):
+            seconds[0] += time.perf_counter() - seconds[2]
+            seconds[1] += time.thread_time() - seconds[3]
+            return gq, gk, gv
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        assert attention_mask is None and dropout == 0.0, "the packed core takes no mask and no dropout"
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        positions = kwargs["position_ids"]
+        assert positions.shape[0] == 1 and positions.shape[1] == query.shape[2], positions.shape
+        bounds = [*torch.nonzero(positions[0] == 0).flatten().tolist(), query.shape[2]]
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        query, key, value = BackwardEnds.apply(query, key, value)
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        # split, not slices: its backward writes each input's gradient once, where a slice's would zero-fill a
+        # whole input-sized gradient per document
+        out = torch.cat([F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+                         for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)))], dim=2)
+        out = BackwardStarts.apply(out)
+        seconds[0] += time.perf_counter() - start
+        seconds[1] += time.thread_time() - cpu_start
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
 
 def peer_worker(work: Path, tag: str, profile: bool) -> None:
     import warnings
@@ -343,8 +406,15 @@ def peer_worker(work: Path, tag: str, profile: bool) -> None:
     sp = spec["world"]
 
     import transformers
-    from transformers import LlamaForCausalLM
+    from transformers import AttentionInterface, LlamaForCausalLM
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    # Packed samples (bench/bench_packed_sft.py): position ids restart in every document, attention per document.
+    packed = spec.get("packed", False)
+    attn_impl = PACKED_ATTENTION if packed else "sdpa"
+    attention_seconds = [0.0, 0.0, 0.0, 0.0]  # wall, CPU; the backward's start
+    if packed:
+        AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa_attention(attention_seconds))
     from transformers.models.llama import modeling_llama
 
     # TiledMLP into LlamaMLP.forward, before the model is built (DeepSpeed's tutorial). The shard count is
@@ -367,13 +437,13 @@ def peer_worker(work: Path, tag: str, profile: bool) -> None:
         return out
 
     modeling_llama.LlamaMLP.forward = tiled_mlp_forward
-    model, info = LlamaForCausalLM.from_pretrained(work / "hf", attn_implementation="sdpa", dtype=torch.float32,
+    model, info = LlamaForCausalLM.from_pretrained(work / "hf", attn_implementation=attn_impl, dtype=torch.float32,
                                                    output_loading_info=True)
     assert not any(info.values()), info  # every weight came from the directory
     model.train()  # from_pretrained returns the model in eval mode, where HF skips activation checkpointing
     parameters = sum(p.numel() for p in model.parameters())
     mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=sp, micro_batch_size=1,
+        model_name_or_path=model, core_attn_implementation=attn_impl, sequence_parallel_size=sp, micro_batch_size=1,
         seq_length=spec["seq_length"], seq_length_is_variable=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renamed it activation_checkpointing_enable
@@ -398,13 +468,13 @@ def peer_worker(work: Path, tag: str, profile: bool) -> None:
     sp_rank, sp_world = groups._get_sequence_parallel_rank(), groups._get_sequence_parallel_world_size()
 
     # The stack is what it claims to be.
-    wrapper = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    wrapper = ALL_ATTENTION_FUNCTIONS[attn_impl]
     uattn = [c.cell_contents for c in (wrapper.__closure__ or ()) if isinstance(c.cell_contents, UlyssesSPAttentionHF)]
     assert len(uattn) == 1 and "uattn_wrapper" in wrapper.__qualname__, wrapper
     uattn = uattn[0]
     assert uattn.world_size == sp and uattn.global_seq_length == spec["seq_length"] and not uattn.seq_length_is_variable
     uattn.register_forward_hook(lambda *_: calls.__setitem__("attention", calls["attention"] + 1))
-    assert hf_model.config._attn_implementation == "sdpa"
+    assert hf_model.config._attn_implementation == attn_impl
     assert engine.zero_optimization_stage() == 3 and all(hasattr(p, "ds_id") for p in hf_model.parameters())
     assert sp_world == sp == world and engine.sequence_parallel_size == sp
     decoder_layers = hf_model.model.layers
@@ -459,13 +529,14 @@ def peer_worker(work: Path, tag: str, profile: bool) -> None:
     steps = []
     for step in range(spec["warmup"] + spec["steps"]):
         calls.update(attention=0, mlp=0)
+        attention_seconds[:2] = 0.0, 0.0
         timer.start()
         loss = one_step()
         wall, cpu_s = timer.stop()
         m = timer.marks
         assert calls == {"attention": 2 * len(decoder_layers), "mlp": 2 * len(decoder_layers)}, calls
         steps.append({"wall_s": wall, "cpu_s": cpu_s, "loss": float(loss), "grad_norm": float(engine.get_global_grad_norm()),
-                      "timed": step >= spec["warmup"],
+                      "timed": step >= spec["warmup"], **({"attention_s": attention_seconds[0], "attention_cpu_s": attention_seconds[1]} if packed else {}),
                       "phases": {"forward": m["loss_end"], "forward_model": m["model_end"],
                                  "loss": m["loss_end"] - m["model_end"], "backward": m["backward_end"] - m["loss_end"],
                                  "optimizer": m["step_end"] - m["backward_end"], "other": wall - m["step_end"]}})
@@ -478,7 +549,10 @@ def peer_worker(work: Path, tag: str, profile: bool) -> None:
         "rss": rss, "checks": {"backend": backend, "mlp_grad_fns": sorted(mlp_grad_fns),
                                       "calls_per_step": calls, "attention": wrapper.__qualname__,
                                       "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
-                                      "zero_stage": engine.zero_optimization_stage(), "sp": sp_world}})
+                                      "zero_stage": engine.zero_optimization_stage(), "sp": sp_world,
+                                      "peer_attention": (f"{PACKED_ATTENTION}: torch sdpa, causal, document by document (the documents from the "
+                                                         "position ids DeepSpeed gathers)") if packed else
+                                      "sdpa, causal over the sample"}})
     ds_dist.barrier()
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
@@ -495,8 +569,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(python: str, side: str, work: Path, tag: str, world: int, timeout: float, profile: bool = False) -> list[dict]:
-    """`world` processes of `side` (rank env as torchrun sets it), started from this small process; their results."""
+def launch(python: str, side: str, work: Path, tag: str, world: int, timeout: float, profile: bool = False,
+           script: Path | None = None) -> list[dict]:
+    """`world` processes of `side` (rank env as torchrun sets it), started from this small process; their results.
+    `script` (default this one) is the bench whose `--_worker side` runs in them."""
     port = _free_port()
     with contextlib.ExitStack() as logs:
         procs = []
@@ -506,7 +582,7 @@ def launch(python: str, side: str, work: Path, tag: str, world: int, timeout: fl
             if side == "peer":
                 env.setdefault("DS_ACCELERATOR", "cpu")
             log = logs.enter_context(open(work / f"{tag}.rank{rank}.log", "w"))
-            cmd = [python, str(Path(__file__).resolve()), "--_worker", side, "--_work", str(work), "--_tag", tag]
+            cmd = [python, str(script or Path(__file__).resolve()), "--_worker", side, "--_work", str(work), "--_tag", tag]
             cmd += ["--_profile"] if profile else []
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         deadline, failed = time.monotonic() + timeout, None
