@@ -105,6 +105,10 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--planner-cache", default=None, metavar="DIR",
                        help="where estimates are remembered across calls, keyed by configuration, machine and code "
                             f"(default: ${CACHE_ENV}, else ~/.cache/megatron_lc/plans; 'off': none)")
+    group.add_argument("--exact", action="store_true",
+                       help="trace Untied Ulysses' per-rank projection loops over every rank of the cp group (the "
+                            "reference; twice as slow), not over two (the default: the same bytes, "
+                            "tests/planning/test_fast_estimate.py)")
     group.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -113,7 +117,7 @@ PLANNER_FLAGS = ("num_gpus", "machine", "no_expandable_segments", "nccl_nvls", "
                  "reserve_gib", "nccl_buffsize", "nccl_channels", "nccl_p2p_channels_per_peer",
                  "nccl_net_channels_per_peer", "with_flash_attn", "with_fa3",
                  "find_max_seq_length", "ablate", "plot", "auto_fit", "auto_fit_max_traces", "auto_fit_tolerance",
-                 "planner_workers", "planner_cache", "json")
+                 "planner_workers", "planner_cache", "exact", "json")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
@@ -176,7 +180,8 @@ def estimate_pool_of(planner: argparse.Namespace):
 
     given = planner.planner_cache
     cache_dir = default_cache_dir() if given is None else (None if given == "off" else Path(given))
-    return EstimatePool(workers=planner.planner_workers or default_workers(), cache=EstimateCache(cache_dir))
+    return EstimatePool(workers=planner.planner_workers or default_workers(), cache=EstimateCache(cache_dir),
+                        exact=planner.exact)
 
 
 def progress_printer(pool):

@@ -67,8 +67,8 @@ class EstimateCache:
     def __init__(self, directory: Path | None):
         self.directory = directory
 
-    def key(self, cfg: TrainConfig, machine: Machine, seq_length: int | None) -> str:
-        what = repr((planning_config(cfg, seq_length), machine, code_fingerprint()))
+    def key(self, cfg: TrainConfig, machine: Machine, seq_length: int | None, exact: bool = False) -> str:
+        what = repr((planning_config(cfg, seq_length), machine, code_fingerprint()) + (("exact",) if exact else ()))
         return hashlib.sha256(what.encode()).hexdigest()
 
     def get(self, key: str) -> Estimate | None:
@@ -108,8 +108,10 @@ class EstimatePool:
     and the seconds of the traces it made, for progress lines with an ETA."""
 
     def __init__(self, evaluate: Callable[[TrainConfig, Machine, int | None], Estimate] = estimate,
-                 workers: int = 1, cache: EstimateCache | None = None):
+                 workers: int = 1, cache: EstimateCache | None = None, exact: bool = False):
         self.evaluate, self.workers = evaluate, max(1, workers)
+        self.exact = exact
+        """`estimate(..., exact=True)`: every rank of the per-rank loops traced (the real `estimate` only)."""
         self.cache = cache or EstimateCache(None)
         self.memory: dict[str, Estimate] = {}
         self.traced = self.cached = 0
@@ -125,7 +127,7 @@ class EstimatePool:
 
     def many(self, jobs: Sequence[Job]) -> list[Estimate]:
         """The estimates of `jobs`, in order: remembered ones at once, the rest traced together."""
-        keys = [self.cache.key(*job) for job in jobs]
+        keys = [self.cache.key(*job, self.exact) for job in jobs]
         todo: dict[str, Job] = {}
         for key, job in zip(keys, jobs):
             if key not in self.memory and key not in todo:
@@ -145,16 +147,18 @@ class EstimatePool:
         return [self.memory[key] for key in keys]
 
     def _trace(self, jobs: list[Job]) -> list[Estimate]:
-        if self.workers == 1 or len(jobs) == 1 or self.evaluate is not estimate:
+        if self.evaluate is not estimate:
             return [self.evaluate(*job) for job in jobs]
+        if self.workers == 1 or len(jobs) == 1:
+            return [estimate(*job, exact=self.exact) for job in jobs]
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
         try:
-            return list(self._pool.map(estimate, *zip(*jobs)))
+            return list(self._pool.map(estimate, *zip(*jobs), [self.exact] * len(jobs)))
         except BrokenProcessPool:
             self._pool = None  # a worker died (out of memory?): this round again, here
-            return [estimate(*job) for job in jobs]
+            return [estimate(*job, exact=self.exact) for job in jobs]
 
     @property
     def seconds_per_round(self) -> float | None:
