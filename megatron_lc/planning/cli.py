@@ -362,6 +362,10 @@ def run_plan(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str]
             else:
                 print(out["reason"])
     if not (planner.ablate or planner.plot or planner.find_max_seq_length or planner.auto_fit):
+        if not pool.remembers((cfg, machine, None)):
+            print(f"  estimating {cfg.data.seq_length:,} tokens on {machine.num_gpus} GPUs: two traced steps of a few "
+                  "layers" + (", every rank of the per-rank loops (--exact)" if pool.exact else ""), file=sys.stderr,
+                  flush=True)
         e = pool(cfg, machine)
         out.update(e.to_json())
         out["run"] = planned_run(cfg, machine.num_gpus)  # what a run given this plan (--memory-plan) checks

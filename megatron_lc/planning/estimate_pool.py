@@ -125,6 +125,11 @@ class EstimatePool:
     def __call__(self, cfg: TrainConfig, machine: Machine, seq_length: int | None = None) -> Estimate:
         return self.many([(cfg, machine, seq_length)])[0]
 
+    def remembers(self, job: Job) -> bool:
+        """Whether `job`'s estimate is known already (this call's or the cache's): asking costs no trace."""
+        key = self.cache.key(*job, self.exact)
+        return key in self.memory or self.cache.get(key) is not None
+
     def many(self, jobs: Sequence[Job]) -> list[Estimate]:
         """The estimates of `jobs`, in order: remembered ones at once, the rest traced together."""
         keys = [self.cache.key(*job, self.exact) for job in jobs]

@@ -62,3 +62,13 @@ def test_exact_estimates_are_remembered_apart_from_the_default_ones(tmp_path):
     exact = EstimatePool(cache=EstimateCache(tmp_path), exact=True)
     exact(cfg, MACHINE, 2048)
     assert exact.traced == 1 and exact.cached == 0
+
+
+def test_the_pool_says_which_estimates_it_remembers(tmp_path):
+    cfg = parse_config(TINY)
+    pool = EstimatePool(cache=EstimateCache(tmp_path))
+    assert not pool.remembers((cfg, MACHINE, 2048))
+    pool(cfg, MACHINE, 2048)
+    assert pool.remembers((cfg, MACHINE, 2048))
+    assert EstimatePool(cache=EstimateCache(tmp_path)).remembers((cfg, MACHINE, 2048))
+    assert not EstimatePool(cache=EstimateCache(tmp_path), exact=True).remembers((cfg, MACHINE, 2048))
