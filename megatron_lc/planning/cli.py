@@ -30,7 +30,8 @@ from megatron_lc.planning.estimate import Machine, planning_config
 from megatron_lc.training.memory_plan import planned_run
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
 from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, TOLERANCE
-from megatron_lc.planning.estimate_pool import CACHE_ENV, MAX_WORKERS
+from megatron_lc.plan_cache import CACHE_ENV
+from megatron_lc.planning.estimate_pool import MAX_WORKERS
 from megatron_lc.planning.gpu_allocations import NcclSettings
 
 NCCL = NcclSettings()
@@ -104,7 +105,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                             f"{MAX_WORKERS}; each takes about 1 GiB)")
     group.add_argument("--planner-cache", default=None, metavar="DIR",
                        help="where estimates are remembered across calls, keyed by configuration, machine and code "
-                            f"(default: ${CACHE_ENV}, else ~/.cache/megatron_lc/plans; 'off': none)")
+                            f"(default: ${CACHE_ENV}, else ~/.cache/megatron_lc/plans; 'off': none); a command line answered "
+                            "before with the same code and files is printed from it at once")
     group.add_argument("--exact", action="store_true",
                        help="trace Untied Ulysses' per-rank projection loops over every rank of the cp group (the "
                             "reference; twice as slow), not over two (the default: the same bytes, "
@@ -176,7 +178,8 @@ def estimate_pool_of(planner: argparse.Namespace):
     """The estimate pool of this call: its workers and its cache."""
     from pathlib import Path
 
-    from megatron_lc.planning.estimate_pool import EstimateCache, EstimatePool, default_cache_dir, default_workers
+    from megatron_lc.plan_cache import default_cache_dir
+    from megatron_lc.planning.estimate_pool import EstimateCache, EstimatePool, default_workers
 
     given = planner.planner_cache
     cache_dir = default_cache_dir() if given is None else (None if given == "off" else Path(given))

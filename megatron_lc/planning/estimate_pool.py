@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 from concurrent.futures.process import BrokenProcessPool
-import functools
 import hashlib
 import multiprocessing
 import os
@@ -23,13 +22,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megatron_lc.config import TrainConfig
+from megatron_lc.plan_cache import code_fingerprint
 from megatron_lc.planning.estimate import Estimate, Machine, estimate, planning_config
 
 MAX_WORKERS = 8
 """Worker processes at most: each holds a traced model of a few layers (about 1 GiB)."""
-CACHE_ENV = "MEGATRON_LC_PLAN_CACHE"
-"""A directory for the planner's cache in place of the default (`off`: no cache on disk)."""
-
 Job = tuple[TrainConfig, Machine, "int | None"]
 
 
@@ -37,28 +34,6 @@ def default_workers() -> int:
     """One worker per core this process may use, at most `MAX_WORKERS`."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, MAX_WORKERS))
-
-
-def default_cache_dir() -> Path | None:
-    """$MEGATRON_LC_PLAN_CACHE, else $XDG_CACHE_HOME/megatron_lc/plans (~/.cache by default); None for `off`."""
-    given = os.environ.get(CACHE_ENV)
-    if given:
-        return None if given == "off" else Path(given)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "megatron_lc" / "plans"
-
-
-@functools.lru_cache(maxsize=1)
-def code_fingerprint() -> str:
-    """A digest of every source file of this package and of torch's version: what a trace depends on."""
-    import torch
-
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256(torch.__version__.encode())
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 class EstimateCache:
