@@ -103,6 +103,9 @@ class _Tee(io.TextIOBase):
     def flush(self) -> None:
         self.stream.flush()
 
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
 
 def answered(argv: list[str], run: Callable[[list[str]], int]) -> int:
     """`run(argv)`'s exit status, its stdout and its stderr (less progress lines) printed from the answers'
