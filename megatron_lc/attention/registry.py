@@ -35,7 +35,7 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
     `untied_backward` what its backward holds; `ring_kv_grads` how the ring's dK/dV accumulators travel.
     `kernels` is the table `kernel` is looked up in (default: the real kernels; the planner passes its
     stand-ins), `tile_bounds` the tile policy of Untied Ulysses' row-chunk loops, `rank_loop` that of its per-rank
-    projection loops, and `fp32_out_gemm` how it sums 16-bit products in fp32 (`tiling.addmm_fp32_`; None: the
+    projection loops and of the ring's steps, and `fp32_out_gemm` how it sums 16-bit products in fp32 (`tiling.addmm_fp32_`; None: the
     device's way).
     """
     local_kernel = select_kernel(device, kernel, kernels)
@@ -48,7 +48,7 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
         if seq_length is None:
             raise ValueError("ring attention needs the sequence length it cuts into chunks")
         local_kernel = RingAttention(local_kernel, pstate.ring_group, layout, seq_length,
-                                     kv_grads=ring_kv_grads).as_kernel()
+                                     kv_grads=ring_kv_grads, rank_loop=rank_loop).as_kernel()
     if layout.a2a_size == 1:
         return LocalAttention(head_dim, local_kernel)  # the ring alone: every head on every rank
     return _all_to_all_backend(name, head_dim, local_kernel, pstate, heads_per_stage, overlap, untied_backward, num_heads,

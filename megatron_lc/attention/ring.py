@@ -39,6 +39,7 @@ import torch.distributed as dist
 from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.varlen import CuSeqlens
 from megatron_lc.context_layout import ContextLayout
+from megatron_lc.memory.tiling import RankLoop, every_rank
 
 RingKvGrads = Literal["overlapped", "in_place"]
 RING_KV_GRADS: tuple[str, ...] = get_args(RingKvGrads)
@@ -244,6 +245,13 @@ class RingAttention:
     kv_grads: RingKvGrads = "overlapped"
     """How the backward's fp32 dK/dV accumulators travel (`--ring-kv-grads`; see the module docstring)."""
     rotation_chunk_bytes: int = ROTATION_CHUNK_BYTES
+    rank_loop: RankLoop = every_rank
+    """The steps run, by the ring rank whose keys they hold (`step`: ring rank r - step), and the last step
+    always: every one in a run. The planner runs steps 0, 1 and the last (`planning.fake_world.representative_ranks`):
+    from step 1 on, every step holds the same buffers (the block in hand, the next in flight, a pair of
+    accumulators) and the planner's rank 0 attends the same pairs, so the three give the step's exact peak; the
+    kernel calls' saved states of the steps skipped (16 bytes of rng state a call for the planner's
+    flash stand-ins) are the only bytes not traced."""
     ring: _Ring = field(init=False)
 
     def __post_init__(self) -> None:
@@ -271,13 +279,17 @@ class RingAttention:
     def _kv_rank(self, step: int) -> int:
         return (self.ring.rank - step) % self.ring.size
 
+    def _steps(self) -> list[int]:
+        """The steps run (see `rank_loop`)."""
+        return sorted(set(self.rank_loop(self.ring.size)) | {self.ring.size - 1})
+
     def forward(self, q, k, v, cu_seqlens, scale=None):
         schedule = self._schedule(q, cu_seqlens)
         own = schedule.own_block()
         out, lse, state = self.kernel.forward(q, k, v, own.cu_q, scale)
         acc, states = out.to(lse.dtype), [state]
         kv = (k, v)
-        for step in range(self.ring.size):
+        for step in self._steps():
             last = step == self.ring.size - 1
             transfer = None if last else self.ring.start(kv, wait=not self.overlap)
             for pair in schedule.cross_pairs(self._kv_rank(step)):
@@ -292,11 +304,11 @@ class RingAttention:
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
         schedule = self._schedule(q, cu_seqlens)
-        steps = [schedule.cross_pairs(self._kv_rank(step)) for step in range(self.ring.size)]
+        steps = {step: schedule.cross_pairs(self._kv_rank(step)) for step in self._steps()}
         calls = _unflatten_states(state)
-        if len(calls) != 1 + sum(map(len, steps)):
+        if len(calls) != 1 + sum(map(len, steps.values())):
             raise ValueError(f"ring attention's state holds {len(calls)} kernel calls; this schedule makes "
-                             f"{1 + sum(map(len, steps))}")
+                             f"{1 + sum(map(len, steps.values()))}")
         states = iter(calls)
         own = schedule.own_block()
         if self.kv_grads == "in_place":
@@ -307,10 +319,10 @@ class RingAttention:
         # block's fp32 accumulator arrives: only the accumulator in flight and the next one exist in fp32.
         shares = [(own.k_rows, gk, gv)]
         kv, accumulator = (k, v), None
-        for step in range(self.ring.size):
+        for step, pairs in steps.items():
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
-            for pair in steps[step]:
+            for pair in pairs:
                 gq, gk, gv = self._cross_backward(pair, dout, q, kv, out, lse, scale, states)
                 dq[slice(*pair.q_rows)] += gq
                 shares.append((pair.k_rows, gk, gv))
@@ -348,10 +360,10 @@ class RingAttention:
         row_bytes = dk[0].numel() * dk.element_size()
         chunk_rows = max(1, self.rotation_chunk_bytes // max(row_bytes, 1))
         kv = (k, v)
-        for step in range(self.ring.size):
+        for step, pairs in steps.items():
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
-            for pair in steps[step]:
+            for pair in pairs:
                 gq, gk, gv = self._cross_backward(pair, dout, q, kv, out, lse, scale, states)
                 dq[slice(*pair.q_rows)] += gq
                 dk[slice(*pair.k_rows)] += gk

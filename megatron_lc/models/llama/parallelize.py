@@ -80,7 +80,8 @@ class ParallelizeOptions:
     tile_bounds: TileBounds = tile_bounds
     """The tile policy of every sequence-tile loop (the planner's runs representative tiles)."""
     rank_loop: RankLoop = every_rank
-    """The rank policy of Untied Ulysses' per-rank projection loops (the planner's runs two ranks)."""
+    """The rank policy of Untied Ulysses' per-rank projection loops and of the ring's steps (the planner's runs
+    two ranks, and the ring's last step)."""
     fp32_out_gemm: bool | None = None
     """How the tile loops sum 16-bit products in fp32 (`tiling.addmm_fp32_`): True, one GEMM writing fp32 (CUDA);
     False, fp32 copies of operand blocks (CPU); None: whichever the device runs. The planner states its target's."""
