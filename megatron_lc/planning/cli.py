@@ -105,12 +105,12 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                             f"{MAX_WORKERS}; each takes about 1 GiB)")
     group.add_argument("--planner-cache", default=None, metavar="DIR",
                        help="where estimates are remembered across calls, keyed by configuration, machine and code "
-                            f"(default: ${CACHE_ENV}, else ~/.cache/megatron_lc/plans; 'off': none); a command line answered "
-                            "before with the same code and files is printed from it at once")
+                            f"(default: ${CACHE_ENV}, else ~/.cache/megatron_lc/plans; 'off': none); a command line "
+                            "answered before with the same code and files is printed from it at once")
     group.add_argument("--exact", action="store_true",
-                       help="trace Untied Ulysses' per-rank projection loops over every rank of the cp group (the "
-                            "reference; twice as slow), not over two (the default: the same bytes, "
-                            "tests/planning/test_fast_estimate.py)")
+                       help="trace Untied Ulysses' per-rank projection loops over every rank of the cp group and "
+                            "every step of a ring (the reference; slower), not over two ranks and a ring's steps 0, 1 "
+                            "and last (the default: the same bytes, tests/planning/test_fast_estimate.py)")
     group.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -367,7 +367,7 @@ def run_plan(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str]
     if not (planner.ablate or planner.plot or planner.find_max_seq_length or planner.auto_fit):
         if not pool.remembers((cfg, machine, None)):
             print(f"  estimating {cfg.data.seq_length:,} tokens on {machine.num_gpus} GPUs: two traced steps of a few "
-                  "layers" + (", every rank of the per-rank loops (--exact)" if pool.exact else ""), file=sys.stderr,
+                  "layers" + (", every rank and ring step (--exact)" if pool.exact else ""), file=sys.stderr,
                   flush=True)
         e = pool(cfg, machine)
         out.update(e.to_json())
