@@ -39,6 +39,7 @@ import torch.distributed as dist
 from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.varlen import CuSeqlens
 from megatron_lc.context_layout import ContextLayout
+from megatron_lc.memory.tiling import RankLoop, every_rank
 
 RingKvGrads = Literal["overlapped", "in_place"]
 RING_KV_GRADS: tuple[str, ...] = get_args(RingKvGrads)
@@ -329,6 +330,13 @@ class RingAttention:
     kv_grads: RingKvGrads = "overlapped"
     """How the backward's fp32 dK/dV accumulators travel (`--ring-kv-grads`; see the module docstring)."""
     rotation_chunk_bytes: int = ROTATION_CHUNK_BYTES
+    rank_loop: RankLoop = every_rank
+    """The steps run, by the ring rank whose keys they hold (`step`: ring rank r - step), and the last step
+    always: every one in a run. The planner runs steps 0, 1 and the last (`planning.fake_world.representative_ranks`):
+    from step 1 on, every step holds the same buffers (the block in hand, the next in flight, a pair of
+    accumulators) and the planner's rank 0 attends the same pairs, so the three give the step's exact peak; the
+    kernel calls' saved states of the steps skipped (16 bytes of rng state a call for the planner's
+    flash stand-ins) are the only bytes not traced."""
     ring: _Ring = field(init=False)
 
     def __post_init__(self) -> None:
@@ -362,6 +370,10 @@ class RingAttention:
     def _kv_rank(self, step: int) -> int:
         return (self.ring.rank - step) % self.ring.size
 
+    def _steps(self) -> list[int]:
+        """The steps run (see `rank_loop`)."""
+        return sorted(set(self.rank_loop(self.ring.size)) | {self.ring.size - 1})
+
     def forward(self, q, k, v, cu_seqlens, scale=None):
         schedule = self._schedule(q, cu_seqlens)
         own = schedule.own_block()
@@ -369,7 +381,7 @@ class RingAttention:
         acc, states = out.to(lse.dtype), [state]
         sent = self._sent_rows(schedule, k.shape[0])
         kv = (k[:sent], v[:sent]) if sent < k.shape[0] else (k, v)
-        for step in range(self.ring.size):
+        for step in self._steps():
             last = step == self.ring.size - 1
             transfer = None if last else self.ring.start(kv, wait=not self.overlap)
             for pair in schedule.cross_pairs(self._kv_rank(step)):
@@ -384,11 +396,11 @@ class RingAttention:
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens, scale=None, state=()):
         schedule = self._schedule(q, cu_seqlens)
-        steps = [schedule.cross_pairs(self._kv_rank(step)) for step in range(self.ring.size)]
+        steps = {step: schedule.cross_pairs(self._kv_rank(step)) for step in self._steps()}
         calls = _unflatten_states(state)
-        if len(calls) != 1 + sum(map(len, steps)):
+        if len(calls) != 1 + sum(map(len, steps.values())):
             raise ValueError(f"ring attention's state holds {len(calls)} kernel calls; this schedule makes "
-                             f"{1 + sum(map(len, steps))}")
+                             f"{1 + sum(map(len, steps.values()))}")
         states = iter(calls)
         own = schedule.own_block()
         sent = self._sent_rows(schedule, k.shape[0])
@@ -402,10 +414,10 @@ class RingAttention:
         shares = [((0, sent), gk[:sent], gv[:sent])]
         home = (gk[sent:], gv[sent:])
         kv, accumulator = (k[:sent], v[:sent]), None
-        for step in range(self.ring.size):
+        for step, pairs in steps.items():
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
-            for pair in steps[step]:
+            for pair in pairs:
                 gq, gk, gv = self._cross_backward(pair, dout, q, kv, out, lse, scale, states)
                 dq[slice(*pair.q_rows)] += gq
                 shares.append((pair.k_rows, gk, gv))
@@ -444,10 +456,10 @@ class RingAttention:
         del gk, gv
         row_bytes = k[0].numel() * dk.element_size()
         chunk_rows = max(1, self.rotation_chunk_bytes // max(row_bytes, 1))
-        for step in range(self.ring.size):
+        for step, pairs in steps.items():
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
-            for pair in steps[step]:
+            for pair in pairs:
                 gq, gk, gv = self._cross_backward(pair, dout, q, kv, out, lse, scale, states)
                 dq[slice(*pair.q_rows)] += gq
                 dk[slice(*pair.k_rows)] += gk

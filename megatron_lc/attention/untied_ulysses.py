@@ -66,7 +66,7 @@ from megatron_lc.attention.untied_norm import DX_CHUNK_ROWS, InputNorm
 from megatron_lc.attention.untied_plan import BackwardMemory, StagePlan
 from megatron_lc.attention.untied_workspace import StageWorkspace
 from megatron_lc.memory import tiling
-from megatron_lc.memory.tiling import TileBounds, addmm_fp32_
+from megatron_lc.memory.tiling import RankLoop, TileBounds, addmm_fp32_, every_rank
 
 
 # --- rotary, in place ----------------------------------------------------------------------
@@ -228,6 +228,10 @@ class UntiedUlyssesAttention:
     workspace: StageWorkspace = field(default_factory=StageWorkspace)
     tile_bounds: TileBounds = tiling.tile_bounds
     """The tile policy of the row-chunk loops (the planner's runs representative chunks)."""
+    rank_loop: RankLoop = every_rank
+    """The ranks whose GEMMs the per-rank projection loops run: every one; the planner's runs two (each
+    iteration writes a slice of a buffer allocated before the loop and frees its temporaries in the next, so
+    two give the loop's exact peak)."""
     fp32_out_gemm: bool | None = None
     """How the fp32 sums of 16-bit products are taken (`tiling.addmm_fp32_`; the planner states its target's)."""
 
@@ -626,7 +630,7 @@ class UntiedUlyssesAttention:
                 rows_b = slice(start, end)
                 acc = io.dx[b, rows_b].to(acc_dtype)
                 for rows, grad in terms:
-                    for r in range(self.cp):
+                    for r in self.rank_loop(self.cp):
                         addmm_fp32_(acc, grad[b, r, rows_b], rows[r], self.fp32_out_gemm)
                 io.dx[b, rows_b].copy_(acc)
                 del acc
@@ -638,7 +642,7 @@ class UntiedUlyssesAttention:
 
     def _project_into(self, io: _PassIO, blocks: list[_HeadBlock], send: torch.Tensor) -> None:
         """send[b, r] = x[b] @ (blocks' rows for rank r)^T: one GEMM per sample and rank."""
-        for r in range(self.cp):
+        for r in self.rank_loop(self.cp):
             # One rank's rows at a time: stacking every rank's would add a weight-slice copy
             # to the moment both exchange buffers are full.
             rows = torch.cat([block.rows[r] for block in blocks]) if len(blocks) > 1 else blocks[0].rows[r]
@@ -666,7 +670,7 @@ class UntiedUlyssesAttention:
                 grad.mul_(io.norm.rstd.view(io.batch, 1, -1, 1))
             stacked = torch.zeros(self.cp, grad.shape[-1], io.x.shape[-1], device=grad.device,
                                   dtype=torch.promote_types(grad.dtype, torch.float32))
-            for r in range(self.cp):
+            for r in self.rank_loop(self.cp):
                 for b in range(io.batch):
                     addmm_fp32_(stacked[r], grad[b, r].t(), io.x[b], self.fp32_out_gemm)
             if io.norm is not None:

@@ -23,7 +23,7 @@ beyond the rounding of the last cast.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,15 @@ def tile_bounds(rows: int, num_tiles: int) -> Iterator[tuple[int, int]]:
         start, end = i * rows // num_tiles, (i + 1) * rows // num_tiles
         if end > start:
             yield start, end
+
+
+RankLoop = Callable[[int], Iterable[int]]
+"""A rank-loop policy: cp -> the ranks a loop of per-rank GEMMs into one preallocated buffer runs over.
+`every_rank` runs all; the planner passes one that runs two (`planning.fake_world.representative_ranks`)."""
+
+
+def every_rank(cp: int) -> range:
+    return range(cp)
 
 
 def _check_num_tiles(num_tiles: object) -> int:

@@ -30,7 +30,8 @@ from megatron_lc.planning.estimate import Machine, planning_config
 from megatron_lc.training.memory_plan import planned_run
 from megatron_lc.planning.machine import DEFAULT_NODE, NODES
 from megatron_lc.planning.autofit import DEFAULT_MAX_TRACES, TOLERANCE
-from megatron_lc.planning.estimate_pool import CACHE_ENV, MAX_WORKERS
+from megatron_lc.plan_cache import CACHE_ENV
+from megatron_lc.planning.estimate_pool import MAX_WORKERS
 from megatron_lc.planning.gpu_allocations import NcclSettings
 from megatron_lc.planning.packed_work import check_packed_planning
 
@@ -105,7 +106,12 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                             f"{MAX_WORKERS}; each takes about 1 GiB)")
     group.add_argument("--planner-cache", default=None, metavar="DIR",
                        help="where estimates are remembered across calls, keyed by configuration, machine and code "
-                            f"(default: ${CACHE_ENV}, else ~/.cache/megatron_lc/plans; 'off': none)")
+                            f"(default: ${CACHE_ENV}, else ~/.cache/megatron_lc/plans; 'off': none); a command line "
+                            "answered before with the same code and files is printed from it at once")
+    group.add_argument("--exact", action="store_true",
+                       help="trace Untied Ulysses' per-rank projection loops over every rank of the cp group and "
+                            "every step of a ring (the reference; slower), not over two ranks and a ring's steps 0, 1 "
+                            "and last (the default: the same bytes, tests/planning/test_fast_estimate.py)")
     group.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -114,7 +120,7 @@ PLANNER_FLAGS = ("num_gpus", "machine", "no_expandable_segments", "nccl_nvls", "
                  "reserve_gib", "nccl_buffsize", "nccl_channels", "nccl_p2p_channels_per_peer",
                  "nccl_net_channels_per_peer", "with_flash_attn", "with_fa3",
                  "find_max_seq_length", "ablate", "plot", "auto_fit", "auto_fit_max_traces", "auto_fit_tolerance",
-                 "planner_workers", "planner_cache", "json")
+                 "planner_workers", "planner_cache", "exact", "json")
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, object]:
@@ -174,11 +180,13 @@ def estimate_pool_of(planner: argparse.Namespace):
     """The estimate pool of this call: its workers and its cache."""
     from pathlib import Path
 
-    from megatron_lc.planning.estimate_pool import EstimateCache, EstimatePool, default_cache_dir, default_workers
+    from megatron_lc.plan_cache import default_cache_dir
+    from megatron_lc.planning.estimate_pool import EstimateCache, EstimatePool, default_workers
 
     given = planner.planner_cache
     cache_dir = default_cache_dir() if given is None else (None if given == "off" else Path(given))
-    return EstimatePool(workers=planner.planner_workers or default_workers(), cache=EstimateCache(cache_dir))
+    return EstimatePool(workers=planner.planner_workers or default_workers(), cache=EstimateCache(cache_dir),
+                        exact=planner.exact)
 
 
 def progress_printer(pool):
@@ -359,6 +367,10 @@ def run_plan(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str]
             else:
                 print(out["reason"])
     if not (planner.ablate or planner.plot or planner.find_max_seq_length or planner.auto_fit):
+        if not pool.remembers((cfg, machine, None)):
+            print(f"  estimating {cfg.data.seq_length:,} tokens on {machine.num_gpus} GPUs: two traced steps of a few "
+                  "layers" + (", every rank and ring step (--exact)" if pool.exact else ""), file=sys.stderr,
+                  flush=True)
         e = pool(cfg, machine)
         out.update(e.to_json())
         out["run"] = planned_run(cfg, machine.num_gpus)  # what a run given this plan (--memory-plan) checks

@@ -309,8 +309,9 @@ def combine(traces: list[StepTrace], num_layers: int, m: int) -> StepPeak:
     return best
 
 
-def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) -> Estimate:
-    """Memory of `cfg` (at `seq_length`, default its own) on `machine`.
+def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, exact: bool = False) -> Estimate:
+    """Memory of `cfg` (at `seq_length`, default its own) on `machine`; `exact`: per-rank loops traced over
+    every rank (`trace.trace_step`), the reference the default is tested against.
 
     With attention outputs kept by only the first N blocks (`--keep-attention-output-layers`), the step with every
     block keeping them is traced: its GPU peak bounds N's from above (every tensor alive with N keeping is alive
@@ -323,16 +324,16 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
     stack, num_layers = spec.parallelize.memory, spec.model.num_layers
     if stack.keep_attention_layers is None or stack.kept_attention_layers(num_layers) == stack.checkpointed_layers(
             num_layers):
-        return _estimate(cfg, machine)
+        return _estimate(cfg, machine, exact)
     every = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, keep_attention_output_layers=None))
-    e = _estimate(every, machine)
+    e = _estimate(every, machine, exact)
     per_block = kept_attention_bytes_per_gpu(cfg, spec)
     kept = stack.kept_attention_layers(num_layers)
     not_keeping = stack.offloaded_layers(num_layers) - min(kept, stack.offloaded_layers(num_layers))
     by_category = e.gpu_bytes_by_category
     if not stack.offloads:  # kept on the GPU: no more than none keeping plus N blocks' outputs, at any moment
         none = _estimate(dataclasses.replace(every, memory=dataclasses.replace(every.memory,
-                                                                               keep_attention_output=False)), machine)
+                                                                               keep_attention_output=False)), machine, exact)
         if none.gpu_peak_bytes + kept * per_block < e.gpu_peak_bytes:
             by_category = dict(none.gpu_bytes_by_category)
             by_category["activations"] += kept * per_block
@@ -342,7 +343,7 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None) 
                                time=time_model.predict(cfg, machine.num_gpus))
 
 
-def _estimate(cfg: TrainConfig, machine: Machine) -> Estimate:
+def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False) -> Estimate:
     start = time.perf_counter()
     spec = cfg.run_spec(machine.num_gpus)
     if spec.parallelize.fsdp.cpu_offload:
@@ -350,7 +351,8 @@ def _estimate(cfg: TrainConfig, machine: Machine) -> Estimate:
     counts = traced_layer_counts(spec)
     flash_impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call()) \
         if machine.device == "cuda" else "default"
-    traces = [trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn, flash_impl) for n in counts]
+    traces = [trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn, flash_impl, exact)
+              for n in counts]
     num_layers = spec.model.num_layers
     step = combine(traces, num_layers, anchor_depth(spec))
     analysis = step.trace.analysis

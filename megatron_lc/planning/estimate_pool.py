@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 from concurrent.futures.process import BrokenProcessPool
-import functools
 import hashlib
 import multiprocessing
 import os
@@ -23,13 +22,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megatron_lc.config import TrainConfig
+from megatron_lc.plan_cache import code_fingerprint
 from megatron_lc.planning.estimate import Estimate, Machine, estimate, planning_config
 
 MAX_WORKERS = 8
 """Worker processes at most: each holds a traced model of a few layers (about 1 GiB)."""
-CACHE_ENV = "MEGATRON_LC_PLAN_CACHE"
-"""A directory for the planner's cache in place of the default (`off`: no cache on disk)."""
-
 Job = tuple[TrainConfig, Machine, "int | None"]
 
 
@@ -39,36 +36,14 @@ def default_workers() -> int:
     return max(1, min(cores, MAX_WORKERS))
 
 
-def default_cache_dir() -> Path | None:
-    """$MEGATRON_LC_PLAN_CACHE, else $XDG_CACHE_HOME/megatron_lc/plans (~/.cache by default); None for `off`."""
-    given = os.environ.get(CACHE_ENV)
-    if given:
-        return None if given == "off" else Path(given)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "megatron_lc" / "plans"
-
-
-@functools.lru_cache(maxsize=1)
-def code_fingerprint() -> str:
-    """A digest of every source file of this package and of torch's version: what a trace depends on."""
-    import torch
-
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256(torch.__version__.encode())
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 class EstimateCache:
     """Estimates on disk, one file per (configuration, machine, code); unreadable files count as absent."""
 
     def __init__(self, directory: Path | None):
         self.directory = directory
 
-    def key(self, cfg: TrainConfig, machine: Machine, seq_length: int | None) -> str:
-        what = repr((planning_config(cfg, seq_length), machine, code_fingerprint()))
+    def key(self, cfg: TrainConfig, machine: Machine, seq_length: int | None, exact: bool = False) -> str:
+        what = repr((planning_config(cfg, seq_length), machine, code_fingerprint()) + (("exact",) if exact else ()))
         return hashlib.sha256(what.encode()).hexdigest()
 
     def get(self, key: str) -> Estimate | None:
@@ -108,8 +83,10 @@ class EstimatePool:
     and the seconds of the traces it made, for progress lines with an ETA."""
 
     def __init__(self, evaluate: Callable[[TrainConfig, Machine, int | None], Estimate] = estimate,
-                 workers: int = 1, cache: EstimateCache | None = None):
+                 workers: int = 1, cache: EstimateCache | None = None, exact: bool = False):
         self.evaluate, self.workers = evaluate, max(1, workers)
+        self.exact = exact
+        """`estimate(..., exact=True)`: every rank of the per-rank loops traced (the real `estimate` only)."""
         self.cache = cache or EstimateCache(None)
         self.memory: dict[str, Estimate] = {}
         self.traced = self.cached = 0
@@ -123,9 +100,14 @@ class EstimatePool:
     def __call__(self, cfg: TrainConfig, machine: Machine, seq_length: int | None = None) -> Estimate:
         return self.many([(cfg, machine, seq_length)])[0]
 
+    def remembers(self, job: Job) -> bool:
+        """Whether `job`'s estimate is known already (this call's or the cache's): asking costs no trace."""
+        key = self.cache.key(*job, self.exact)
+        return key in self.memory or self.cache.get(key) is not None
+
     def many(self, jobs: Sequence[Job]) -> list[Estimate]:
         """The estimates of `jobs`, in order: remembered ones at once, the rest traced together."""
-        keys = [self.cache.key(*job) for job in jobs]
+        keys = [self.cache.key(*job, self.exact) for job in jobs]
         todo: dict[str, Job] = {}
         for key, job in zip(keys, jobs):
             if key not in self.memory and key not in todo:
@@ -145,16 +127,18 @@ class EstimatePool:
         return [self.memory[key] for key in keys]
 
     def _trace(self, jobs: list[Job]) -> list[Estimate]:
-        if self.workers == 1 or len(jobs) == 1 or self.evaluate is not estimate:
+        if self.evaluate is not estimate:
             return [self.evaluate(*job) for job in jobs]
+        if self.workers == 1 or len(jobs) == 1:
+            return [estimate(*job, exact=self.exact) for job in jobs]
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
         try:
-            return list(self._pool.map(estimate, *zip(*jobs)))
+            return list(self._pool.map(estimate, *zip(*jobs), [self.exact] * len(jobs)))
         except BrokenProcessPool:
             self._pool = None  # a worker died (out of memory?): this round again, here
-            return [estimate(*job) for job in jobs]
+            return [estimate(*job, exact=self.exact) for job in jobs]
 
     @property
     def seconds_per_round(self) -> float | None:

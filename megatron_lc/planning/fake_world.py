@@ -11,6 +11,10 @@
   before the loop, so the memory peak of a loop is the peak of its largest tile: two
   tiles give the exact peak (and keep the "more than one tile" code paths), at the cost
   of two tiles instead of hundreds (5M tokens on 8 ranks: 160 MLP and 314 loss tiles).
+- `representative_ranks`: the same for Untied Ulysses' per-rank projection loops (one GEMM per rank of the
+  cp group into a slice of a buffer allocated before the loop; each iteration's temporaries are freed in the
+  next): two ranks give the loop's exact peak, and cut a traced Untied step's operations by half (they are
+  most of them: 8 ranks x samples x stages x layers). `--exact` traces every rank.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def representative_ranks(cp: int) -> range:
+    """A rank-loop policy (`memory.tiling.RankLoop`) that runs the first two ranks (all of a group of one)."""
+    return range(min(cp, 2))
 
 
 def representative_tile_bounds(rows: int, num_tiles: int) -> Iterator[tuple[int, int]]:

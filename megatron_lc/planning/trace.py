@@ -23,9 +23,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from megatron_lc.config import TrainConfig
 from megatron_lc.data.loader import Batch
 from megatron_lc.devices import Devices
+from megatron_lc.memory.tiling import every_rank
 from megatron_lc.models.llama.parallelize import materialize
 from megatron_lc.parallel_state import ParallelDims, ParallelState
-from megatron_lc.planning.fake_world import fake_process_group, representative_tile_bounds
+from megatron_lc.planning.fake_world import fake_process_group, representative_ranks, representative_tile_bounds
 from megatron_lc.planning.gpu_allocations import (
     BufferNamer,
     cuda_rms_norm,
@@ -144,10 +145,10 @@ def parallel_dims(cfg: TrainConfig, world_size: int) -> ParallelDims:
 
 
 def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str = "cuda",
-               flash_attn_installed: bool = False, flash_impl: str = "default") -> StepTrace:
+               flash_attn_installed: bool = False, flash_impl: str = "default", exact: bool = False) -> StepTrace:
     """Trace one step of `cfg` with `num_layers` blocks on rank 0 of `world_size`, planning for `device`
     (with flash-attn installed there or not, and `flash_impl` behind torch's flash operators: they decide what
-    `auto` runs)."""
+    `auto` runs); per-rank loops over two ranks (`representative_ranks`), or, `exact`, over every rank."""
     namer = BufferNamer()
     compute_dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32  # what attention sees (--bf16: autocast)
     kernel = planned_kernel_name(cfg.parallel.attention_kernel, device, compute_dtype, flash_attn_installed,
@@ -156,6 +157,7 @@ def trace_step(cfg: TrainConfig, world_size: int, num_layers: int, device: str =
     opts = spec.parallelize
     opts = dataclasses.replace(opts, cp=dataclasses.replace(opts.cp, kernel=kernel), kernels=planned_kernels(namer),
                                tile_bounds=representative_tile_bounds, fp32_out_gemm=device == "cuda",
+                               rank_loop=every_rank if exact else representative_ranks,
                                rms_norm=cuda_rms_norm if device == "cuda" else F.rms_norm)
     model_config = dataclasses.replace(spec.model, num_layers=num_layers)
     with fake_process_group(world_size):

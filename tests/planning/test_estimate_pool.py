@@ -52,3 +52,23 @@ def test_workers_trace_what_this_process_traces():
     serial = [estimate(*job) for job in jobs]
     assert [(e.gpu_peak_bytes, e.host_bytes_per_gpu, e.peak_phase) for e in parallel] == \
         [(e.gpu_peak_bytes, e.host_bytes_per_gpu, e.peak_phase) for e in serial]
+
+
+def test_exact_estimates_are_remembered_apart_from_the_default_ones(tmp_path):
+    cfg = parse_config(TINY)
+    cache = EstimateCache(tmp_path)
+    assert cache.key(cfg, MACHINE, 2048, exact=True) != cache.key(cfg, MACHINE, 2048)
+    EstimatePool(cache=cache)(cfg, MACHINE, 2048)
+    exact = EstimatePool(cache=EstimateCache(tmp_path), exact=True)
+    exact(cfg, MACHINE, 2048)
+    assert exact.traced == 1 and exact.cached == 0
+
+
+def test_the_pool_says_which_estimates_it_remembers(tmp_path):
+    cfg = parse_config(TINY)
+    pool = EstimatePool(cache=EstimateCache(tmp_path))
+    assert not pool.remembers((cfg, MACHINE, 2048))
+    pool(cfg, MACHINE, 2048)
+    assert pool.remembers((cfg, MACHINE, 2048))
+    assert EstimatePool(cache=EstimateCache(tmp_path)).remembers((cfg, MACHINE, 2048))
+    assert not EstimatePool(cache=EstimateCache(tmp_path), exact=True).remembers((cfg, MACHINE, 2048))

@@ -25,7 +25,7 @@ from megatron_lc.devices import Devices
 from megatron_lc.flags import flag
 from megatron_lc.memory.offload import OffloadScheduler
 from megatron_lc.memory.stack import MemoryStack
-from megatron_lc.memory.tiling import TileBounds, tile_bounds
+from megatron_lc.memory.tiling import RankLoop, TileBounds, every_rank, tile_bounds
 from megatron_lc.models.llama.model import RMSNorm, RMSNormOp, Transformer, parameter_seed
 from megatron_lc.parallel_state import ParallelState
 
@@ -79,6 +79,9 @@ class ParallelizeOptions:
     """The table the attention kernel is looked up in; None: the real kernels (the planner passes its stand-ins)."""
     tile_bounds: TileBounds = tile_bounds
     """The tile policy of every sequence-tile loop (the planner's runs representative tiles)."""
+    rank_loop: RankLoop = every_rank
+    """The rank policy of Untied Ulysses' per-rank projection loops and of the ring's steps (the planner's runs
+    two ranks, and the ring's last step)."""
     fp32_out_gemm: bool | None = None
     """How the tile loops sum 16-bit products in fp32 (`tiling.addmm_fp32_`): True, one GEMM writing fp32 (CUDA);
     False, fp32 copies of operand blocks (CPU); None: whichever the device runs. The planner states its target's."""
@@ -98,7 +101,7 @@ def apply_attention_backend(model: Transformer, pstate: ParallelState, opts: Par
         kernel=cp.kernel, heads_per_stage=cp.heads_per_stage, overlap=cp.overlap, untied_backward=cp.untied_backward,
         ring_kv_grads=cp.ring_kv_grads, documents=cp.layout.documents,
         num_heads=c.num_attention_heads, num_kv_heads=c.num_query_groups, seq_length=opts.seq_length,
-        kernels=opts.kernels, tile_bounds=opts.tile_bounds, fp32_out_gemm=opts.fp32_out_gemm,
+        kernels=opts.kernels, tile_bounds=opts.tile_bounds, fp32_out_gemm=opts.fp32_out_gemm, rank_loop=opts.rank_loop,
     ))
 
 
