@@ -55,7 +55,7 @@ def code_fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
-def _files_named(argv: list[str]) -> list[tuple[str, int, int]]:
+def files_named(argv: list[str]) -> list[tuple[str, int, int]]:
     """(path, size, mtime) of every existing file an argument names, itself or as a data prefix."""
     found = []
     for arg in argv:
@@ -86,7 +86,7 @@ def _answer_dir(argv: list[str]) -> Path | None:
 
 
 def answer_key(argv: list[str]) -> str:
-    what = json.dumps([argv, code_fingerprint(), _files_named(argv)])
+    what = json.dumps([argv, code_fingerprint(), files_named(argv)])
     return hashlib.sha256(what.encode()).hexdigest()
 
 

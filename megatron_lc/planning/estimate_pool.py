@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megatron_lc.config import TrainConfig
-from megatron_lc.plan_cache import code_fingerprint
+from megatron_lc.plan_cache import code_fingerprint, files_named
 from megatron_lc.planning.estimate import Estimate, Machine, estimate, planning_config
 
 MAX_WORKERS = 8
@@ -43,7 +43,10 @@ class EstimateCache:
         self.directory = directory
 
     def key(self, cfg: TrainConfig, machine: Machine, seq_length: int | None, exact: bool = False) -> str:
-        what = repr((planning_config(cfg, seq_length), machine, code_fingerprint()) + (("exact",) if exact else ()))
+        # A packed run's step time is counted from its data's documents: the data files are part of the answer.
+        data = files_named([*cfg.data.data_path, *cfg.data.train_data_path]) if cfg.packing.packing == "documents" \
+            else []
+        what = repr((planning_config(cfg, seq_length), machine, code_fingerprint(), data) + (("exact",) if exact else ()))
         return hashlib.sha256(what.encode()).hexdigest()
 
     def get(self, key: str) -> Estimate | None:

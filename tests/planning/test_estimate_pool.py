@@ -72,3 +72,18 @@ def test_the_pool_says_which_estimates_it_remembers(tmp_path):
     assert pool.remembers((cfg, MACHINE, 2048))
     assert EstimatePool(cache=EstimateCache(tmp_path)).remembers((cfg, MACHINE, 2048))
     assert not EstimatePool(cache=EstimateCache(tmp_path), exact=True).remembers((cfg, MACHINE, 2048))
+
+
+def test_a_packed_runs_estimate_is_keyed_by_its_data_files(tmp_path):
+    """A packed run's step time is counted from its documents: the same flags over changed data files are another
+    estimate; an unpacked run's key does not read the data."""
+    prefix = tmp_path / "d_text_document"
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"d_text_document{suffix}").write_bytes(b"x")
+    flags = [a for a in TINY if a != "--mock-data"] + ["--data-path", str(prefix)]
+    cache = EstimateCache(tmp_path / "cache")
+    packed, stream = (parse_config([*flags, "--packing", p]) for p in ("documents", "stream"))
+    before = (cache.key(packed, MACHINE, 2048), cache.key(stream, MACHINE, 2048))
+    (tmp_path / "d_text_document.bin").write_bytes(b"xy")  # the data changed
+    assert cache.key(packed, MACHINE, 2048) != before[0]
+    assert cache.key(stream, MACHINE, 2048) == before[1]
