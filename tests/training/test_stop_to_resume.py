@@ -480,3 +480,37 @@ def test_the_ranks_agree_at_block_boundaries_asynchronously_one_boundary_late(mo
     stop.at_block_boundary()
     stop.end_step(finished=False)  # an error inside the step: dropped, this rank fails at once
     assert ranks.waited == 3
+
+
+def test_an_abandoned_step_is_saved_after_its_exception_and_traceback_are_released(tmp_path, monkeypatch):
+    """The traceback of `StepAbandoned` holds the abandoned step's graph and activations: the last finished step is
+    saved once it is gone."""
+    from megatron_lc.training import trainer
+    real, during_save = trainer.train_one_step, []
+
+    def abandoned_at_step_2(run, step):
+        if step == 2:
+            raise StepAbandoned("signal SIGTERM during step 2")
+        return real(run, step)
+
+    def save_the_last_finished_step(run, step, reason, before):
+        during_save.append((sys.exc_info()[0], reason))
+        return f"stopping inside step {step}: {reason}"
+
+    monkeypatch.setattr(trainer, "train_one_step", abandoned_at_step_2)
+    monkeypatch.setattr(trainer, "_save_the_last_finished_step", save_the_last_finished_step)
+    history = train(parse_config(BASE + ["--train-iters", "3", "--save", str(tmp_path / "ckpt"),
+                                         "--exit-signal-handler", "--log-dir", str(tmp_path / "a")]))
+    assert during_save == [(None, "signal SIGTERM during step 2")]
+    assert history.stopped == "stopping inside step 2: signal SIGTERM during step 2" and len(history) == 1
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_block_boundaries_are_watched_only_when_the_run_saves(tmp_path, monkeypatch, save):
+    """Without --save no finished step can be saved, so no step is abandoned at a block boundary: nothing watches
+    them (with several processes each boundary would be a collective for nothing)."""
+    watched = []
+    monkeypatch.setattr(StopRequest, "watch_blocks", lambda self, blocks: watched.append(len(blocks)) or [])
+    flags = BASE + ["--train-iters", "1", "--exit-signal-handler", "--log-dir", str(tmp_path / "a")]
+    train(parse_config(flags + (["--save", str(tmp_path / "ckpt")] if save else [])))
+    assert watched == ([2] if save else [])
