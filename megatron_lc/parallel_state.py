@@ -279,9 +279,27 @@ LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_L
 """Processes on this node, as torchrun, Open MPI, MPICH and srun say it."""
 
 
+def slurm_tasks_on_node(tasks_per_node: str, node: int) -> int | None:
+    """Tasks on node `node` of Slurm's SLURM_TASKS_PER_NODE, a list of counts, each repeated by `(xN)`:
+    "8(x2)", "4,2", "2(x3),1" (None: not of that form, or no such node)."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        count, _, repeat = part.partition("(x")
+        if not count.isdigit() or (repeat and not (repeat.endswith(")") and repeat[:-1].isdigit())):
+            return None
+        counts += [int(count)] * (int(repeat[:-1]) if repeat else 1)
+    return counts[node] if 0 <= node < len(counts) and counts[node] > 0 else None
+
+
 def local_processes(env: Mapping[str, str] = os.environ) -> int:
-    """This node's processes of the run, from the launcher's environment (1 when none says)."""
-    return next((int(env[v]) for v in LOCAL_SIZE_VARIABLES if env.get(v, "").isdigit() and int(env[v]) > 0), 1)
+    """This node's processes of the run, from the launcher's environment (1 when none says). srun without
+    --ntasks-per-node sets no count of its own for the node: Slurm's SLURM_TASKS_PER_NODE, always set, says it."""
+    named = next((int(env[v]) for v in LOCAL_SIZE_VARIABLES if env.get(v, "").isdigit() and int(env[v]) > 0), None)
+    if named is not None:
+        return named
+    node = env.get("SLURM_NODEID", "0")
+    on_node = slurm_tasks_on_node(env.get("SLURM_TASKS_PER_NODE", ""), int(node)) if node.isdigit() else None
+    return on_node or 1
 
 
 def host_threads_per_process(env: Mapping[str, str] = os.environ, usable_cores: int | None = None,

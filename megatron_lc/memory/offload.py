@@ -315,6 +315,10 @@ class OffloadScheduler:
         """Host bytes page-locked now (0 when the arenas are ordinary memory)."""
         return self.host_bytes_reserved if self._pin else 0
 
+    def host_buffers(self) -> list[torch.Tensor]:
+        """Every host slot of every arena made so far (free or in use)."""
+        return [view for arenas in self._arenas.values() for arena in arenas for view in arena.views]
+
     def reserve_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         """Host bytes `reserve(shape, dtype)` allocates (and page-locks, on CUDA)."""
         return max(1, self.host_slots) * math.prod(shape) * dtype.itemsize

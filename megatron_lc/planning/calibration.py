@@ -64,8 +64,11 @@ def calibrate_local(threads: int = 1, cache: Path | None = LOCAL_CACHE, processe
     of what one measured (at most all of it)."""
     import torch
 
+    from megatron_lc.parallel_state import host_threads_per_process  # torch: imported when measuring
+
     cores = os.cpu_count() or 1
-    host_threads = max(1, cores // processes)  # the host step's threads, as the trainer sets them on a node
+    # the host step's threads, as the trainer sets them for `processes` on this node
+    host_threads = host_threads_per_process({"LOCAL_WORLD_SIZE": str(processes)})
     key = f"threads={threads} host_threads={host_threads} torch={torch.__version__} {shapes.key()}"
     measured = None if refresh else _read_cache(cache, key)
     if measured is None:

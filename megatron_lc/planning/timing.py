@@ -65,7 +65,7 @@ from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.context_layout import RankWork, packed_rank_work
 from megatron_lc.planning.calibration import CalibrationShapes, calibrate_local
 from megatron_lc.planning.packed_work import SAMPLES, DocumentMix, document_mix, total_pairs
-from megatron_lc.planning.rates import FA2_BACKWARD_WORK, RATES, Rates
+from megatron_lc.planning.rates import FA2_BACKWARD_WORK, HOST_ADAM_BYTES_PER_PARAMETER, RATES, Rates
 
 CAUSES = ("attention forward", "attention recompute", "attention backward", "GEMMs", "recompute of the rest",
           "elementwise (memory-bound)", "offload stalls", "exposed communication", "tiling and stage overhead",
@@ -424,9 +424,11 @@ def _predict(cfg: TrainConfig, num_gpus: int, spec: RunSpec, w: Work, rates: Rat
                     "tiling and stage overhead": w.launches * rates.launch_s})
     seconds = {k: v * micro for k, v in seconds.items()}
     seconds["optimizer"] = w.optimizer_bytes / rates.hbm_bytes
-    if w.host_optimizer_params:  # the host's step, each micro-batch's gradients down and the new weights up, exposed
-        seconds["optimizer"] += w.host_optimizer_params * (1 / rates.host_adam_params + 4 * (micro + 1)
-                                                           / rates.host_copy_bytes)
+    if w.host_optimizer_params:  # the host's step, each micro-batch's gradients down and the new weights up, and
+        # each later micro-batch's add into the host's gradient (12 B a parameter read and written, inside the
+        # backward's gradient hook: exposed), at the host memory rate the step's own traffic runs at
+        host_s = (1 + (micro - 1) * 12 / HOST_ADAM_BYTES_PER_PARAMETER) / rates.host_adam_params
+        seconds["optimizer"] += w.host_optimizer_params * (host_s + 4 * (micro + 1) / rates.host_copy_bytes)
     tokens = micro * mbs * dp * cfg.data.seq_length
     full_fwd = w.attention_fwd / rates.attention_fwd_flops[family]
     full_bwd = w.attention_bwd / rates.attention_bwd_flops[family]

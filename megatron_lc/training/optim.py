@@ -113,7 +113,8 @@ class HostAdamW:
     reduce-scatter ran on): copied into its buffer without stalling the backward (a copy queued on that stream and
     an event recorded after it), and freed on the accelerator. A later micro-batch's gradient is added to the
     buffer through the staging slots (copied into one, added on the host once that copy is done, while the next
-    part's copy runs in the other). The global norm, clipping and the AdamW step wait for every copy and add,
+    part's copy runs in the other): that wait and add run inside the hook, so they stall the backward (12 bytes a
+    parameter of host memory traffic per later micro-batch, charged as exposed by the time model). The global norm, clipping and the AdamW step wait for every copy and add,
     then run on the host (torch's foreach AdamW: on a CPU run the arithmetic of the resident optimizer, bit for
     bit), and the new values are copied back into the parameters. Checkpoints hold the state in the resident
     optimizer's layout (`checkpoint_state`): a run resumes with or without offload, at any world size.

@@ -21,8 +21,17 @@ until its optimizer step, so while it is still in its blocks they hold the last 
 If that step was never saved and its save fits the grace time (or no save was timed yet: a save
 is atomic, one cut short leaves the last checkpoint whole), every rank leaves the step at the
 next block boundary (`StepAbandoned`, raised from a block's forward pre-hook, the same boundary on
-every rank: they agree at each one through a small all-reduce on a gloo group), the last
-finished step is saved, exit 3. Otherwise the run stops at once inside the step, exit 3, and
+every rank: each boundary starts a small asynchronous all-reduce of the ranks' flags on a gloo group and
+the next one waits for it, so the ranks agree one boundary late without waiting at every block), the last
+finished step is saved, exit 3. The blocks are watched only when the run saves (--save): without it
+there is no finished step to save, and a signal too late to finish stops the run at once.
+
+Python runs signal handlers on the main thread only, and on a GPU the backward (with the recomputed
+blocks whose boundaries these are) runs on autograd's device thread while the main thread waits in C++
+until it returns. So the signal is also read at each boundary, from whichever thread passes it: the
+handler is backed by `signal.set_wakeup_fd`, whose C-level handler writes the signal's number into a
+pipe the moment it arrives; the boundary reads the pipe and judges the signal there, and the Python
+handler, when it runs later, finds it judged. Otherwise the run stops at once inside the step, exit 3, and
 resumes from its last checkpoint: the work since that save is lost, which --save-interval-minutes
 bounds, instead of the whole job being killed mid-save. Each rank judges this alone from its own
 times; a rank that judged otherwise is stopped by the launcher when the others have left.
@@ -36,6 +45,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -173,16 +183,66 @@ class StopRequest:
         """Why the step in progress is left at its next block boundary (set by the signal handler)."""
         self.boundary_group = None
         """The group the ranks agree through at each block boundary (a gloo group; None: one process)."""
+        self._agreeing: tuple | None = None
+        """The previous boundary's asynchronous all-reduce (its work, its flag) not yet waited for."""
+        self._judging = threading.RLock()  # the boundary (any thread) and the Python handler (main thread)
         self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS} if handle_signals else {}
+        self._wakeup: int | None = None
+        """The read end of the pipe the C-level signal handler writes each signal's number into."""
+        self._previous_wakeup: int | None = None
+        if handle_signals:
+            self._wakeup, written = os.pipe()
+            for fd in (self._wakeup, written):
+                os.set_blocking(fd, False)
+            try:
+                self._previous_wakeup = signal.set_wakeup_fd(written, warn_on_full_buffer=False)
+            except ValueError:  # not the main thread: the Python handler alone, at the main thread's next bytecode
+                os.close(written)
+                os.close(self._wakeup)
+                self._wakeup = None
+            else:
+                self._written = written
 
     def begin_step(self, step: int) -> None:
         self.in_step = (step, self.clock())
 
-    def end_step(self) -> None:
+    def end_step(self, finished: bool = True) -> None:
+        """The step is over. `finished`: it returned (on every rank): the last boundary's agreement is waited for,
+        so that every rank has started and ended the same collectives; otherwise (an error) it is dropped, so that
+        this rank fails at once instead of waiting for ranks that may never reach it."""
+        if self._agreeing is not None and finished:
+            self._agreeing[0].wait()
+        self._agreeing = None
         self.in_step = None
 
     def _on_signal(self, signum, frame) -> None:
+        """The Python handler (main thread). With the wakeup pipe the signal's byte is in it, or a block boundary
+        already read and judged it: judged once either way."""
         self.received = signum
+        if self._wakeup is None:
+            self._judge(signum)
+        else:
+            self._read_wakeup()
+
+    def _read_wakeup(self) -> None:
+        """Judge each stop signal whose number the C-level handler wrote since the last read (any thread)."""
+        if self._wakeup is None:
+            return
+        with self._judging:
+            while True:
+                try:
+                    arrived = os.read(self._wakeup, 64)
+                except (BlockingIOError, OSError):
+                    return
+                if not arrived:
+                    return
+                for signum in arrived:
+                    if signum in self.SIGNALS:
+                        self.received = signum
+                        self._judge(signum)
+
+    def _judge(self, signum: int) -> None:
+        """Act on stop signal `signum` inside a step: go on, leave at the next block boundary, or leave now."""
         reason = self.too_late_to_finish(signum)
         if reason is None or self.abandon is None:
             return
@@ -197,16 +257,25 @@ class StopRequest:
         return save is None or save * SAFETY + LEAVING_S <= self.grace_s
 
     def at_block_boundary(self) -> None:
-        """Raise `StepAbandoned` on every rank at the same block boundary once any rank abandons the step."""
+        """Raise `StepAbandoned` on every rank at the same block boundary once any rank abandons the step (any
+        thread: autograd's runs the recomputed blocks). With several processes each boundary waits for the
+        previous one's all-reduce and starts its own: one outstanding per rank, the same count on every rank."""
+        self._read_wakeup()
         if self.in_step is None:
             return
-        leave = self.abandoning is not None
-        if self.boundary_group is not None:
-            flag = torch.tensor([int(leave)], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.boundary_group)
-            leave = bool(flag.item())
-        if leave:
-            raise StepAbandoned(self.abandoning or "a stop signal on another rank")
+        if self.boundary_group is None:
+            if self.abandoning is not None:
+                raise StepAbandoned(self.abandoning)
+            return
+        if self._agreeing is not None:
+            work, flag = self._agreeing
+            self._agreeing = None
+            work.wait()
+            if flag.item():
+                raise StepAbandoned(self.abandoning or "a stop signal on another rank")
+        flag = torch.tensor([int(self.abandoning is not None)], dtype=torch.int32)
+        self._agreeing = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.boundary_group, async_op=True),
+                          flag)
 
     def watch_blocks(self, blocks) -> list:
         """Check `at_block_boundary` before each block's forward (its recompute in the backward too), ahead of the
@@ -268,6 +337,11 @@ class StopRequest:
         return Decision(None, bool(save))
 
     def close(self) -> None:
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            os.close(self._wakeup)
+            os.close(self._written)
+            self._wakeup = None
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 

@@ -355,8 +355,8 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
                        c.save_interval_minutes, run.timing, run.devices.accelerator,
                        grace_s=DEFAULT_GRACE_S if cfg.train.exit_signal_grace_secs is None
                        else cfg.train.exit_signal_grace_secs, abandon=abandon, received=early.received)
-    if cfg.train.exit_signal_handler:  # a step a signal abandons is left at a block boundary
-        stop.watch_blocks(run.model.layers)
+    if cfg.train.exit_signal_handler and c.save:  # a step a signal abandons is left at a block boundary, its
+        stop.watch_blocks(run.model.layers)     # last finished step saved (without --save: nothing to save)
         if run.pstate.distributed:
             stop.boundary_group = dist.new_group(backend="gloo")
     history, step_times, began = History(), [], time.monotonic()
@@ -378,15 +378,20 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
                 progress.begin(step, cfg.train.train_iters, run.accumulation, run.timing.step_s())
             stop.begin_step(step)
             before = _before_step(run) if cfg.train.exit_signal_handler else None  # what an abandoned step restores
+            abandoned = None
             try:
                 metrics = train_one_step(run, step)
-            except StepAbandoned as reason:
-                history.stopped = _save_the_last_finished_step(run, step, str(reason), before)
+            except StepAbandoned as reason:  # saved after the except block: its traceback holds the step's graph
+                abandoned = str(reason)
+            except BaseException:
+                stop.end_step(finished=False)
+                raise
+            stop.end_step()
+            if abandoned is not None:
+                history.stopped = _save_the_last_finished_step(run, step, abandoned, before)
                 resumable[0] = step - 1
                 print_rank_0(run, history.stopped)
                 break
-            finally:
-                stop.end_step()
             metrics["attention_kernel"] = kernel
             step_times.append(metrics["step_time_s"])
             run.timing.step_times.append(metrics["step_time_s"])

@@ -6,7 +6,8 @@ figures, with `failures` naming what failed.
   same tokens (loss, gradient norm, every parameter after; bitwise where the baseline is deterministic, else within
   a relative 1e-4), and its host bytes: what the planner predicts per GPU, what the optimizer and the offload
   arenas page-locked themselves (exact registrations), and torch's caching host allocator before and after (the
-  optimizer must not use it).
+  optimizer must not use it). On a GPU it fails when a host buffer the GPU copies to is not page-locked
+  (`is_pinned`) or the planner's host bytes over those the buffers' storages span are outside [1.0, 1.05].
 - replay_kept_attention: --replay-kept-attention with sparse offload (k = 2) against the same checkpointed blocks
   without offload: loss and every gradient, bitwise under torch's deterministic algorithms where two baseline runs
   agree bitwise.
@@ -46,6 +47,18 @@ def _host_pinned_allocator_bytes() -> int | None:
     return host.get("allocated_bytes.current")
 
 
+def _storage_span_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes the host storages behind `tensors` span, each storage once (views of one allocation counted together;
+    a locked allocation's page-alignment slack, two pages, left out): what the buffers occupy, not their count."""
+    spans: dict[int, tuple[int, int]] = {}
+    for t in tensors:
+        start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        key = t.untyped_storage().data_ptr()
+        low, high = spans.get(key, (start, end))
+        spans[key] = (min(low, start), max(high, end))
+    return sum(high - low for low, high in spans.values())
+
+
 def _two_steps(checks, cfg, s, on_host: bool) -> dict:
     """Two steps of two micro-batches from seed 0; the figures and the built optimizer's host bytes."""
     torch.manual_seed(0)
@@ -64,7 +77,10 @@ def _two_steps(checks, cfg, s, on_host: bool) -> dict:
         norms.append(result.grad_norm.detach().float().cpu())
     out = {"losses": losses, "norms": norms, "params": [p.detach().float().cpu() for p in model.parameters()]}
     if on_host and isinstance(optimizer, HostAdamW):
-        out["host"] = {"optimizer_page_locked_bytes": optimizer.page_locked_bytes(),
+        locked = [*optimizer.host_buffers(), *(offload.host_buffers() if offload else [])]
+        moments = [t for held in optimizer.inner.state.values() for t in held.values() if torch.is_tensor(t)]
+        out["host"] = {"unpinned_host_buffers": sum(not t.is_pinned() for t in locked) if s.device == "cuda" else None,
+                       "allocated_host_bytes": _storage_span_bytes([*locked, *moments]),"optimizer_page_locked_bytes": optimizer.page_locked_bytes(),
                        "optimizer_host_bytes": optimizer.host_bytes(),
                        "offload_page_locked_bytes": offload.page_locked_bytes if offload else 0,
                        "offload_host_bytes": offload.host_bytes_reserved if offload else 0,
@@ -90,10 +106,16 @@ def case_host_optimizer(checks, s) -> dict:
     one_micro_batch = checks.config(s, s.bitwise_length, {**HOST_OPTIMIZER, "global_batch_size": 1},
                                     optimizer_cpu_offload=True)  # the planner traces one (host bytes: the same)
     planned = checks.predicted(one_micro_batch, 1, s)["host_bytes_per_gpu"]
-    measured = host["optimizer_host_bytes"] + host["offload_host_bytes"]
+    measured = host["allocated_host_bytes"]  # the buffers' storages, not the optimizer's own count
     failures = [] if close else ["host_optimizer: differs from the resident optimizer"]
     if s.device == "cuda" and host["caching_host_allocator_growth_bytes"]:
         failures.append("host_optimizer: torch's caching host allocator grew (pin_memory=True somewhere)")
+    if s.device == "cuda" and host["unpinned_host_buffers"]:
+        failures.append(f"host_optimizer: {host['unpinned_host_buffers']} host buffers the GPU copies to are not "
+                        "page-locked (is_pinned)")
+    if s.device == "cuda" and not 1.0 <= planned / max(measured, 1) <= 1.05:
+        failures.append(f"host_optimizer: the planner's host bytes ({planned:,}) over those allocated "
+                        f"({measured:,}) are {planned / max(measured, 1):.4f}, outside [1.0, 1.05]")
     return {"bitwise_equal": diff == 0, "max_difference": diff, "losses": [float(x) for x in got["losses"]],
             **host, "planned_host_bytes_per_gpu": planned, "measured_host_bytes": measured,
             "planned_over_measured_host": planned / max(measured, 1), "failures": failures}

@@ -62,6 +62,9 @@ def test_dry_run_writes_every_section(tmp_path):
     host = steps["host_optimizer"]  # on CPU the host optimizer's arithmetic is the resident one's
     assert host["bitwise_equal"] and host["optimizer_host_bytes"] > 0
     assert 1 <= host["planned_over_measured_host"] < 1.05  # the plan adds the host step's scratch
+    # measured from the buffers' storages: on CPU nothing is page-locked, and they hold what the optimizer counts
+    assert host["allocated_host_bytes"] == host["optimizer_host_bytes"] + host["offload_host_bytes"]
+    assert host["unpinned_host_buffers"] is None
     assert steps["replay_kept_attention"]["bitwise_equal"]
     assert abs(steps["ring"]["predicted_over_measured"] - 1) < 0.01
     assert steps["packed_documents"]["documents_per_sample"] == 8

@@ -158,3 +158,33 @@ def test_backend_follows_the_accelerator_not_the_machine():
 def test_host_threads_are_the_nodes_cores_shared_by_its_processes_within_the_bound_ones(env, usable, threads):
     """The host optimizer's step threads (--optimizer-cpu-offload on a GPU): torchrun, mpirun and srun alike."""
     assert host_threads_per_process(env, usable_cores=usable, node_cores=112) == threads
+
+
+@pytest.mark.parametrize("env, threads", [
+    ({**SRUN, "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "1"}, 14),  # srun -n 16 -N 2, no --ntasks-per-node
+    ({**SRUN, "SLURM_TASKS_PER_NODE": "4,2", "SLURM_NODEID": "0"}, 28),  # uneven nodes: each its own count
+    ({**SRUN, "SLURM_TASKS_PER_NODE": "4,2", "SLURM_NODEID": "1"}, 56),
+    ({**SRUN, "SLURM_TASKS_PER_NODE": "2(x3),8", "SLURM_NODEID": "3"}, 14),
+    ({**SRUN, "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "4"}, 28),  # named
+    ({**SRUN, "SLURM_TASKS_PER_NODE": "unreadable", "SLURM_NODEID": "0"}, 112),  # nothing says: one process
+])
+def test_srun_without_ntasks_per_node_shares_the_node_by_slurms_tasks_per_node(env, threads):
+    """srun sets SLURM_NTASKS_PER_NODE only when asked with --ntasks-per-node; SLURM_TASKS_PER_NODE is always set."""
+    assert host_threads_per_process(env, usable_cores=112, node_cores=112) == threads
+
+
+def test_calibration_measures_the_host_step_at_the_trainers_thread_count(monkeypatch, tmp_path):
+    """The planner's measured host step runs the threads a process of the run gets (the one rule)."""
+    from megatron_lc.planning import calibration
+    seen = {}
+
+    def measure(threads, shapes, host_threads):
+        seen["host_threads"] = host_threads
+        return {k: 1.0 for k in ("gemm_flops", "attention_fwd_flops", "attention_bwd_flops", "copy_bytes",
+                                  "a2a_bytes", "launch_s", "host_adam_params")}
+
+    monkeypatch.setattr(calibration, "_measure_local", measure)
+    monkeypatch.setattr(calibration.os, "sched_getaffinity", lambda pid: set(range(3)), raising=False)
+    monkeypatch.setattr(calibration.os, "cpu_count", lambda: 64)
+    calibration.calibrate_local(cache=tmp_path / "rates.json", processes=8, refresh=True)
+    assert seen["host_threads"] == 3  # 64 // 8 = 8, but this process may run on 3 cores

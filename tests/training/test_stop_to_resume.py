@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -372,3 +373,144 @@ def test_a_sigterm_inside_step_2_of_an_unsaved_torchrun_run_saves_step_1_and_the
     assert "SIGKILL" not in stderr and len(_metrics(tmp_path / "a")) == 1
 
     _assert_the_resume_is_exact(tmp_path, args, "10", 3)
+
+
+def _long_step_request(unsaved: int | None, left: list) -> StopRequest:
+    stop = StopRequest(True, [], None, StepTiming(step_times=[5.0, 3600.0], save_times=[20.0]), torch.device("cpu"),
+                       grace_s=30, abandon=left.append)
+    stop.unsaved_step = unsaved
+    return stop
+
+
+def _at_boundary_on_another_thread(stop: StopRequest) -> str:
+    """What `at_block_boundary` did on a thread other than the main one (autograd's device thread on a GPU)."""
+    outcome = []
+
+    def boundary():
+        try:
+            stop.at_block_boundary()
+            outcome.append("went on")
+        except StepAbandoned as reason:
+            outcome.append(str(reason))
+
+    thread = threading.Thread(target=boundary)
+    thread.start()
+    thread.join()
+    return outcome[0]
+
+
+def test_a_signal_is_read_at_a_block_boundary_on_another_thread_before_the_python_handler_runs():
+    """On a GPU the backward's recomputed blocks run on autograd's thread while the main thread waits in C++: the
+    C-level handler's byte in the wakeup pipe is what the boundary reads. Judged there once; the Python handler,
+    running when the backward returns, does not judge it again."""
+    left: list[str] = []
+    stop = _long_step_request(6, left)
+    try:
+        stop.begin_step(7)
+        written = signal.set_wakeup_fd(-1)  # the pipe StopRequest made; put back at once
+        signal.set_wakeup_fd(written, warn_on_full_buffer=False)
+        os.write(written, bytes([signal.SIGTERM]))  # what the C-level handler writes on arrival
+        reason = _at_boundary_on_another_thread(stop)
+        assert reason.startswith("signal SIGTERM during step 7") and left == []
+        stop._on_signal(signal.SIGTERM, None)  # the late Python handler on the main thread
+        assert stop.abandoning == reason and left == []
+    finally:
+        stop.close()
+    assert signal.set_wakeup_fd(-1) == -1  # close put back the previous wakeup fd (none)
+
+    stop = _long_step_request(None, left)  # saved already: leave at once, once
+    try:
+        stop.begin_step(7)
+        written = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(written, warn_on_full_buffer=False)
+        os.write(written, bytes([signal.SIGTERM]))
+        assert _at_boundary_on_another_thread(stop) == "went on" and len(left) == 1
+        stop._on_signal(signal.SIGTERM, None)
+        assert len(left) == 1
+    finally:
+        stop.close()
+
+
+class _TwoRanks:
+    """A recording stand-in for the boundary group's all-reduce: the other rank's flag is the one it had when the
+    collective was started; the result is seen after `wait`, as with gloo's asynchronous work."""
+
+    def __init__(self):
+        self.other, self.started, self.waited = 0, [], 0
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        self.started.append(async_op)
+        other, ranks = self.other, self
+
+        class Work:
+            def wait(self):
+                ranks.waited += 1
+                tensor.copy_(torch.maximum(tensor, torch.tensor([other], dtype=tensor.dtype)))
+                return True
+
+        if not async_op:
+            Work().wait()
+            return None
+        return Work()
+
+
+def test_the_ranks_agree_at_block_boundaries_asynchronously_one_boundary_late(monkeypatch):
+    """Each boundary starts an asynchronous all-reduce and waits for the previous one's: no rank waits for the
+    others at every block. Another rank flags after boundary 1: this rank leaves at boundary 3, where boundary 2's
+    agreement is read; a step that finishes waits for its last agreement."""
+    from megatron_lc.training import stopping
+    ranks = _TwoRanks()
+    monkeypatch.setattr(stopping.dist, "all_reduce", ranks.all_reduce)
+    stop = StopRequest(False, [], None, StepTiming(), CPU)
+    stop.boundary_group = object()
+    stop.begin_step(1)
+    stop.at_block_boundary()
+    ranks.other = 1
+    stop.at_block_boundary()
+    with pytest.raises(StepAbandoned, match="a stop signal on another rank"):
+        stop.at_block_boundary()
+    assert ranks.started == [True, True] and ranks.waited == 2
+    stop.end_step()
+    ranks.other = 0
+    stop.begin_step(2)
+    stop.at_block_boundary()
+    stop.end_step()  # the step finished: its last agreement is waited for
+    assert ranks.started == [True, True, True] and ranks.waited == 3
+    stop.begin_step(3)
+    stop.at_block_boundary()
+    stop.end_step(finished=False)  # an error inside the step: dropped, this rank fails at once
+    assert ranks.waited == 3
+
+
+def test_an_abandoned_step_is_saved_after_its_exception_and_traceback_are_released(tmp_path, monkeypatch):
+    """The traceback of `StepAbandoned` holds the abandoned step's graph and activations: the last finished step is
+    saved once it is gone."""
+    from megatron_lc.training import trainer
+    real, during_save = trainer.train_one_step, []
+
+    def abandoned_at_step_2(run, step):
+        if step == 2:
+            raise StepAbandoned("signal SIGTERM during step 2")
+        return real(run, step)
+
+    def save_the_last_finished_step(run, step, reason, before):
+        during_save.append((sys.exc_info()[0], reason))
+        return f"stopping inside step {step}: {reason}"
+
+    monkeypatch.setattr(trainer, "train_one_step", abandoned_at_step_2)
+    monkeypatch.setattr(trainer, "_save_the_last_finished_step", save_the_last_finished_step)
+    history = train(parse_config(BASE + ["--train-iters", "3", "--save", str(tmp_path / "ckpt"),
+                                         "--exit-signal-handler", "--log-dir", str(tmp_path / "a")]))
+    assert during_save == [(None, "signal SIGTERM during step 2")]
+    assert history.stopped == "stopping inside step 2: signal SIGTERM during step 2" and len(history) == 1
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_block_boundaries_are_watched_only_when_the_run_saves(tmp_path, monkeypatch, save):
+    """Without --save no finished step can be saved, so no step is abandoned at a block boundary: nothing watches
+    them (with several processes each boundary would be a collective for nothing)."""
+    watched = []
+    monkeypatch.setattr(StopRequest, "watch_blocks", lambda self, blocks: watched.append(len(blocks)) or [])
+    flags = BASE + ["--train-iters", "1", "--exit-signal-handler", "--log-dir", str(tmp_path / "a")]
+    train(parse_config(flags + (["--save", str(tmp_path / "ckpt")] if save else [])))
+    assert watched == ([2] if save else [])
