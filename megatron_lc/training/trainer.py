@@ -334,7 +334,7 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
                             torch.bfloat16 if cfg.train.bf16 else torch.float32)
     layout = cfg.context_layout()
     if layout.ring_size > 1:  # what the ring cuts: the sequence's chunks or each document (--cp-document-layout)
-        kernel = f"{kernel}, ring cut by {'the sequence' if layout.documents == 'sequence' else layout.documents}"
+        kernel = f"{kernel}, ring --cp-document-layout {layout.documents}"
     print_rank_0(run, f"{run.pstate} | {run.model.config.num_layers} layers, {n:,} parameters | "
                       f"seq {cfg.data.seq_length} | attention: {kernel} | metrics in {log_dir}/metrics.jsonl")
     if run.memory_plan is not None:
