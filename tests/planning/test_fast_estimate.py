@@ -24,9 +24,9 @@ GRID = {
                                                             "documents", "--reset-attention-mask"]),
     "8b-cp8-ring-in-place-2m": ("llama3-8b", 8, 2097152, ["--context-parallel-size", "8", "--cp-comm-type", "p2p",
                                                           "--ring-kv-grads", "in_place"]),
-    "70b-cp8-untied-host-optimizer-kept-attention-first-4-512k": ("llama3-70b", 8, 524288, [
-        "--context-parallel-size", "8", *UNTIED, "--optimizer-cpu-offload", "--keep-attention-output",
-        "--keep-attention-output-layers", "4"]),
+    "70b-cp4-untied-host-optimizer-kept-attention-first-2-512k": ("llama3-70b", 4, 524288, [
+        "--context-parallel-size", "4", *UNTIED, "--optimizer-cpu-offload", "--keep-attention-output",
+        "--keep-attention-output-layers", "2"]),
 }
 
 
