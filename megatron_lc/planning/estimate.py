@@ -169,11 +169,15 @@ class Estimate:
         return self.fits_gpu and self.fits_host
 
     @property
+    def usages(self) -> tuple[float, float]:
+        """GPU and host use, each over its budget (<= 1 fits); each monotone in the sequence length."""
+        return (self.gpu_peak_bytes / max(self.gpu_budget_bytes, 1),
+                self.host_bytes_per_node / max(self.host_budget_bytes, 1))
+
+    @property
     def usage(self) -> float:
         """The larger of GPU and host use over budget (<= 1 fits); monotone in the sequence length."""
-        gpu = self.gpu_peak_bytes / max(self.gpu_budget_bytes, 1)
-        host = self.host_bytes_per_node / max(self.host_budget_bytes, 1)
-        return max(gpu, host)
+        return max(self.usages)
 
     def to_json(self) -> dict:
         m = self.machine

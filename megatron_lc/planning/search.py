@@ -65,9 +65,12 @@ def _round(length: float, step: int) -> int:
 
 
 def _predict(a: Estimate, b: Estimate) -> float | None:
-    """Length where usage reaches 1 on the line through two estimates (None if flat)."""
-    slope = (b.usage - a.usage) / (b.seq_length - a.seq_length)
-    return None if slope <= 0 else a.seq_length + (1 - a.usage) / slope
+    """Length where the first of GPU and host use reaches its budget, each on its own line through two estimates
+    (None if both are flat). Each memory on its own line: their maximum is not a line where one overtakes the
+    other (a host-bound limit predicted from GPU-bound short lengths overshoots by the host's steeper growth)."""
+    span = b.seq_length - a.seq_length
+    limits = [a.seq_length + (1 - ua) * span / (ub - ua) for ua, ub in zip(a.usages, b.usages) if ub > ua]
+    return min(limits, default=None)
 
 
 def find_max_seq_length(cfg: TrainConfig, machine: Machine, start: int = START_LENGTH,
