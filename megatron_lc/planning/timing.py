@@ -425,10 +425,14 @@ def _predict(cfg: TrainConfig, num_gpus: int, spec: RunSpec, w: Work, rates: Rat
     seconds = {k: v * micro for k, v in seconds.items()}
     seconds["optimizer"] = w.optimizer_bytes / rates.hbm_bytes
     if w.host_optimizer_params:  # the host's step, each micro-batch's gradients down and the new weights up, and
-        # each later micro-batch's add into the host's gradient (12 B a parameter read and written, inside the
-        # backward's gradient hook: exposed), at the host memory rate the step's own traffic runs at
-        host_s = (1 + (micro - 1) * 12 / HOST_ADAM_BYTES_PER_PARAMETER) / rates.host_adam_params
-        seconds["optimizer"] += w.host_optimizer_params * (host_s + 4 * (micro + 1) / rates.host_copy_bytes)
+        # each later micro-batch's add into the host's gradient (12 B a parameter read and written, at the host
+        # memory rate the step's own traffic runs at) on a thread of its own while the backward runs: exposed
+        # where the adds outlast the backward, and the last block's adds after it
+        adds = w.host_optimizer_params * 12 / HOST_ADAM_BYTES_PER_PARAMETER / rates.host_adam_params
+        exposed_adds = max(adds - block_bwd * w.layers, adds / max(w.layers, 1))
+        seconds["optimizer"] += w.host_optimizer_params * (1 / rates.host_adam_params
+                                                           + 4 * (micro + 1) / rates.host_copy_bytes)
+        seconds["optimizer"] += (micro - 1) * exposed_adds
     tokens = micro * mbs * dp * cfg.data.seq_length
     full_fwd = w.attention_fwd / rates.attention_fwd_flops[family]
     full_bwd = w.attention_bwd / rates.attention_bwd_flops[family]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
+import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,70 @@ def _nbytes(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
     return sum(math.prod(s) for s in shapes) * dtype.itemsize
 
 
+class _StagedAdds:
+    """Staged parts of later micro-batches' gradients added into the host buffers on a thread of their own.
+
+    `free_slot()` hands a staging slot (waiting only while every slot is in flight), `add(done, slot, part, dst)`
+    queues `dst += part` once the copy into the slot is `done` (an event, or None: copied); the thread adds in
+    queue order and frees the slot. `wait()` returns when every queued add is done (and raises what an add
+    raised). `threaded=False`: each add runs inside `add`, in order, on the caller's thread."""
+
+    def __init__(self, slots: list[torch.Tensor], threaded: bool):
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for slot in slots:
+            self._free.put(slot)
+        self._threaded = threaded
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def free_slot(self) -> torch.Tensor:
+        return self._free.get()
+
+    def add(self, done, slot: torch.Tensor, part: torch.Tensor, dst: torch.Tensor) -> None:
+        if not self._threaded:
+            self._run((done, slot, part, dst))
+            return
+        if self._thread is None:  # the first later micro-batch: runs of one micro-batch never start it
+            self._thread = threading.Thread(target=self._serve, name="host-gradient-adds", daemon=True)
+            self._thread.start()
+        self._queue.put((done, slot, part, dst))
+
+    def _serve(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                if self._error is None:  # after a failure the rest are dropped; wait() raises it
+                    self._run(job)
+                else:
+                    self._free.put(job[1])
+            except BaseException as error:  # noqa: BLE001 - handed to the training thread by wait()
+                self._error = error
+                self._free.put(job[1])
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _run(self, job) -> None:
+        done, slot, part, dst = job
+        if done is not None:
+            done.synchronize()
+        with torch.no_grad():
+            dst.add_(part)
+        self._free.put(slot)
+
+    def wait(self) -> None:
+        self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("adding a later micro-batch's gradient on the host failed") from error
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+
 class HostAdamW:
     """AdamW with its fp32 master weights, moments and gradients in host memory and its step there
     (--optimizer-cpu-offload, as Megatron-LM's): the accelerator keeps only the (sharded) fp32 parameters the
@@ -112,9 +177,9 @@ class HostAdamW:
     post-accumulate-grad hook of a sharded parameter after its block's reduce-scatter, on the stream that
     reduce-scatter ran on): copied into its buffer without stalling the backward (a copy queued on that stream and
     an event recorded after it), and freed on the accelerator. A later micro-batch's gradient is added to the
-    buffer through the staging slots (copied into one, added on the host once that copy is done, while the next
-    part's copy runs in the other): that wait and add run inside the hook, so they stall the backward (12 bytes a
-    parameter of host memory traffic per later micro-batch, charged as exposed by the time model). The global norm, clipping and the AdamW step wait for every copy and add,
+    buffer through the staging slots (`_StagedAdds`): the hook queues a part's copy into a free slot and goes on;
+    a thread of its own waits for that copy and adds the part on the host, then frees the slot, so the backward
+    waits only when both slots are still in flight. The global norm, clipping and the AdamW step wait for every copy and add,
     then run on the host (torch's foreach AdamW: on a CPU run the arithmetic of the resident optimizer, bit for
     bit), and the new values are copied back into the parameters. Checkpoints hold the state in the resident
     optimizer's layout (`checkpoint_state`): a run resumes with or without offload, at any world size.
@@ -136,8 +201,8 @@ class HostAdamW:
                      self.page_locked_bytes() / 2**30, time.monotonic() - began)
         self.masters = self._masters.views
         self._grad_buffers = self._gradients.views
-        self._free_staging = list(self._staging.views)
-        self._adds: deque = deque()  # (copy done, staging slot, its part, destination): a later micro-batch's
+        # The planner's fake host runs the adds inline: its modes (fake tensors, the tracker) are this thread's.
+        self._adds = _StagedAdds(self._staging.views, threaded=host.type != "meta")
         self._copies: list = []  # events after this backward's copies into the gradient buffers
         self._masters_current = False  # taken from the parameters at the first step: after any checkpoint load
         self._filled = [False] * len(params)
@@ -179,23 +244,14 @@ class HostAdamW:
     def _add_through_staging(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`dst += src` (flat), `src` crossing to the host in parts through the staging slots."""
         for start in range(0, src.numel(), max(1, self._staging.views[0].numel())):
-            slot = self._free_staging.pop() if self._free_staging else self._finish_oldest_add()
+            slot = self._adds.free_slot()
             part = slot[:min(slot.numel(), src.numel() - start)]
             done = self._to_host(part, src[start:start + part.numel()])
-            self._adds.append((done, slot, part, dst[start:start + part.numel()]))
-
-    def _finish_oldest_add(self):
-        """Wait for the oldest staged copy, add it to its gradient buffer; its slot is free again (returned)."""
-        done, slot, part, dst = self._adds.popleft()
-        if done is not None:
-            done.synchronize()
-        dst.add_(part)
-        return slot
+            self._adds.add(done, slot, part, dst[start:start + part.numel()])
 
     def wait_for_gradients(self) -> None:
         """Every gradient of this step on the host: the copies done, the staged parts added."""
-        while self._adds:
-            self._free_staging.append(self._finish_oldest_add())
+        self._adds.wait()
         self._wait_for_copies()
 
     def _wait_for_copies(self) -> None:
@@ -208,11 +264,12 @@ class HostAdamW:
         """Stop taking gradients, wait for the copies, unlock and free the host buffers (unusable after; a run's
         optimizer lives until its process exits, which frees them too)."""
         self.wait_for_gradients()
+        self._adds.close()
         if self._copied_back is not None:
             self._copied_back.synchronize()
         for hook in self._hooks:
             hook.remove()
-        self.masters, self._grad_buffers, self._free_staging = [], [], []
+        self.masters, self._grad_buffers = [], []
         self.inner.state.clear()
         for buffers in (self._masters, self._gradients, self._staging):
             buffers.close()

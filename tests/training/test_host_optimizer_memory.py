@@ -4,6 +4,7 @@ that never stall the backward, waited on before the norm and the step."""
 
 import math
 import os
+import threading
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ class _Event:
         log.append(("record", self.name, stream.name))
 
     def synchronize(self):
-        self.log.append(("wait", self.name))
+        self.log.append(("wait", self.name, threading.current_thread().name))
 
 
 class _Recorder(TorchDispatchMode):
@@ -126,12 +127,20 @@ def test_closing_the_optimizer_unlocks_its_buffers_and_stops_taking_gradients(cu
 def test_on_a_gpu_gradient_copies_do_not_stall_the_backward_and_are_waited_on_before_the_norm(cudart, monkeypatch):
     """Each gradient is copied without blocking, an event recorded after it on the stream its hook runs on (FSDP2's
     reduce-scatter stream); nothing waits in the first micro-batch's backward. A later micro-batch's gradient goes
-    through the two staging slots (parts of at most STAGING_BYTES): a part is added once its copy is waited on,
-    a slot reused only then. Every copy and add is done before the norm reads a gradient; the result is the sum."""
+    through the two staging slots (parts of at most STAGING_BYTES): the hook only queues each part's copy; a thread
+    of its own waits for that copy and adds the part, and the slot is reused only after its add. Every copy and add
+    is done before the norm reads a gradient; the result is the sum."""
     monkeypatch.setattr(optim, "STAGING_BYTES", 4 * 8)  # parts of 8 elements: the 30-element weight in 4
     log = []
     reduce_scatter = _Stream("reduce-scatter", log)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: reduce_scatter)
+    run = optim._StagedAdds._run
+
+    def recorded_run(self, job):  # dispatch modes are per thread: the adds' thread records its own
+        with _Recorder(log):
+            run(self, job)
+
+    monkeypatch.setattr(optim._StagedAdds, "_run", recorded_run)
     model = _model()
     optimizer = _host_optimizer(model, page_locked=True)
     staging = optimizer._staging.views
@@ -153,10 +162,17 @@ def test_on_a_gpu_gradient_copies_do_not_stall_the_backward_and_are_waited_on_be
     assert staged and all(nb and any(_within_ptr(ptr, s) for s in staging) for _, ptr, nb in staged)
     parts = sum(math.ceil(p.numel() / 8) for p in model.parameters())
     assert len(staged) == parts and sum(e[0] == "add" for e in log[:norm]) == parts
-    adds = [i for i, e in enumerate(log) if e[0] == "add"]
-    assert all(log[i - 1][0] == "wait" for i in adds), "a staged part is added only once its copy was waited on"
+    staged_events = {e[1] for e in log if e[0] == "record"}
+    waits = {e[1]: e[2] for e in log if e[0] == "wait"}
+    assert {waits[name] for name in staged_events} == {"host-gradient-adds"}, "the backward waits on no staged copy"
+    adds_thread = [e[0] for e in log if e[0] == "add" or (e[0] == "wait" and e[2] == "host-gradient-adds")]
+    assert adds_thread == ["wait", "add"] * parts, "a staged part is added only once its copy was waited on"
+    first_adds = next(i for i, e in enumerate(log) if e[0] == "add")
     first_copies = {e[1] for e in first if e[0] == "record"}  # the buffers the adds write are filled first
-    assert first_copies <= {e[1] for e in log[:adds[0]] if e[0] == "wait"}
+    assert first_copies <= {e[1] for e in log[:first_adds] if e[0] == "wait"}
+    at = [i for i, e in enumerate(log) if e[0] == "copy"]
+    for n, i in enumerate(at[len(staging):]):  # the (n + 3)-th part's copy waits for a slot: the n-th add done
+        assert sum(e[0] == "add" for e in log[:i]) >= n + 1
     _assert_the_resident_sum(optimizer, batches)
 
 
@@ -206,3 +222,21 @@ def test_on_a_gpu_the_run_sets_the_host_steps_threads_from_the_nodes_cores_and_p
     optimizer = build_run_optimizer(_model(), cfg, Devices(torch.device("cuda"), torch.device("cpu")))
     assert isinstance(optimizer, HostAdamW) and optimizer.page_locked_bytes() > 0
     assert chosen == [host_threads_per_process()] and chosen[0] == len(os.sched_getaffinity(0))
+
+
+def test_an_add_that_fails_on_the_adds_thread_is_raised_when_the_gradients_are_waited_for():
+    """The adds' thread keeps a failure for the training thread (never lost with the thread), drops the adds
+    queued after it, and frees every slot: the next step starts with both."""
+    slots = [torch.zeros(4), torch.zeros(4)]
+    adds = optim._StagedAdds(slots, threaded=True)
+    dst = torch.zeros(4)
+    for part in (torch.ones(4), torch.ones(3), torch.ones(4)):  # the second cannot be added to 4 elements
+        slot = adds.free_slot()
+        slot[:part.numel()].copy_(part)
+        adds.add(None, slot, slot[:part.numel()], dst)
+    with pytest.raises(RuntimeError, match="adding a later micro-batch's gradient on the host failed"):
+        adds.wait()
+    assert torch.equal(dst, torch.ones(4))  # the first add only
+    assert {adds.free_slot().data_ptr(), adds.free_slot().data_ptr()} == {s.data_ptr() for s in slots}
+    adds.wait()  # raised once
+    adds.close()
