@@ -138,8 +138,10 @@ class _Knowledge:
 
     def record(self, point: tuple[int, ...], e: Estimate) -> None:
         self.estimates[point] = e
-        (self.gpu_fits if e.fits_gpu else self.gpu_fails).append(point)
-        if point[0] in self.offload_modes:
+        at_least = getattr(e, "at_least", False)  # bytes of fewer layers: only what is over a budget is known
+        if not (at_least and e.fits_gpu):
+            (self.gpu_fits if e.fits_gpu else self.gpu_fails).append(point)
+        if point[0] in self.offload_modes and not (at_least and e.fits_host):
             self.offload_host_fits[(point[4], point[5])] = e.fits_host
 
     def host_fits(self, k_level: int, keep_level: int) -> bool | None:
@@ -215,8 +217,11 @@ def _auto_fit(cfg: TrainConfig, machine: Machine, time_model: TimeModel | None, 
     spaces = [space or search_space(layout.apply(cfg), machine.num_gpus) for layout in layouts]
     pool = evaluate if isinstance(evaluate, EstimatePool) else EstimatePool(evaluate)
     search = _Search(cfg, machine, time_model, max_traces, pool, on_estimate, layouts, spaces, tolerance)
-    best = search.run()
-    best = search.pipelined(best)
+    stopping, pool.stop_when_over = pool.stop_when_over, True  # what does not fit needs no exact bytes
+    try:
+        best = search.pipelined(search.run())
+    finally:
+        pool.stop_when_over = stopping
     result = search.result
     result.layout_searched = searched
     if best is not None:
@@ -586,6 +591,7 @@ class _Search:
                 closest = min(traces, key=lambda e: e.usage)
                 what = "GPU" if not closest.fits_gpu else "host"
                 reason = (f"no stack faster than the answer fits: the closest traced needs {what} "
+                          + ("at least " if getattr(closest, "at_least", False) else "")
                           + (f"{closest.gpu_peak_bytes / GIB:.1f} GiB of {closest.gpu_budget_bytes / GIB:.1f}"
                              if what == "GPU" else
                              f"{closest.host_bytes_per_node / GIB:.0f} GiB of {closest.host_budget_bytes / GIB:.0f}"))

@@ -98,7 +98,8 @@ def auto_fit_text(result: AutoFitResult, command: list[str] | None = None, num_g
     for t in result.traced:
         verdict = "fits" if t.estimate.fits else ("no (host)" if t.estimate.fits_gpu else "no")
         where = f"[{t.layout.describe(num_gpus)}] " if num_gpus is not None and t.layout else ""
-        lines.append(f"  {verdict:<9} GPU {t.estimate.gpu_peak_bytes / GIB:8.2f} GiB  host/node "
+        over = ">=" if t.estimate.at_least else "  "  # the fewer traced layers were over already
+        lines.append(f"  {verdict:<9} GPU {over}{t.estimate.gpu_peak_bytes / GIB:8.2f} GiB  host/node {over}"
                      f"{t.estimate.host_bytes_per_node / GIB:7.0f} GiB  step {t.cost.step_s:9.3f} s  "
                      f"{where}{' '.join(t.candidate.flags()) or '(no memory flags)'}")
     return "\n".join(lines)

@@ -201,8 +201,9 @@ def progress_printer(pool):
 def auto_fit_printer(pool, num_gpus: int):
     """A line on stderr per estimate of the auto-fit search."""
     def progress(candidate, e, layout) -> None:
-        print(f"  {pool.progress()} GPU {e.gpu_peak_bytes / 2**30:7.2f} GiB, host/node "
-              f"{e.host_bytes_per_node / 2**30:8.1f} GiB -> {'fits' if e.fits else 'no'}: "
+        over = ">=" if e.at_least else "  "  # the fewer traced layers were over already
+        print(f"  {pool.progress()} GPU {over}{e.gpu_peak_bytes / 2**30:7.2f} GiB, host/node "
+              f"{over}{e.host_bytes_per_node / 2**30:8.1f} GiB -> {'fits' if e.fits else 'no'}: "
               f"[{layout.describe(num_gpus)}] "
               f"{' '.join(candidate.flags()) or '(no memory flags)'}", file=sys.stderr, flush=True)
     return progress

@@ -112,6 +112,9 @@ class Estimate:
     """fp32 weights and optimizer state of one rank's shards: what a checkpoint save stages on the host."""
     time: StepTime | None = None
     """The step's predicted time on the machine (planning/timing.py)."""
+    at_least: bool = False
+    """The bytes are the fewer traced layers' alone (`estimate(..., stop_when_over=True)`): the step holds at least
+    them, already over a budget, so it does not fit."""
 
     @property
     def gpu_peak_bytes(self) -> int:
@@ -196,7 +199,7 @@ class Estimate:
             "num_gpus": m.num_gpus, "gpus_per_node": m.gpus_per_node, "peak_phase": self.peak_phase,
             "top_buffers": [{"name": n, "count": c, "gib": round(b / GIB, 3)} for n, c, b in self.top_buffers],
             "communicators": self.communicators, "traced_layers": list(self.traced_layers),
-            "seconds": round(self.seconds, 2),
+            "seconds": round(self.seconds, 2), **({"at_least": True} if self.at_least else {}),
             **({"time": self.time.to_json()} if self.time is not None else {}),
         }
 
@@ -313,9 +316,13 @@ def combine(traces: list[StepTrace], num_layers: int, m: int) -> StepPeak:
     return best
 
 
-def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, exact: bool = False) -> Estimate:
+def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, exact: bool = False,
+             stop_when_over: bool = False) -> Estimate:
     """Memory of `cfg` (at `seq_length`, default its own) on `machine`; `exact`: per-rank loops traced over
-    every rank (`trace.trace_step`), the reference the default is tested against.
+    every rank (`trace.trace_step`), the reference the default is tested against. `stop_when_over`: when the
+    fewer traced layers alone are over the GPU's or the host's budget, the step is not traced again with more
+    (more layers hold at least as much at every moment, and the budget is no larger): the answer is then those
+    bytes, `at_least` (a search that only needs to know what does not fit saves that trace).
 
     With attention outputs kept by only the first N blocks (`--keep-attention-output-layers`), the step with every
     block keeping them is traced: its GPU peak bounds N's from above (every tensor alive with N keeping is alive
@@ -328,7 +335,7 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, 
     stack, num_layers = spec.parallelize.memory, spec.model.num_layers
     if stack.keep_attention_layers is None or stack.kept_attention_layers(num_layers) == stack.checkpointed_layers(
             num_layers):
-        return _estimate(cfg, machine, exact)
+        return _estimate(cfg, machine, exact, stop_when_over)
     every = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, keep_attention_output_layers=None))
     e = _estimate(every, machine, exact)
     per_block = kept_attention_bytes_per_gpu(cfg, spec)
@@ -347,7 +354,7 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, 
                                time=time_model.predict(cfg, machine.num_gpus))
 
 
-def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False) -> Estimate:
+def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False, stop_when_over: bool = False) -> Estimate:
     start = time.perf_counter()
     spec = cfg.run_spec(machine.num_gpus)
     if spec.parallelize.fsdp.cpu_offload:
@@ -355,10 +362,21 @@ def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False) -> Estima
     counts = traced_layer_counts(spec)
     flash_impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call()) \
         if machine.device == "cuda" else "default"
-    traces = [trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn, flash_impl, exact)
-              for n in counts]
+    traces = []
+    for n in counts:
+        traces.append(trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn, flash_impl, exact))
+        if stop_when_over and len(traces) < len(counts):
+            fewer = _from_step(cfg, machine, spec, combine(traces, n, n), counts[:1], start)
+            if not fewer.fits:
+                return dataclasses.replace(fewer, at_least=True)
+    step = combine(traces, spec.model.num_layers, anchor_depth(spec))
+    return _from_step(cfg, machine, spec, step, counts, start)
+
+
+def _from_step(cfg: TrainConfig, machine: Machine, spec: RunSpec, step: StepPeak, counts: tuple[int, ...],
+               start: float) -> Estimate:
+    """The estimate of a step whose peak is `step` (traced with `counts` layers), NCCL's buffers added."""
     num_layers = spec.model.num_layers
-    step = combine(traces, num_layers, anchor_depth(spec))
     analysis = step.trace.analysis
     communicators = len(analysis.communicators)
     nccl = nccl_bytes(analysis.communicator_sizes, analysis.all_to_all_groups, machine.nccl,

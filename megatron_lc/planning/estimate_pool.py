@@ -72,6 +72,10 @@ class EstimateCache:
             partial.unlink(missing_ok=True)
 
 
+def _at_least(e: Estimate) -> bool:
+    return getattr(e, "at_least", False)  # a stand-in's answers may not say
+
+
 def _init_worker() -> None:
     import torch
 
@@ -90,6 +94,9 @@ class EstimatePool:
         self.evaluate, self.workers = evaluate, max(1, workers)
         self.exact = exact
         """`estimate(..., exact=True)`: every rank of the per-rank loops traced (the real `estimate` only)."""
+        self.stop_when_over = False
+        """`estimate(..., stop_when_over=True)`: a step whose fewer traced layers are over a budget is answered by
+        them (`Estimate.at_least`), for searches that only need to know that it does not fit (auto-fit)."""
         self.cache = cache or EstimateCache(None)
         self.memory: dict[str, Estimate] = {}
         self.traced = self.cached = 0
@@ -113,8 +120,12 @@ class EstimatePool:
         keys = [self.cache.key(*job, self.exact) for job in jobs]
         todo: dict[str, Job] = {}
         for key, job in zip(keys, jobs):
+            if key in self.memory and _at_least(self.memory[key]) and not self.stop_when_over:
+                del self.memory[key]  # bytes at least: this caller needs them all
             if key not in self.memory and key not in todo:
                 found = self.cache.get(key)
+                if found is not None and _at_least(found) and not self.stop_when_over:
+                    found = None
                 if found is not None:
                     self.memory[key] = found
                     self.cached += 1
@@ -132,16 +143,17 @@ class EstimatePool:
     def _trace(self, jobs: list[Job]) -> list[Estimate]:
         if self.evaluate is not estimate:
             return [self.evaluate(*job) for job in jobs]
+        flags = (self.exact, self.stop_when_over)
         if self.workers == 1 or len(jobs) == 1:
-            return [estimate(*job, exact=self.exact) for job in jobs]
+            return [estimate(*job, *flags) for job in jobs]
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
         try:
-            return list(self._pool.map(estimate, *zip(*jobs), [self.exact] * len(jobs)))
+            return list(self._pool.map(estimate, *zip(*jobs), *([flag] * len(jobs) for flag in flags)))
         except BrokenProcessPool:
             self._pool = None  # a worker died (out of memory?): this round again, here
-            return [estimate(*job, exact=self.exact) for job in jobs]
+            return [estimate(*job, *flags) for job in jobs]
 
     @property
     def seconds_per_round(self) -> float | None:
