@@ -51,7 +51,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
-from bench.bench_vs_alst import IGNORE_INDEX, _our_config, _StepTimer, _write_json, launch  # noqa: E402
+from bench.bench_vs_alst import (IGNORE_INDEX, _StepTimer, _write_json, add_worker_flags, launch,  # noqa: E402
+                                 write_peer_weights)
 
 ROWS = {  # name -> (cp_comm_type, cp_impl, document layout)
     "ring, sequence (p2p)": ("p2p", "ulysses", "sequence"),
@@ -87,19 +88,11 @@ def prepare(work: Path) -> None:
 
     from megatron_lc.context_layout import context_layout_from_flags, packed_rank_work
     from megatron_lc.memory.chunks import plan_chunks
-    from megatron_lc.models.llama import build_model, count_parameters
-    from megatron_lc.models.llama.hf import to_hf_config, to_hf_state_dict
-    from megatron_lc.training.hf_conversion import save_safetensors
+    from megatron_lc.models.llama import count_parameters
 
     spec = json.loads((work / "spec.json").read_text())
     S, world = spec["seq_length"], spec["world"]
-    config = _our_config(spec)
-    model = build_model(config, device="cpu", seed=0)
-    hf = work / "hf"
-    hf.mkdir()
-    to_hf_config(config, torch_dtype=torch.float32).save_pretrained(hf)
-    save_safetensors({k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), config).items()},
-                     hf / "model.safetensors")
+    config, model = write_peer_weights(work, spec)
     cu = packed_sample(S, spec["scale_from"], spec["documents"], spec["seed"])
     padding = S - cu[-2] if spec["padding"] and len(cu) > 1 else 0
     g = torch.Generator().manual_seed(spec["seed"])
@@ -312,10 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch-timeout", type=float, default=3600, help="seconds per launch")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the weights, tokens and logs here")
     parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
-    parser.add_argument("--_worker", choices=("ours", "prepare"), help=argparse.SUPPRESS)
-    parser.add_argument("--_work", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--_tag", help=argparse.SUPPRESS)
-    parser.add_argument("--_profile", action="store_true", help=argparse.SUPPRESS)
+    add_worker_flags(parser, ("ours",))
     args = parser.parse_args(argv)
     if args._worker == "prepare":
         prepare(args._work)

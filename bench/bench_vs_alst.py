@@ -168,18 +168,14 @@ def _our_config(spec):
                        kv_channels=spec["hidden"] // spec["heads"], ffn_hidden_size=spec["ffn"])
 
 
-def prepare(work: Path) -> None:
-    """Writes work/hf (the peer's weights, via the project's conversion), work/tokens.pt, work/prepared.json."""
+def write_peer_weights(work: Path, spec: dict):
+    """Our model of `spec` (seed 0) and work/hf, the same weights for the peer (the project's conversion)."""
     import torch
 
-    sys.path.insert(0, str(REPO))
-    from megatron_lc.memory.chunks import plan_chunks
-    from megatron_lc.models.llama import build_model, count_parameters
-    from megatron_lc.training.hf_conversion import save_safetensors
+    from megatron_lc.models.llama import build_model
     from megatron_lc.models.llama.hf import to_hf_config, to_hf_state_dict
-    from megatron_lc.testing import make_batch
+    from megatron_lc.training.hf_conversion import save_safetensors
 
-    spec = json.loads((work / "spec.json").read_text())
     config = _our_config(spec)
     model = build_model(config, device="cpu", seed=0)
     hf = work / "hf"
@@ -187,6 +183,20 @@ def prepare(work: Path) -> None:
     to_hf_config(config, torch_dtype=torch.float32).save_pretrained(hf)
     save_safetensors({k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), config).items()},
                      hf / "model.safetensors")
+    return config, model
+
+
+def prepare(work: Path) -> None:
+    """Writes work/hf (the peer's weights, via the project's conversion), work/tokens.pt, work/prepared.json."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from megatron_lc.memory.chunks import plan_chunks
+    from megatron_lc.models.llama import count_parameters
+    from megatron_lc.testing import make_batch
+
+    spec = json.loads((work / "spec.json").read_text())
+    config, model = write_peer_weights(work, spec)
     batch, _ = make_batch(1, spec["seq_length"], config.vocab_size, seed=spec["seed"], num_docs=1)
     assert batch.cu_seqlens == (0, spec["seq_length"]) and bool((batch.labels != IGNORE_INDEX).all())
     torch.save({"input_ids": batch.input_ids, "labels": batch.labels, "position_ids": batch.position_ids},
@@ -569,6 +579,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_worker_flags(parser: argparse.ArgumentParser, sides: tuple[str, ...]) -> None:
+    """The hidden flags a bench's own processes run with: `launch`'s workers (`--_worker side --_work --_tag
+    [--_profile]`) and the `prepare` step (`--_worker prepare --_work`)."""
+    parser.add_argument("--_worker", choices=(*sides, "prepare"), help=argparse.SUPPRESS)
+    parser.add_argument("--_work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--_tag", help=argparse.SUPPRESS)
+    parser.add_argument("--_profile", action="store_true", help=argparse.SUPPRESS)
+
+
 def launch(python: str, side: str, work: Path, tag: str, world: int, timeout: float, profile: bool = False,
            script: Path | None = None) -> list[dict]:
     """`world` processes of `side` (rank env as torchrun sets it), started from this small process; their results.
@@ -693,10 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="after the timed steps of each side's first launch, one more step under torch.profiler "
                              "on rank 0; prints its top ops by self CPU time")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
-    parser.add_argument("--_worker", choices=SIDES + ("prepare",), help=argparse.SUPPRESS)
-    parser.add_argument("--_work", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--_tag", help=argparse.SUPPRESS)
-    parser.add_argument("--_profile", action="store_true", help=argparse.SUPPRESS)
+    add_worker_flags(parser, SIDES)
     args = parser.parse_args(argv)
     if args._worker == "prepare":
         prepare(args._work)

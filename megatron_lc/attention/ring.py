@@ -8,6 +8,13 @@ runs one causal call over both chunks; against an earlier chunk, only the docume
 that crosses from that chunk into the query chunk is attended, without a mask (every
 key lies before every query). Partial outputs are merged by log-sum-exp in fp32.
 
+A ring cut by documents (`--cp-document-layout split` or `local`, `context_layout.SampleCut`) holds per
+sample [head pieces | tail pieces | whole documents] instead: every cut document's pieces r and 2R-1-r,
+then the documents kept whole on this rank (`DocumentRingSchedule`). A remote block's pieces are attended,
+without a mask, by the pieces after them in the same document, one call per run of documents with rows on
+both sides; pieces sharing no document cost no call, and whole documents never travel (only a block's
+first `sent_rows` rows do).
+
 The backward passes the keys and values around again with fp32 dK/dV accumulators,
 each rank adding its share for the block in hand; after R hops each accumulator is
 back at its owner. `kv_grads="overlapped"` sends an accumulator on while the next
@@ -30,6 +37,7 @@ all-to-all gave this rank.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -38,7 +46,7 @@ import torch.distributed as dist
 
 from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.varlen import CuSeqlens
-from megatron_lc.context_layout import ContextLayout
+from megatron_lc.context_layout import ContextLayout, SampleCut
 from megatron_lc.memory.tiling import RankLoop, every_rank
 
 RingKvGrads = Literal["overlapped", "in_place"]
@@ -87,6 +95,11 @@ class RingSchedule:
     @property
     def samples(self) -> int:
         return self.cu_seqlens[-1] // self.seq_length
+
+    @property
+    def sent_rows(self) -> int:
+        """Rows of the local keys and values that travel: all of them (both chunks of every sample)."""
+        return 2 * self.chunk * self.samples
 
     def own_block(self) -> ChunkPair:
         """Causal attention of every local row over its own chunk: one call for the micro-batch."""
@@ -168,28 +181,32 @@ class DocumentRingSchedule:
     def samples(self) -> int:
         return self.cu_seqlens[-1] // self.seq_length
 
-    def cut(self, sample: int):
-        S, cu = self.seq_length, self.cu_seqlens
-        first, last = bisect.bisect_left(cu, sample * S), bisect.bisect_left(cu, (sample + 1) * S)
-        return self.layout.sample_cut(S, [b - sample * S for b in cu[first:last + 1]])
+    @functools.cached_property
+    def cuts(self) -> tuple[SampleCut, ...]:
+        """Each sample's cut, made once per schedule (its own block and every step's pairs read them)."""
+        S, cu, cuts = self.seq_length, self.cu_seqlens, []
+        for sample in range(self.samples):
+            first, last = bisect.bisect_left(cu, sample * S), bisect.bisect_left(cu, (sample + 1) * S)
+            cuts.append(self.layout.sample_cut(S, [b - sample * S for b in cu[first:last + 1]]))
+        return tuple(cuts)
 
     @property
     def sent_rows(self) -> int:
         """Rows of the local keys and values that travel: every sample's but the last one's whole documents."""
-        return (self.samples - 1) * self.rows + self.cut(self.samples - 1).sent_rows
+        return (self.samples - 1) * self.rows + self.cuts[-1].sent_rows
 
     def own_block(self) -> ChunkPair:
         cu = [0]
-        for b in range(self.samples):
-            for start, stop in self.cut(b).ring_rows(self.ring_rank):
+        for cut in self.cuts:
+            for start, stop in cut.ring_rows(self.ring_rank):
                 cu.append(cu[-1] + stop - start)
         n = self.samples * self.rows
         return ChunkPair((0, n), (0, n), tuple(cu), None)
 
     def cross_pairs(self, kv_ring_rank: int) -> list[ChunkPair]:
         r, pairs = self.ring_rank, []
-        for b in range(self.samples):
-            cut, base = self.cut(b), b * self.rows
+        for b, cut in enumerate(self.cuts):
+            base = b * self.rows
             q_head, q_tail = _lengths(cut.first_pieces(r)), _lengths(cut.second_pieces(r))
             k_head, k_tail = _lengths(cut.first_pieces(kv_ring_rank)), _lengths(cut.second_pieces(kv_ring_rank))
             q_tail0, k_tail0 = base + sum(q_head), base + sum(k_head)
@@ -362,11 +379,6 @@ class RingAttention:
         kind = DocumentRingSchedule if self.layout.cuts_documents else RingSchedule
         return kind(self.layout, self.seq_length, cu, self.ring.rank)
 
-    @staticmethod
-    def _sent_rows(schedule, rows: int) -> int:
-        """Rows of a block that travel the ring (a document cut keeps whole documents home)."""
-        return schedule.sent_rows if isinstance(schedule, DocumentRingSchedule) else rows
-
     def _kv_rank(self, step: int) -> int:
         return (self.ring.rank - step) % self.ring.size
 
@@ -379,7 +391,7 @@ class RingAttention:
         own = schedule.own_block()
         out, lse, state = self.kernel.forward(q, k, v, own.cu_q, scale)
         acc, states = out.to(lse.dtype), [state]
-        sent = self._sent_rows(schedule, k.shape[0])
+        sent = schedule.sent_rows  # a document cut keeps whole documents home
         kv = (k[:sent], v[:sent]) if sent < k.shape[0] else (k, v)
         for step in self._steps():
             last = step == self.ring.size - 1
@@ -403,7 +415,7 @@ class RingAttention:
                              f"{1 + sum(map(len, steps.values()))}")
         states = iter(calls)
         own = schedule.own_block()
-        sent = self._sent_rows(schedule, k.shape[0])
+        sent = schedule.sent_rows  # a document cut keeps whole documents home
         if self.kv_grads == "in_place":
             return self._backward_in_place(dout, q, k, v, out, lse, scale, own, steps, states, sent)
         gq, gk, gv = self.kernel.backward(dout, q, k, v, out, lse, own.cu_q, scale, tuple(next(states)))
