@@ -284,7 +284,7 @@ def test_arena_page_locks_exactly_the_offloaded_inputs_once(monkeypatch, caplog)
     x = torch.randn(3, 7, 16, requires_grad=True)
     per_layer = x.numel() * x.element_size()
     caplog.set_level("INFO", logger="megatron_lc.memory.offload")
-    offload.reserve(x.shape, x.dtype)  # before the first step: nothing is locked on its critical path
+    offload.reserve(offload.input_arena(x.shape, x.dtype))  # before the first step: nothing is locked on its critical path
     assert recorder.locked == [(recorder.locked[0][0], 4 * per_layer)]
     assert f"page-locking {4 * per_layer:,} bytes" in caplog.text
     used = []
