@@ -271,7 +271,8 @@ class OffloadScheduler:
         self._pin = (self._is_cuda and self.host.type == "cpu") if page_locked is None else page_locked
         self._copy_stream = torch.cuda.Stream(device=self.accelerator) if self._is_cuda else None
         self._arenas: dict[ArenaKey, list[HostArena]] = {}
-        self._reserved = False
+        self._reserved: frozenset[ArenaKey] = frozenset()
+        """The keys of the last `reserve`: a step keeps their arenas even when idle."""
         self._pending: dict[object, list[OffloadHandle]] = {}
         self.host_bytes_in_use = 0
         self.host_bytes_peak = 0
@@ -340,10 +341,10 @@ class OffloadScheduler:
     def reserve(self, arenas: dict[ArenaKey, int]) -> None:
         """Make these arenas (key -> slots) now, before the first step needs them: a step that offloads only
         tensors of these keys then allocates and page-locks nothing. Idle arenas of other keys go first."""
+        self._reserved = frozenset(key for key, slots in arenas.items() if slots)
         for key, slots in arenas.items():
             if slots and not self._arenas.get(key):
-                self._new_arena(key, slots, keep=arenas.keys())
-        self._reserved = True
+                self._new_arena(key, slots)
 
     def reset_peak(self) -> None:
         """Restart peak tracking from the bytes in use now (e.g. at each step)."""
@@ -351,11 +352,11 @@ class OffloadScheduler:
 
     # ------------------------------------------------------------------ host arenas
 
-    def _new_arena(self, key: ArenaKey, slots: int, keep=()) -> HostArena:
-        """One exact allocation for `slots` tensors of `key`, logged; idle arenas of other keys (but those in `keep`)
-        go first."""
+    def _new_arena(self, key: ArenaKey, slots: int) -> HostArena:
+        """One exact allocation for `slots` tensors of `key`, logged; idle arenas of other keys go first (e.g.
+        evaluation at another length), but for those reserved."""
         for other, arenas in list(self._arenas.items()):
-            if other != key and other not in keep and all(a.idle for a in arenas):  # e.g. another length
+            if other != key and other not in self._reserved and all(a.idle for a in arenas):
                 if self._is_cuda:  # a copy back from a returned slot may still be running
                     self._copy_stream.synchronize()
                 for arena in arenas:
