@@ -84,7 +84,7 @@ BASE = dict(model="debug", num_layers=4, seq_length=64, mock_data=True, recomput
             offload_mode="prefetch", keep_attention_output=True, context_parallel_size=4)
 CASES = {
     "ulysses-cp2": dict(context_parallel_size=2),
-    "ulysses-cp4-sparse-k2": dict(offload_every_k_layers=2),
+    "ulysses-cp4-sparse-k2-replaying": dict(offload_every_k_layers=2, replay_kept_attention=True),
     "untied-cp4": dict(cp_impl="untied_ulysses"),
     "untied-cp4-lean-2-stages": dict(cp_impl="untied_ulysses", untied_backward="lean", untied_heads_per_stage=4),
     "ring-cp4-split-documents": dict(cp_comm_type="p2p"),
@@ -149,7 +149,7 @@ def test_every_backend_declares_what_it_keeps_so_steps_lock_nothing_and_the_plan
     assert reserved[name] == counted
 
 
-@pytest.mark.parametrize("name", ["untied-2x2-ring-lean", "ulysses-cp4-sparse-k2"])
+@pytest.mark.parametrize("name", ["untied-2x2-ring-lean", "ulysses-cp4-sparse-k2-replaying"])
 def test_the_planners_host_bytes_are_what_start_up_reserves(name, reserved):
     planned = estimate(_config(name), Machine(num_gpus=WORLD, device="cpu", reserve_gib=0.0)).host_bytes_per_gpu
     assert reserved[name] == pytest.approx(planned, rel=0.01, abs=4096)
