@@ -41,7 +41,6 @@ of `KeptTensor`), and `arena_slots` sizes each arena the way ``put`` fills it, s
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -67,10 +66,6 @@ class KeptTensor:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def arena_slots(kept: Iterable[tuple[tuple[int, ...], torch.dtype]], layers: int) -> Counter:

@@ -9,14 +9,14 @@ GiB block input (Llama3-8B, 5,242,880 tokens on 8 GPUs) would pin 8 GiB. Instead
 scheduler keeps one *arena* per (shape, dtype): a single ordinary host allocation of
 exactly ``slots x bytes`` (slots = the layers that offload), page-locked once with
 ``cudaHostRegister`` (in pieces of at most 256 GiB: larger single registrations fail on
-R580+ drivers) and carved into one view per slot. Arenas are made before the first step by ``reserve``
-(the memory stack names every arena a step fills, `MemoryStack.host_arenas`; page-locking a
-terabyte takes minutes, and inside step 1 it would stall it; each arena is logged with its byte
-count), else the first time a shape is offloaded (with a warning once anything was reserved).
-In steady state every step reuses the same slots and nothing is allocated. All copies in both directions run on the
-same side stream, which is what makes reuse safe: a slot returned after its copy back
-was *queued* can only be overwritten by a later copy on that same stream, i.e. after the
-copy back has run.
+R580+ drivers) and carved into one view per slot. Arenas are made before the first step by
+``reserve`` (the memory stack names every arena a step fills, `MemoryStack.host_arenas`;
+page-locking a terabyte takes minutes, and inside step 1 it would stall it; each arena is logged
+with its byte count), else the first time a shape is offloaded (with a warning once anything was
+reserved). In steady state every step reuses the same slots and nothing is allocated. All copies
+in both directions run on the same side stream, which is what makes reuse safe: a slot returned
+after its copy back was *queued* can only be overwritten by a later copy on that same stream,
+i.e. after the copy back has run.
 
 On any other accelerator (cpu in tests) the same code path runs with plain, synchronous
 copies into the arenas' slots, so the byte accounting is exercised too.
