@@ -61,7 +61,7 @@ from megatron_lc.attention.varlen import (
     state_per_call,
     varlen_args,
 )
-from megatron_lc.memory.kept_attention import KeptAttention
+from megatron_lc.memory.kept_attention import KeptAttention, KeptTensor
 
 FLASH_ATTN_MIN_VERSION = (2, 7)
 """The private `_flash_attn_varlen_*` signatures used below are those of flash-attn 2.7 and later."""
@@ -122,6 +122,14 @@ def _softmax_scale(head_dim: int, scale: float | None) -> float:
 def _acc_dtype(q: torch.Tensor) -> torch.dtype:
     """fp32 math and lse, or fp64 when the inputs are fp64 (used by gradient checks)."""
     return torch.promote_types(q.dtype, torch.float32)
+
+
+def kept_outputs(tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> list[KeptTensor]:
+    """What one `attention(kept=)` call puts on the host, by this module's contract whatever the documents: out
+    [tokens, heads, d] in the inputs' dtype and lse [heads, tokens] in fp32 (fp64 for fp64 inputs); the kernel's
+    state stays on the accelerator."""
+    return [KeptTensor((tokens, heads, head_dim), dtype),
+            KeptTensor((heads, tokens), torch.promote_types(dtype, torch.float32))]
 
 
 def _expand_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 
-from megatron_lc.attention.kernels import Kernel, attention
+from megatron_lc.attention.kernels import Kernel, attention, kept_outputs
+from megatron_lc.memory.kept_attention import KeptTensor
 from megatron_lc.attention.rotary import apply_rotary
 
 
@@ -23,6 +25,11 @@ class LocalAttention:
 
     head_dim: int
     kernel: Kernel
+
+    def kept_tensors(self, batch: int, tokens: int, num_heads: int, dtype: torch.dtype) -> list[KeptTensor]:
+        """What a keeping block puts on the host for `batch` samples of `tokens` local tokens: every head of the
+        local tokens (a ring's kernel attends the ring rank's tokens)."""
+        return kept_outputs(batch * tokens, num_heads, self.head_dim, dtype)
 
     def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, kept=None):
         B, S, _ = x.shape

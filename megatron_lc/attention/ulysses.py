@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_lc.attention.kernels import Kernel, attention
+from megatron_lc.attention.kernels import Kernel, attention, kept_outputs
 from megatron_lc.attention.local import project_qkv
+from megatron_lc.memory.kept_attention import KeptTensor
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -100,6 +101,11 @@ class UlyssesAttention:
     kernel: Kernel
     group: object
     cp: int
+
+    def kept_tensors(self, batch: int, tokens: int, num_heads: int, dtype: torch.dtype) -> list[KeptTensor]:
+        """What a keeping block puts on the host for `batch` samples of `tokens` local tokens: H/cp heads of the
+        gathered sequence (the group's tokens)."""
+        return kept_outputs(batch * tokens * self.cp, num_heads // self.cp, self.head_dim, dtype)
 
     def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, kept=None):
         B, s, _ = x.shape

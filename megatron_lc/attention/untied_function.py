@@ -30,7 +30,7 @@ class UntiedUlyssesFunction(torch.autograd.Function):
                 kept: KeptAttention | None):
         norm = None if norm_weight is None else InputNorm.of(x, norm_weight, norm_eps, backend.tile_bounds)
         # lean: the output is kept as its stages' heads, and the backward frees each once sent
-        by_stage = wo is not None and backend.backward_memory == "lean"
+        by_stage = wo is not None and backend.output_by_stage
         if kept is not None and kept.replay:  # a recompute: the forward's output and lses, no stage run again
             flat, (outputs, sizes) = kept.take()
             ends = list(itertools.accumulate(sizes))

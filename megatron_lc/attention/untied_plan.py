@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+import torch
+
+from megatron_lc.attention.kernels import kept_outputs
 from megatron_lc.attention.ulysses import check_ulysses_shapes, kv_replication
+from megatron_lc.memory.kept_attention import KeptTensor
 
 HEADS_PER_STAGE_FLAG = "--untied-heads-per-stage"
 BackwardMemory = Literal["fast", "lean"]
@@ -69,6 +73,16 @@ class StagePlan:
     def stages(self, kv_round: int) -> range:
         """Stages served by the kv heads of `kv_round`."""
         return range(kv_round * self.stages_per_round, (kv_round + 1) * self.stages_per_round)
+
+    def kept(self, batch: int, tokens: int, head_dim: int, dtype: torch.dtype, by_stage: bool) -> list[KeptTensor]:
+        """What the op puts on the host for a keeping block of `batch` samples of `tokens` local tokens (`wo` given,
+        as the model's attention gives it): the output [B, S/cp, H*d], or each stage's [B, S/cp, cp, U/cp, d]
+        (`by_stage`), and each stage's lse [U/cp, B*S] (a ring's: of the ring rank's tokens)."""
+        u, stages = self.stage_heads_per_rank, self.num_stages
+        lse = kept_outputs(batch * tokens * self.cp, u, head_dim, dtype)[1]
+        outs = ([KeptTensor((batch, tokens, self.cp, u, head_dim), dtype)] * stages if by_stage
+                else [KeptTensor((batch, tokens, self.num_heads * head_dim), dtype)])
+        return [*outs, *[lse] * stages]
 
     def aligned(self) -> bool:
         """Stages align with GQA groups: U/cp divides, or is a multiple of, the group size."""

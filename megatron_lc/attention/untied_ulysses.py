@@ -66,6 +66,7 @@ from megatron_lc.attention.untied_norm import DX_CHUNK_ROWS, InputNorm
 from megatron_lc.attention.untied_plan import BackwardMemory, StagePlan
 from megatron_lc.attention.untied_workspace import StageWorkspace
 from megatron_lc.memory import tiling
+from megatron_lc.memory.kept_attention import KeptTensor
 from megatron_lc.memory.tiling import RankLoop, TileBounds, addmm_fp32_, every_rank
 
 
@@ -259,6 +260,15 @@ class UntiedUlyssesAttention:
     """Takes `o_proj`'s weight (`wo=`): its backward then never holds the whole attention-output gradient."""
     fuses_input_norm = True
     """Takes the block input and its RMSNorm (`norm_weight=`, `norm_eps=`): the normed input is never stored."""
+
+    @property
+    def output_by_stage(self) -> bool:
+        """Given `wo`, the output is made and kept as its stages' heads (the lean backward frees each once sent)."""
+        return self.backward_memory == "lean"
+
+    def kept_tensors(self, batch: int, tokens: int, num_heads: int, dtype: torch.dtype) -> list[KeptTensor]:
+        """What a keeping block puts on the host for `batch` samples of `tokens` local tokens (`StagePlan.kept`)."""
+        return self.plan.kept(batch, tokens, self.head_dim, dtype, self.output_by_stage)
 
     def __call__(self, x, wq, wk, wv, cos, sin, cu_seqlens, kept=None, wo=None, norm_weight=None, norm_eps=None):
         """x [B, S/cp, hidden] (normed, or the block input with `norm_weight`), cos/sin [B, S/cp, d] ->

@@ -32,13 +32,18 @@ block run outside its checkpoint, never see another block's tensors. The recompu
 ``take``s them back, in the same order), ``store.peeking(record)`` around a sparse replay. Outside these the op
 computes as usual and keeps nothing. A record per forward, not one per block, so that a forward whose backward
 never runs leaves nothing for the next one to take.
+
+The host arenas of these tensors are made before step 1 with the block inputs' (`MemoryStack.host_arenas`): each
+attention backend declares what a keeping block puts on the host for the run's micro-batch (``kept_tensors``, a list
+of `KeptTensor`), and `arena_slots` sizes each arena the way ``put`` fills it, so a step page-locks nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -53,6 +58,21 @@ def kept_bytes_per_layer(tokens: int, heads: int, head_dim: int, itemsize: int) 
     """What one block keeps for one rank: its attention output `[tokens, heads, head_dim]` in the compute dtype and
     the fp32 log-sum-exp, `heads x tokens` (per rank: `tokens` the rank's share, all heads, whatever the layout)."""
     return tokens * heads * (head_dim * itemsize + 4)
+
+
+@dataclass(frozen=True)
+class KeptTensor:
+    """One tensor a keeping block's attention op puts on the host, as its backend declares it before step 1."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def arena_slots(kept: Iterable[tuple[tuple[int, ...], torch.dtype]], layers: int) -> Counter:
+    """Slots of each (shape, dtype) arena of kept tensors, given the (shape, dtype) of each tensor one block puts on
+    the host: one per offloaded keeping layer and tensor of that shape (what ``put`` sizes an arena by, and what the
+    memory stack reserves before step 1)."""
+    return Counter({key: layers * count for key, count in Counter(kept).items()})
 
 
 KeptMode = Literal["off", "keep", "take", "peek"]
@@ -124,12 +144,13 @@ class KeptAttention:
         if not self.keep:
             raise RuntimeError(f"layer {self.layer_idx}: kept attention put outside the block's forward")
         offload = self._record.offload
-        counts = Counter((tuple(t.shape), t.dtype) for t, h in zip(tensors, to_host) if h)
+        slots = arena_slots(((tuple(t.shape), t.dtype) for t, h in zip(tensors, to_host) if h),
+                            offload.attention_layers if offload is not None else 0)
         items = []
         for t, host in zip(tensors, to_host):
             if host and offload is not None:
-                slots = offload.attention_layers * counts[(tuple(t.shape), t.dtype)]
-                items.append(offload.offload(self.layer_idx, t, kind=ATTENTION_KIND, slots=slots))
+                items.append(offload.offload(self.layer_idx, t, kind=ATTENTION_KIND,
+                                             slots=slots[(tuple(t.shape), t.dtype)]))
             else:
                 items.append(t)
         self._record.entries.append((items, meta))

@@ -9,13 +9,14 @@ GiB block input (Llama3-8B, 5,242,880 tokens on 8 GPUs) would pin 8 GiB. Instead
 scheduler keeps one *arena* per (shape, dtype): a single ordinary host allocation of
 exactly ``slots x bytes`` (slots = the layers that offload), page-locked once with
 ``cudaHostRegister`` (in pieces of at most 256 GiB: larger single registrations fail on
-R580+ drivers) and carved into one view per slot. Arenas are made the first time a
-shape is offloaded, or before the first step by ``reserve`` (page-locking a terabyte
-takes minutes; each arena is logged with its byte count). In steady state every step
-reuses the same slots and nothing is allocated. All copies in both directions run on the
-same side stream, which is what makes reuse safe: a slot returned after its copy back
-was *queued* can only be overwritten by a later copy on that same stream, i.e. after the
-copy back has run.
+R580+ drivers) and carved into one view per slot. Arenas are made before the first step by
+``reserve`` (the memory stack names every arena a step fills, `MemoryStack.host_arenas`;
+page-locking a terabyte takes minutes, and inside step 1 it would stall it; each arena is logged
+with its byte count), else the first time a shape is offloaded (with a warning once anything was
+reserved). In steady state every step reuses the same slots and nothing is allocated. All copies
+in both directions run on the same side stream, which is what makes reuse safe: a slot returned
+after its copy back was *queued* can only be overwritten by a later copy on that same stream,
+i.e. after the copy back has run.
 
 On any other accelerator (cpu in tests) the same code path runs with plain, synchronous
 copies into the arenas' slots, so the byte accounting is exercised too.
@@ -54,6 +55,9 @@ _CUDA_HOST_REGISTER_PORTABLE = 1
 
 INPUT_KIND = "input"
 """The kind of a layer's kept block input (other kinds: other tensors a layer keeps for its backward)."""
+
+ArenaKey = tuple[tuple[int, ...], torch.dtype, str]
+"""An arena's (shape, dtype, kind): one arena per key, of one slot per tensor of that key on the host at once."""
 
 PAGE_LOCK_PIECE = 256 << 30
 """Bytes page-locked by one cudaHostRegister at most: on R580 and later drivers a single registration of
@@ -195,6 +199,11 @@ class OffloadHandle:
     to_accelerator_done: object | None = None
 
 
+def arena_bytes(arenas: dict[ArenaKey, int]) -> int:
+    """Host bytes of these arenas (key -> slots), as `OffloadScheduler.reserve` allocates them."""
+    return sum(slots * math.prod(shape) * dtype.itemsize for (shape, dtype, _), slots in arenas.items())
+
+
 def _nbytes(t: torch.Tensor) -> int:
     """Bytes of a tensor's elements."""
     return t.numel() * t.element_size()
@@ -261,7 +270,9 @@ class OffloadScheduler:
         self._is_cuda = self.accelerator.type == "cuda"
         self._pin = (self._is_cuda and self.host.type == "cpu") if page_locked is None else page_locked
         self._copy_stream = torch.cuda.Stream(device=self.accelerator) if self._is_cuda else None
-        self._arenas: dict[tuple[tuple[int, ...], torch.dtype, str], list[HostArena]] = {}
+        self._arenas: dict[ArenaKey, list[HostArena]] = {}
+        self._reserved: frozenset[ArenaKey] = frozenset()
+        """The keys of the last `reserve`: a step keeps their arenas even when idle."""
         self._pending: dict[object, list[OffloadHandle]] = {}
         self.host_bytes_in_use = 0
         self.host_bytes_peak = 0
@@ -315,18 +326,25 @@ class OffloadScheduler:
         """Host bytes page-locked now (0 when the arenas are ordinary memory)."""
         return self.host_bytes_reserved if self._pin else 0
 
+    def arena_slots(self) -> dict[ArenaKey, int]:
+        """Every arena made so far, with its slots."""
+        return {key: sum(a.slots for a in arenas) for key, arenas in self._arenas.items()}
+
     def host_buffers(self) -> list[torch.Tensor]:
         """Every host slot of every arena made so far (free or in use)."""
         return [view for arenas in self._arenas.values() for arena in arenas for view in arena.views]
 
-    def reserve_bytes(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        """Host bytes `reserve(shape, dtype)` allocates (and page-locks, on CUDA)."""
-        return max(1, self.host_slots) * math.prod(shape) * dtype.itemsize
+    def input_arena(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[ArenaKey, int]:
+        """The arena of block inputs of this shape and dtype, with its slots (one per kept offloaded input)."""
+        return {(tuple(shape), dtype, INPUT_KIND): max(1, self.host_slots)}
 
-    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Make the arena for block inputs of this shape and dtype now, before the first step needs it."""
-        if not self._arenas.get((tuple(shape), dtype, INPUT_KIND)):
-            self._new_arena((tuple(shape), dtype, INPUT_KIND), max(1, self.host_slots))
+    def reserve(self, arenas: dict[ArenaKey, int]) -> None:
+        """Make these arenas (key -> slots) now, before the first step needs them: a step that offloads only
+        tensors of these keys then allocates and page-locks nothing. Idle arenas of other keys go first."""
+        self._reserved = frozenset(key for key, slots in arenas.items() if slots)
+        for key, slots in arenas.items():
+            if slots and not self._arenas.get(key):
+                self._new_arena(key, slots)
 
     def reset_peak(self) -> None:
         """Restart peak tracking from the bytes in use now (e.g. at each step)."""
@@ -334,10 +352,11 @@ class OffloadScheduler:
 
     # ------------------------------------------------------------------ host arenas
 
-    def _new_arena(self, key: tuple[tuple[int, ...], torch.dtype, str], slots: int) -> HostArena:
-        """One exact allocation for `slots` tensors of `key`, logged; idle arenas of other shapes go first."""
+    def _new_arena(self, key: ArenaKey, slots: int) -> HostArena:
+        """One exact allocation for `slots` tensors of `key`, logged; idle arenas of other keys go first (e.g.
+        evaluation at another length), but for those reserved."""
         for other, arenas in list(self._arenas.items()):
-            if other != key and all(a.idle for a in arenas):  # e.g. evaluation at another length
+            if other != key and other not in self._reserved and all(a.idle for a in arenas):
                 if self._is_cuda:  # a copy back from a returned slot may still be running
                     self._copy_stream.synchronize()
                 for arena in arenas:
@@ -371,6 +390,9 @@ class OffloadScheduler:
             if arenas:  # more tensors of this shape in flight than layers offload: one more slot
                 LOG.warning("offload: more than %d %s tensors of shape %s on the host; adding one slot",
                             sum(a.slots for a in arenas), kind, list(shape))
+            elif self._reserved:
+                LOG.warning("offload: %s tensors of shape %s %s were not reserved before the first step; their "
+                            "arena is made (and page-locked) inside this step", kind, list(shape), dtype)
             arena = self._new_arena(key, 1 if arenas else max(1, self.host_slots if slots is None else slots))
         buffer = arena.free.pop()
         self.host_bytes_in_use += _nbytes(buffer)

@@ -16,11 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+import torch
+
 from megatron_lc.errors import ConfigError
 from megatron_lc.flags import flag
 from megatron_lc.memory.chunks import ChunkPlan
-from megatron_lc.memory.kept_attention import KeptAttention
-from megatron_lc.memory.offload import OffloadScheduler
+from megatron_lc.memory.kept_attention import ATTENTION_KIND, KeptAttention, arena_slots
+from megatron_lc.memory.offload import ArenaKey, OffloadScheduler
 from megatron_lc.memory.tiling import TileBounds, tile_bounds
 
 RecomputeGranularity = Literal["none", "selective", "full"]
@@ -166,6 +168,21 @@ class MemoryStack:
                                 prefetch_early=self.offload_mode == "early", every_k=self.offload_every_k_layers,
                                 attention_layers=self.kept_attention_layers(num_layers),
                                 replay_kept_attention=self.replay_kept_attention)
+
+    def host_arenas(self, model, offload: OffloadScheduler, block: tuple[int, int, int], block_dtype: torch.dtype,
+                    compute_dtype: torch.dtype) -> dict[ArenaKey, int]:
+        """Every host arena a step of `model` (applied with `offload`) fills, with its slots, to be made before
+        step 1: the block inputs' (`block` = [B, S/cp, hidden] in `block_dtype`) and, where offloaded blocks keep
+        their attention, those of what its attention op puts on the host, as its backend declares for that
+        micro-batch computed in `compute_dtype` (`kept_tensors`; the same for every layout of the documents)."""
+        arenas = offload.input_arena(block, block_dtype)
+        keeping = [layer for layer in model.layers if layer.memory.kept_attention is not None]
+        if keeping and offload.attention_layers:
+            kept = keeping[0].self_attn.backend.kept_tensors(block[0], block[1], model.config.num_attention_heads,
+                                                             compute_dtype)
+            slots = arena_slots(((t.shape, t.dtype) for t in kept), offload.attention_layers)
+            arenas |= {(shape, dtype, ATTENTION_KIND): n for (shape, dtype), n in slots.items()}
+        return arenas
 
     def apply(self, model, devices, bounds: TileBounds = tile_bounds,
               fp32_out_gemm: bool | None = None) -> OffloadScheduler | None:

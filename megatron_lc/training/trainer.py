@@ -18,14 +18,13 @@ from torch.distributed.tensor import DTensor
 from megatron_lc.attention.kernel_selection import running_kernel
 from megatron_lc.errors import EXIT_RESUME, ConfigError, leave_now
 from megatron_lc.config import TrainConfig
-from megatron_lc.training.build import build_run_optimizer, build_sharded_model
+from megatron_lc.training.build import build_run_optimizer, build_sharded_model, reserve_host_arenas
 from megatron_lc.training.optim import HostAdamW
-from megatron_lc.training.preflight import check_host_before_step_one, preflight
+from megatron_lc.training.preflight import preflight
 from megatron_lc.data.loader import MicroBatchLoader, WorkerLoader
 from megatron_lc.data.packing import PackingSpec
 from megatron_lc.data.samples import MockSamples, SampleSource
 from megatron_lc.data.sources import DEFAULT_SPLIT, DEFAULT_SPLIT_WARNING, build_datasets
-from megatron_lc.memory.kept_attention import kept_bytes_per_layer
 from megatron_lc.models.llama import count_parameters
 from megatron_lc.parallel_state import ParallelState, require_launcher
 from megatron_lc.training.memory_plan import read_memory_plan
@@ -133,16 +132,8 @@ def build_run(cfg: TrainConfig) -> Run:
             worker_loader.start()
     model, offload = build_sharded_model(cfg, spec, pstate, devices)
     # Everything the host keeps is weighed first, then made and page-locked before step 1 (logged; minutes for a
-    # terabyte): the offload arenas, the host optimizer's buffers (the kept attention arenas are weighed too, and
-    # made at their first use).
-    block_dtype = torch.bfloat16 if cfg.train.bf16 and pstate.distributed else torch.float32
-    block = (cfg.data.micro_batch_size, cfg.data.seq_length // p.context_parallel_size, model_config.hidden_size)
-    kept = offload.attention_layers * kept_bytes_per_layer(  # the kept attention outputs' arenas (made in step 1)
-        block[0] * block[1], model_config.num_attention_heads, model_config.kv_channels,
-        2 if cfg.train.bf16 else 4) if offload else 0
-    check_host_before_step_one(cfg, model, offload.reserve_bytes(block, block_dtype) if offload else 0, kept)
-    if offload is not None:
-        offload.reserve(block, block_dtype)
+    # terabyte): the offload arenas (block inputs and kept attention outputs), the host optimizer's buffers.
+    reserve_host_arenas(cfg, spec, model, offload, pstate.distributed)
     optimizer = build_run_optimizer(model, cfg, devices)
     accumulation = global_batch_size(cfg, pstate.dp_size) // (cfg.data.micro_batch_size * pstate.dp_size)
     return Run(cfg, launch, devices, pstate, model, optimizer, schedule_from_config(cfg, launch.world_size), offload,

@@ -10,7 +10,8 @@ figures, with `failures` naming what failed.
   (`is_pinned`) or the planner's host bytes over those the buffers' storages span are outside [1.0, 1.05].
 - replay_kept_attention: --replay-kept-attention with sparse offload (k = 2) against the same checkpointed blocks
   without offload: loss and every gradient, bitwise under torch's deterministic algorithms where two baseline runs
-  agree bitwise.
+  agree bitwise; and, started as the trainer starts (`reserve_host_arenas`), the host arenas two steps still make:
+  none, or the shapes the attention backend declares for its kept output and lse are not the kernels' own (fails).
 - ring: rank 0 of an 8-way ring context-parallel world (--cp-comm-type p2p) over torch's fake process group, full
   stack, against the planner (the fake group moves nothing: times are compute only).
 - packed_documents: one step of whole documents packed into a sample (each attending to itself, positions from 0),
@@ -22,13 +23,14 @@ figures, with `failures` naming what failed.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
 from megatron_lc.devices import Devices
 from megatron_lc.parallel_state import ParallelState
 from megatron_lc.planning.trace import parallel_dims
-from megatron_lc.training.build import build_run_optimizer, build_sharded_model
+from megatron_lc.training.build import build_run_optimizer, build_sharded_model, reserve_host_arenas
 from megatron_lc.training.optim import HostAdamW
 from megatron_lc.training.step import step_autocast, train_step
 
@@ -121,17 +123,44 @@ def case_host_optimizer(checks, s) -> dict:
             "planned_over_measured_host": planned / max(measured, 1), "failures": failures}
 
 
+def _arenas_made_in_two_steps(checks, cfg, s) -> dict:
+    """Start-up as the trainer's (the host arenas reserved and page-locked before step 1), then two steps: the
+    arenas the steps still made (none: every kept tensor's shape was declared right), and the reservation's time."""
+    torch.manual_seed(0)
+    devices = Devices(torch.device(s.device), torch.device("cpu"))
+    pstate = ParallelState(parallel_dims(cfg, 1), device_type=s.device)
+    model, offload = build_sharded_model(cfg, cfg.run_spec(1), pstate, devices)
+    began = time.monotonic()
+    reserve_host_arenas(cfg, cfg.run_spec(1), model, offload, pstate.distributed)
+    seconds, reserved = time.monotonic() - began, offload.arena_slots()
+    optimizer = build_run_optimizer(model, cfg, devices)
+    batch = checks.synthetic_batch(cfg, pstate)
+    for _ in range(2):
+        with step_autocast(cfg.train.bf16, pstate, s.device):
+            train_step(model, optimizer, [batch], pstate, devices.accelerator, cfg.optim.clip_grad)
+    made = [f"{kind} {list(shape)} {dtype}" for (shape, dtype, kind), n in offload.arena_slots().items()
+            if reserved.get((shape, dtype, kind)) != n]
+    out = {"reserved_host_bytes": offload.host_bytes_reserved, "reserve_seconds": seconds, "arenas_made_in_steps": made}
+    offload.close()
+    return out
+
+
 def case_replay_kept_attention(checks, s) -> dict:
+    replaying = checks.config(s, s.bitwise_length, REPLAY)
     with checks.deterministic_algorithms():
         base = checks.config(s, s.bitwise_length, REPLAY_BASE)
         want = checks.step_loss_and_grads(base, s)
         spread = checks.differences(want, checks.step_loss_and_grads(base, s))
-        got = checks.step_loss_and_grads(checks.config(s, s.bitwise_length, REPLAY), s)
+        got = checks.step_loss_and_grads(replaying, s)
     diff = checks.differences(want, got)
     within = all(d <= 2 * limit for d, limit in zip(diff, spread))
+    arenas = _arenas_made_in_two_steps(checks, replaying, s)
+    failures = [] if within else ["replay_kept_attention: beyond the baseline's spread"]
+    if arenas["arenas_made_in_steps"]:
+        failures.append(f"replay_kept_attention: arenas made inside the steps: {arenas['arenas_made_in_steps']}")
     return {"baseline_bitwise_reproducible": all(d == 0 for d in spread), "bitwise_equal": all(d == 0 for d in diff),
-            "within_baseline_spread": within, "max_difference": max(diff), "loss": float(got[0]),
-            "failures": [] if within else ["replay_kept_attention: beyond the baseline's spread"]}
+            "within_baseline_spread": within, "max_difference": max(diff), "loss": float(got[0]), **arenas,
+            "failures": failures}
 
 
 def case_ring(checks, s) -> dict:
@@ -197,6 +226,7 @@ def compute_seconds(checks, s, step) -> float:
     ring = checks.config(s, s.cp_length, checks.FULL_STACK, context_parallel_size=checks.WORLD_SIZE,
                          cp_comm_type="p2p")
     return (2 * 2 * step(on_host, 1) + 3 * step(checks.config(s, s.bitwise_length, REPLAY_BASE), 1)
+            + 2 * step(checks.config(s, s.bitwise_length, REPLAY), 1)
             + s.steps * step(ring, checks.WORLD_SIZE)
             + step(checks.config(s, s.bitwise_length, checks.FULL_STACK, packing="documents"), 1))
 

@@ -66,6 +66,8 @@ def test_dry_run_writes_every_section(tmp_path):
     assert host["allocated_host_bytes"] == host["optimizer_host_bytes"] + host["offload_host_bytes"]
     assert host["unpinned_host_buffers"] is None
     assert steps["replay_kept_attention"]["bitwise_equal"]
+    assert steps["replay_kept_attention"]["arenas_made_in_steps"] == []  # kept attention's reserved at start-up
+    assert steps["replay_kept_attention"]["reserved_host_bytes"] > 0
     assert abs(steps["ring"]["predicted_over_measured"] - 1) < 0.01
     assert steps["packed_documents"]["documents_per_sample"] == 8
     env = results["environment"]

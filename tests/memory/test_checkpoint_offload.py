@@ -284,7 +284,7 @@ def test_arena_page_locks_exactly_the_offloaded_inputs_once(monkeypatch, caplog)
     x = torch.randn(3, 7, 16, requires_grad=True)
     per_layer = x.numel() * x.element_size()
     caplog.set_level("INFO", logger="megatron_lc.memory.offload")
-    offload.reserve(x.shape, x.dtype)  # before the first step: nothing is locked on its critical path
+    offload.reserve(offload.input_arena(x.shape, x.dtype))  # before the first step: nothing is locked on its critical path
     assert recorder.locked == [(recorder.locked[0][0], 4 * per_layer)]
     assert f"page-locking {4 * per_layer:,} bytes" in caplog.text
     used = []
@@ -316,6 +316,28 @@ def test_arena_of_a_new_shape_replaces_an_idle_one(monkeypatch):
     offload.offload(0, b), offload.offload(1, b)
     offload.offload(2, b)  # a third in flight where two layers offload: one more slot, not a failure
     assert offload.host_bytes_reserved == 3 * b.numel() * 4
+
+
+def test_arenas_reserved_together_stay_and_a_shape_nobody_reserved_is_made_in_the_step_with_a_warning(
+        monkeypatch, caplog):
+    """`reserve` makes every arena it is given (the later ones do not evict the earlier, idle ones); a tensor of
+    another shape still finds an arena, made (and page-locked) in the step, with one warning naming it, and the
+    reserved arenas stay."""
+    from megatron_lc.memory.kept_attention import ATTENTION_KIND
+
+    recorder = _PageLockRecorder(monkeypatch)
+    offload = OffloadScheduler(3, keep_last=1, accelerator=CPU, page_locked=True)
+    arenas = {**offload.input_arena((4, 5), torch.float32), ((4, 2, 3), torch.float32, ATTENTION_KIND): 2,
+              ((2, 4), torch.float32, ATTENTION_KIND): 2}
+    offload.reserve(arenas)
+    assert offload.arena_slots() == arenas and len(recorder.locked) == 3
+    offload.offload(0, torch.randn(4, 2, 3), kind=ATTENTION_KIND, slots=2)
+    assert len(recorder.locked) == 3  # reserved: nothing made
+    caplog.set_level("WARNING", logger="megatron_lc.memory.offload")
+    offload.offload(0, torch.randn(2, 5), kind=ATTENTION_KIND, slots=2)
+    assert len(recorder.locked) == 4 and recorder.locked[-1][1] == 2 * 10 * 4
+    assert recorder.unlocked == [] and offload.arena_slots().keys() >= arenas.keys()  # the idle reserved ones stay
+    assert caplog.text.count("were not reserved before the first step") == 1 and "[2, 5]" in caplog.text
 
 
 def test_arenas_are_not_page_locked_off_cuda_by_default(monkeypatch):

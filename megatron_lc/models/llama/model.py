@@ -26,7 +26,7 @@ from torch import nn
 from megatron_lc.attention.kernel_selection import select_kernel
 from megatron_lc.attention.local import LocalAttention
 from megatron_lc.attention.rotary import RopeScaling, rope_cos_sin, rope_inv_freq
-from megatron_lc.memory.kept_attention import KeptAttention
+from megatron_lc.memory.kept_attention import KeptAttention, KeptTensor
 from megatron_lc.memory.tiling import (
     TileBounds,
     linear_cross_entropy,
@@ -97,6 +97,11 @@ class AttentionBackend(Protocol):
                  kept: KeptAttention | None = None) -> torch.Tensor:
         """x [B, S_local, hidden], cos/sin [B, S_local, d] -> [B, S_local, heads * d]. `kept`: the block's kept
         attention store, handed to the attention op (`memory/kept_attention.py`; None: it computes as usual)."""
+        ...
+
+    def kept_tensors(self, batch: int, tokens: int, num_heads: int, dtype: torch.dtype) -> list[KeptTensor]:
+        """What the attention op of a keeping block puts on the host for `batch` samples of `tokens` local tokens
+        computed in `dtype` (the memory stack makes their arenas before step 1)."""
         ...
 
 
