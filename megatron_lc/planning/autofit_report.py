@@ -27,7 +27,7 @@ def with_document_layout(command: list[str], cost: StepTime) -> list[str]:
 
 def _estimate_json(e: Estimate) -> dict:
     return {"fits": e.fits, "gpu_peak_gib": round(e.gpu_peak_bytes / GIB, 3),
-            "host_peak_gib": round(e.host_bytes_per_node / GIB, 3)}
+            "host_peak_gib": round(e.host_bytes_per_node / GIB, 3), **({"at_least": True} if e.at_least else {})}
 
 
 def auto_fit_json(result: AutoFitResult, command: list[str] | None = None, num_gpus: int | None = None) -> dict:

@@ -113,7 +113,8 @@ class EstimatePool:
     def remembers(self, job: Job) -> bool:
         """Whether `job`'s estimate is known already (this call's or the cache's): asking costs no trace."""
         key = self.cache.key(*job, self.exact)
-        return key in self.memory or self.cache.get(key) is not None
+        known = self.memory.get(key) or self.cache.get(key)
+        return known is not None and (self.stop_when_over or not _at_least(known))
 
     def many(self, jobs: Sequence[Job]) -> list[Estimate]:
         """The estimates of `jobs`, in order: remembered ones at once, the rest traced together."""
