@@ -16,8 +16,7 @@ STACKS = {
     "plain": [],
     "full stack": ["--context-parallel-size", "2", "--recompute-granularity", "full", "--offload-mode", "prefetch",
                    "--tiled-mlp", "--tiled-loss"],
-    "ring, sparse offload": ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--recompute-granularity",
-                             "full", "--offload-mode", "prefetch", "--offload-every-k-layers", "2"],
+    "ring": ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--recompute-granularity", "full"],
 }
 
 

@@ -20,7 +20,7 @@ RNG_STATE_BYTES = 16
 MAX_SKIPPED_CALLS = 2 * 8 * 8
 """Kernel calls of the ring steps not run whose states can be alive at once: two a step, 8 steps, a few layers."""
 GRID = {
-    "8b-cp8-untied-packed-16m": ("llama3-8b", 8, 16777216, ["--context-parallel-size", "8", *UNTIED, "--packing",
+    "8b-cp4-untied-packed-16m": ("llama3-8b", 4, 16777216, ["--context-parallel-size", "4", *UNTIED, "--packing",
                                                             "documents", "--reset-attention-mask"]),
     "8b-cp8-ring-in-place-2m": ("llama3-8b", 8, 2097152, ["--context-parallel-size", "8", "--cp-comm-type", "p2p",
                                                           "--ring-kv-grads", "in_place"]),

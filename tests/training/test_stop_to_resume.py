@@ -112,7 +112,7 @@ def _losses(history) -> dict[int, tuple[float, float]]:
 
 def test_a_run_stops_before_slurms_end_time_saved_and_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 20))  # start-up and some steps
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 12))  # start-up and some steps (5 s to leave)
     ckpt = tmp_path / "ckpt"
     flags = BASE + ["--train-iters", "100000", "--save", str(ckpt)]
     first = train(parse_config(flags + ["--log-dir", str(tmp_path / "a")]))
