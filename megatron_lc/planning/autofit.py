@@ -275,6 +275,11 @@ class _Search:
         self.result = AutoFitResult(None, None, None, candidates=sum(len(sp.points()) for sp in spaces),
                                     time_model=time_model, tolerance=tolerance)
         self.costs: dict[Option, StepTime] = {}
+        # Memos of pure functions of an option (per token, probe) and of what the traces so far imply (status,
+        # forgotten at each round): a search asks them of tens of thousands of options between its rounds.
+        self._per_token: dict[Option, float] = {}
+        self._probes: dict[Option, tuple[int, ...]] = {}
+        self._statuses: dict[Option, bool | None] = {}
         self.column_fails: list[tuple[int, tuple, int, bool]] = []
         """(layout, column, margin bytes, by the GPU) of probes that did not fit: see `_column`."""
 
@@ -288,8 +293,10 @@ class _Search:
         return self.costs[(layout, point)]
 
     def per_token(self, option: Option) -> float:
-        c = self.cost(option)
-        return c.step_s / c.tokens
+        if option not in self._per_token:
+            c = self.cost(option)
+            self._per_token[option] = c.step_s / c.tokens
+        return self._per_token[option]
 
     # knowledge
 
@@ -302,6 +309,11 @@ class _Search:
                 space.keep_attention[point[5]] or not full, (level.impl, level.lean))  # attention kept short of full
 
     def status(self, option: Option) -> bool | None:
+        if option not in self._statuses:
+            self._statuses[option] = self._status(option)
+        return self._statuses[option]
+
+    def _status(self, option: Option) -> bool | None:
         layout, point = option[0], self.spaces[option[0]].canonical(option[1])
         known = self.known[layout].status(point)
         if known is not None:
@@ -335,10 +347,13 @@ class _Search:
 
     def probe(self, option: Option) -> tuple[int, ...]:
         """The option with its tiles and Untied stages at their most memory-saving levels."""
-        space, (mode, _, _, attention, k, keep) = self.spaces[option[0]], option[1]
-        kind = space.attention[attention].kind
-        same_kind = [i for i, level in enumerate(space.attention) if level.kind == kind]
-        return space.canonical((mode, len(space.mlp_tiles) - 1, len(space.loss_tiles) - 1, same_kind[-1], k, keep))
+        if option not in self._probes:
+            space, (mode, _, _, attention, k, keep) = self.spaces[option[0]], option[1]
+            kind = space.attention[attention].kind
+            same_kind = [i for i, level in enumerate(space.attention) if level.kind == kind]
+            self._probes[option] = space.canonical((mode, len(space.mlp_tiles) - 1, len(space.loss_tiles) - 1,
+                                                    same_kind[-1], k, keep))
+        return self._probes[option]
 
     def trace(self, options: list[Option]) -> None:
         """Estimate `options` in one round (at most the cap's remainder)."""
@@ -351,6 +366,7 @@ class _Search:
         jobs = [(self.spaces[lay].candidate(p).apply(self.configs[lay]), self.machine, self.cfg.data.seq_length)
                 for lay, p in options]
         for (layout, point), e in zip(options, self.pool.many(jobs)):
+            self._statuses.clear()  # what the traces imply has changed
             self.known[layout].record(point, e)
             candidate = self.spaces[layout].candidate(point)
             self.result.traced.append(Traced(candidate, e, self.cost((layout, point)), self.layouts[layout]))
@@ -473,14 +489,17 @@ class _Search:
         return min(fits, key=lambda o: (self.per_token(o), -self.layouts[o[0]].cp, o), default=None)
 
     def _left(self, order: list[Option], start: int, best: Option | None) -> int:
-        """At most the traces still to make: two per column of unknown fit faster than the answer so far."""
-        probes = set()
+        """At most the traces still to make: two per column of unknown fit faster than the answer so far (counted
+        until they reach the cap's remainder)."""
+        probes, room = set(), self.max_traces - len(self.result.traced)
         for option in order[start:]:
             if best is not None and self.per_token(option) * (1 + self.tolerance) >= self.per_token(best):
                 break
+            if 2 * len(probes) + 1 >= room:
+                break
             if self.status(option) is None and not self._beaten_by_fast_twin(option):
                 probes.add((option[0], self.probe(option)))
-        return min(2 * len(probes) + 1, self.max_traces - len(self.result.traced))
+        return min(2 * len(probes) + 1, room)
 
     def _speculative(self, order: list[Option], start: int, count: int, first: Option) -> list[Option]:
         """What decides the next `count` options of unknown fit after `start` (traced in the same round)."""

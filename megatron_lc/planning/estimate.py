@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from megatron_lc.config import RunSpec, TrainConfig
@@ -316,13 +317,26 @@ def combine(traces: list[StepTrace], num_layers: int, m: int) -> StepPeak:
     return best
 
 
+TraceJob = tuple
+"""The arguments of one `trace.trace_step` call."""
+TraceRunner = Callable[[Sequence[TraceJob]], list[StepTrace]]
+"""Traces a step for each job, in order (elsewhere and at once, e.g. on an estimate pool's worker processes)."""
+
+
+def trace_job(job: TraceJob) -> StepTrace:
+    """`trace_step(*job)`: what a `TraceRunner` runs for each job (a module-level function: it pickles)."""
+    return trace_step(*job)
+
+
 def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, exact: bool = False,
-             stop_when_over: bool = False) -> Estimate:
+             stop_when_over: bool = False, run_traces: TraceRunner | None = None) -> Estimate:
     """Memory of `cfg` (at `seq_length`, default its own) on `machine`; `exact`: per-rank loops traced over
     every rank (`trace.trace_step`), the reference the default is tested against. `stop_when_over`: when the
     fewer traced layers alone are over the GPU's or the host's budget, the step is not traced again with more
     (more layers hold at least as much at every moment, and the budget is no larger): the answer is then those
-    bytes, `at_least` (a search that only needs to know what does not fit saves that trace).
+    bytes, `at_least` (a search that only needs to know what does not fit saves that trace). `run_traces`: the
+    step's traces are made together by it (an estimate pool's idle workers: one estimate in the wall time of one
+    trace), every one of them, so the answer is never `at_least`; default: here, one after the other.
 
     With attention outputs kept by only the first N blocks (`--keep-attention-output-layers`), the step with every
     block keeping them is traced: its GPU peak bounds N's from above (every tensor alive with N keeping is alive
@@ -335,16 +349,17 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, 
     stack, num_layers = spec.parallelize.memory, spec.model.num_layers
     if stack.keep_attention_layers is None or stack.kept_attention_layers(num_layers) == stack.checkpointed_layers(
             num_layers):
-        return _estimate(cfg, machine, exact, stop_when_over)
+        return _estimate(cfg, machine, exact, stop_when_over, run_traces)
     every = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, keep_attention_output_layers=None))
-    e = _estimate(every, machine, exact)
+    e = _estimate(every, machine, exact, run_traces=run_traces)
     per_block = kept_attention_bytes_per_gpu(cfg, spec)
     kept = stack.kept_attention_layers(num_layers)
     not_keeping = stack.offloaded_layers(num_layers) - min(kept, stack.offloaded_layers(num_layers))
     by_category = e.gpu_bytes_by_category
     if not stack.offloads:  # kept on the GPU: no more than none keeping plus N blocks' outputs, at any moment
         none = _estimate(dataclasses.replace(every, memory=dataclasses.replace(every.memory,
-                                                                               keep_attention_output=False)), machine, exact)
+                                                                               keep_attention_output=False)), machine, exact,
+                         run_traces=run_traces)
         if none.gpu_peak_bytes + kept * per_block < e.gpu_peak_bytes:
             by_category = dict(none.gpu_bytes_by_category)
             by_category["activations"] += kept * per_block
@@ -354,7 +369,8 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, 
                                time=time_model.predict(cfg, machine.num_gpus))
 
 
-def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False, stop_when_over: bool = False) -> Estimate:
+def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False, stop_when_over: bool = False,
+              run_traces: TraceRunner | None = None) -> Estimate:
     start = time.perf_counter()
     spec = cfg.run_spec(machine.num_gpus)
     if spec.parallelize.fsdp.cpu_offload:
@@ -362,9 +378,14 @@ def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False, stop_when
     counts = traced_layer_counts(spec)
     flash_impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call()) \
         if machine.device == "cuda" else "default"
+    jobs = [(cfg, machine.num_gpus, n, machine.device, machine.flash_attn, flash_impl, exact) for n in counts]
+    if run_traces is not None and len(jobs) > 1:
+        step = combine(run_traces(jobs), spec.model.num_layers, anchor_depth(spec))
+        return _from_step(cfg, machine, spec, step, counts, start)
     traces = []
-    for n in counts:
-        traces.append(trace_step(cfg, machine.num_gpus, n, machine.device, machine.flash_attn, flash_impl, exact))
+    for job in jobs:
+        traces.append(trace_job(job))
+        n = job[2]
         if stop_when_over and len(traces) < len(counts):
             fewer = _from_step(cfg, machine, spec, combine(traces, n, n), counts[:1], start)
             if not fewer.fits:

@@ -2,7 +2,9 @@
 
 An estimate is two fake-tensor traces of a training step: seconds of one CPU core each, independent of
 the sequence length. The searches (`search.find_max_seq_length`, `autofit`) ask for estimates in rounds;
-`EstimatePool.many` runs a round on worker processes (one per core, up to `MAX_WORKERS`), and every
+`EstimatePool.many` runs a round on worker processes (one per core, up to `MAX_WORKERS`): an estimate per
+worker, or, in a round of fewer estimates than workers once the workers have started, each estimate's
+traces at once on them (a round of one estimate then takes the wall time of one trace), and every
 estimate is kept in a cache on disk keyed by the configuration, the machine and a fingerprint of this
 package's code and torch's version, so asking again (another search, another call) costs nothing and a
 change of code never answers from an old trace. Every answer a search prints is still an estimate of
@@ -23,7 +25,8 @@ from pathlib import Path
 
 from megatron_lc.config import TrainConfig
 from megatron_lc.plan_cache import code_fingerprint, files_named
-from megatron_lc.planning.estimate import Estimate, Machine, estimate, planning_config
+from megatron_lc.planning.estimate import Estimate, Machine, TraceJob, estimate, planning_config, trace_job
+from megatron_lc.planning.trace import StepTrace
 
 MAX_WORKERS = 8
 """Worker processes at most: each holds a traced model of a few layers (about 1 GiB)."""
@@ -145,16 +148,30 @@ class EstimatePool:
         if self.evaluate is not estimate:
             return [self.evaluate(*job) for job in jobs]
         flags = (self.exact, self.stop_when_over)
-        if self.workers == 1 or len(jobs) == 1:
-            return [estimate(*job, *flags) for job in jobs]
-        if self._pool is None:
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+        if self.workers == 1 or (len(jobs) == 1 and self._pool is None):
+            return [estimate(*job, *flags) for job in jobs]  # starting workers would cost more than they save
+        if len(jobs) < self.workers:  # idle workers: each estimate's traces at once, the estimates side by side
+            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as threads:
+                return list(threads.map(lambda job: estimate(*job, *flags, run_traces=self._run_traces), jobs))
         try:
-            return list(self._pool.map(estimate, *zip(*jobs), *([flag] * len(jobs) for flag in flags)))
+            return list(self._workers().map(estimate, *zip(*jobs), *([flag] * len(jobs) for flag in flags)))
         except BrokenProcessPool:
             self._pool = None  # a worker died (out of memory?): this round again, here
             return [estimate(*job, *flags) for job in jobs]
+
+    def _workers(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+        return self._pool
+
+    def _run_traces(self, jobs: Sequence[TraceJob]) -> list[StepTrace]:
+        """One estimate's traces on the workers, at once (a `TraceRunner`)."""
+        try:
+            return list(self._workers().map(trace_job, jobs))
+        except BrokenProcessPool:
+            self._pool = None  # a worker died (out of memory?): these traces again, here
+            return [trace_job(job) for job in jobs]
 
     @property
     def seconds_per_round(self) -> float | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_lc.arguments import parse_config
 from megatron_lc.planning.estimate import Machine, estimate
 from megatron_lc.planning.estimate_pool import EstimateCache, EstimatePool
@@ -44,14 +46,26 @@ def test_an_unreadable_cache_file_is_traced_again(tmp_path):
     assert calls == [2048, 2048] and e.fits
 
 
+def _answer(e):
+    return e.gpu_bytes_by_category, e.host_bytes_per_gpu, e.peak_phase, e.traced_layers, e.at_least
+
+
 def test_workers_trace_what_this_process_traces():
-    cfg = parse_config(TINY)
+    cfg, deep = parse_config(TINY), parse_config([*TINY, "--num-layers", "8"])  # deep: traced at 4 and 5 layers
     jobs = [(cfg, MACHINE, 2048), (cfg, MACHINE, 4096), (cfg, MACHINE, 6144)]
     with EstimatePool(workers=2) as pool:
         parallel = pool.many(jobs)
+        # A round of one estimate on started workers: its two traces handed to them together.
+        handed, run = [], pool._run_traces
+        pool._run_traces = lambda trace_jobs: handed.append([job[2] for job in trace_jobs]) or run(trace_jobs)
+        pool.stop_when_over = True  # traced at once, both traces count: never `at_least`
+        small = dataclasses.replace(MACHINE, gpu_memory_gib=1e-3)
+        alone, over = pool(deep, MACHINE, 2048), pool(deep, small, 2048)
+    assert handed == [[4, 5], [4, 5]]
     serial = [estimate(*job) for job in jobs]
-    assert [(e.gpu_peak_bytes, e.host_bytes_per_gpu, e.peak_phase) for e in parallel] == \
-        [(e.gpu_peak_bytes, e.host_bytes_per_gpu, e.peak_phase) for e in serial]
+    assert [_answer(e) for e in parallel] == [_answer(e) for e in serial]
+    assert _answer(alone) == _answer(estimate(deep, MACHINE, 2048)) and alone.traced_layers == (4, 5)
+    assert _answer(over) == _answer(estimate(deep, small, 2048)) and not over.fits
 
 
 def test_exact_estimates_are_remembered_apart_from_the_default_ones(tmp_path):
