@@ -79,9 +79,20 @@ def _rotate_(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: boo
     cos/sin broadcast against t. Forward: y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2. The
     transpose (the gradient map): x1 = y1 c1 + y2 s2, x2 = y2 c2 - y1 s1.
     """
+    _rotate_halves_(t, _halves(cos, sin), inverse)
+
+
+def _halves(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(c1, c2, s1, s2): the first and second halves of cos and sin [..., d] (views, taken once per pass)."""
+    h = cos.shape[-1] // 2
+    return cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
+
+
+def _rotate_halves_(t: torch.Tensor, halves: tuple[torch.Tensor, ...], inverse: bool = False) -> None:
+    """`_rotate_` with cos and sin given as `_halves`."""
     h = t.shape[-1] // 2
     t1, t2 = t[..., :h], t[..., h:]
-    c1, c2, s1, s2 = cos[..., :h], cos[..., h:], sin[..., :h], sin[..., h:]
+    c1, c2, s1, s2 = halves
     first = t1.clone()  # half-size temporary: t1 is overwritten before t2 needs it
     if inverse:
         t1.mul_(c1).addcmul_(t2, s2)
@@ -107,6 +118,10 @@ class _PassIO:
     dout: OutputGradient | None = None
     dx: torch.Tensor | None = None
     norm: InputNorm | None = None  # x is the block input, normed on the fly by every projection
+    rotary: tuple = ()  # `_halves(cos, sin)`
+
+    def __post_init__(self) -> None:
+        self.rotary = _halves(self.cos, self.sin)
 
     @property
     def batch(self) -> int:
@@ -468,8 +483,8 @@ class UntiedUlyssesAttention:
             received = sent.exchange.wait()
             for block, cols in zip(sent.heads, sent.columns):
                 if block.rotary:
-                    _rotate_(received[..., cols].unflatten(-1, (-1, self.head_dim)), io.cos, io.sin,
-                             inverse=True)
+                    _rotate_halves_(received[..., cols].unflatten(-1, (-1, self.head_dim)), io.rotary,
+                                    inverse=True)
             received_grads.append((sent.heads, received))
         if received_grads:
             self._project_back(io, received_grads)
@@ -607,7 +622,7 @@ class UntiedUlyssesAttention:
         for block, cols in zip(blocks, self._columns(blocks)):
             part = send[..., cols]
             if block.rotary:
-                _rotate_(part.unflatten(-1, (-1, d)), io.cos, io.sin)
+                _rotate_halves_(part.unflatten(-1, (-1, d)), io.rotary)
             elif block.piece is not None:
                 part.unflatten(-1, (-1, d)).copy_(block.piece.transpose(1, 2))
             elif block.full is not None:
@@ -635,14 +650,17 @@ class UntiedUlyssesAttention:
         """
         acc_dtype = torch.promote_types(io.dx.dtype, torch.float32)
         chunks = -(-io.local_len // DX_CHUNK_ROWS)
+        ranks = list(self.rank_loop(self.cp))
+        by_rank = [rows.unbind(0) for rows, _ in terms]  # views taken once (the planner traces each view)
         for b in range(io.batch):
+            grads = [grad[b].unbind(0) for _, grad in terms]  # [s, columns] per rank
+            dx = io.dx[b]
             for start, end in self.tile_bounds(io.local_len, chunks):
-                rows_b = slice(start, end)
-                acc = io.dx[b, rows_b].to(acc_dtype)
-                for rows, grad in terms:
-                    for r in self.rank_loop(self.cp):
-                        addmm_fp32_(acc, grad[b, r, rows_b], rows[r], self.fp32_out_gemm)
-                io.dx[b, rows_b].copy_(acc)
+                acc = dx[start:end].to(acc_dtype)
+                for rows, grad in zip(by_rank, grads):
+                    for r in ranks:
+                        addmm_fp32_(acc, grad[r][start:end], rows[r], self.fp32_out_gemm)
+                dx[start:end].copy_(acc)
                 del acc
 
     @staticmethod
@@ -652,16 +670,21 @@ class UntiedUlyssesAttention:
 
     def _project_into(self, io: _PassIO, blocks: list[_HeadBlock], send: torch.Tensor) -> None:
         """send[b, r] = x[b] @ (blocks' rows for rank r)^T: one GEMM per sample and rank."""
+        # Each sample's views taken once, not once per rank (the planner traces every view it takes).
+        xs, sends = io.x.unbind(0), send.unbind(0)
+        rstds = io.norm.rstd.unsqueeze(-1).unbind(0) if io.norm is not None else None
         for r in self.rank_loop(self.cp):
             # One rank's rows at a time: stacking every rank's would add a weight-slice copy
             # to the moment both exchange buffers are full.
             rows = torch.cat([block.rows[r] for block in blocks]) if len(blocks) > 1 else blocks[0].rows[r]
             if io.norm is not None:
                 rows = rows * io.norm.weight  # xn @ rows^T = rstd * (x @ (rows * weight)^T)
+            rows_t = rows.t()
             for b in range(io.batch):
-                torch.mm(io.x[b], rows.t(), out=send[b, r])
-                if io.norm is not None:
-                    send[b, r].mul_(io.norm.rstd[b].unsqueeze(-1))
+                out = sends[b][r]
+                torch.mm(xs[b], rows_t, out=out)
+                if rstds is not None:
+                    out.mul_(rstds[b])
 
     def _project_back(self, io: _PassIO, received: list[tuple[list[_HeadBlock], torch.Tensor]]) -> None:
         """The transpose of `_project_into` for each (blocks, grad [B, cp, s, columns]) received (the blocks
