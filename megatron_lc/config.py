@@ -87,7 +87,10 @@ class TrainConfig:
     def model_config(self, vocab_size: int | None = None, padded: bool = True):
         """The LlamaConfig of the run: the flavour with the overrides applied, its vocabulary padded to a
         multiple of --make-vocab-size-divisible-by (unless `padded` is False: the ids the data may hold)."""
-        config = self._unpadded_model_config(vocab_size)
+        return self._padded(self._unpadded_model_config(vocab_size), padded)
+
+    def _padded(self, config, padded: bool = True):
+        """`config` with its vocabulary padded to --make-vocab-size-divisible-by (as is, unless `padded`)."""
         multiple = self.model.make_vocab_size_divisible_by
         if not padded or multiple <= 1 or config.vocab_size % multiple == 0:
             return config
@@ -151,7 +154,8 @@ class TrainConfig:
         """The run's spec on `world_size` ranks: `vocab_size` is the tokenizer's (as `model_config` takes it);
         `model` a model config given whole (evaluate: the checkpoint's), its vocabulary the data's."""
         if model is None:
-            model, data_vocab = self.model_config(vocab_size), self.model_config(vocab_size, padded=False).vocab_size
+            unpadded = self._unpadded_model_config(vocab_size)
+            model, data_vocab = self._padded(unpadded), unpadded.vocab_size
         else:
             data_vocab = model.vocab_size
         return RunSpec(model, data_vocab, self.parallelize_options(), self.parallel_dims(world_size))

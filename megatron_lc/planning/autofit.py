@@ -591,6 +591,11 @@ class _Search:
                 result.choice, result.estimate, result.cost = candidate, estimate, cost
                 return
 
+    def _floor(self, layout: int) -> float:
+        """The fastest per token of the layout's searched stacks (pipelined stages are tried on the answer only)."""
+        space = self.spaces[layout]
+        return min(self.per_token((layout, p)) for p in space.points() if not space.attention[p[3]].overlap)
+
     def verdicts(self, best: Option | None) -> list[LayoutVerdict]:
         """Per layout, why its stacks were not chosen (from the traces and the search's order)."""
         out = []
@@ -599,7 +604,6 @@ class _Search:
             if best is not None and i == best[0]:
                 out.append(LayoutVerdict(layout, "chosen"))
                 continue
-            floor = min(self.per_token((i, p)) for p in self.spaces[i].points())
             traces = list(self.known[i].estimates.values())
             fitting = [(self.per_token((i, p)), p) for p, e in self.known[i].estimates.items() if e.fits]
             if fitting:
@@ -614,7 +618,7 @@ class _Search:
                           + (f"{closest.gpu_peak_bytes / GIB:.1f} GiB of {closest.gpu_budget_bytes / GIB:.1f}"
                              if what == "GPU" else
                              f"{closest.host_bytes_per_node / GIB:.0f} GiB of {closest.host_budget_bytes / GIB:.0f}"))
-            elif limit is not None and floor * (1 + self.tolerance) >= limit:
+            elif limit is not None and (floor := self._floor(i)) * (1 + self.tolerance) >= limit:
                 reason = (f"not traced: even its fastest stack ({100 * (floor / limit - 1):+.1f}% per token) is within "
                           f"the {100 * self.tolerance:g}% tolerance of the answer or slower")
             else:
