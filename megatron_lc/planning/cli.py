@@ -343,8 +343,6 @@ def run_plan(planner: argparse.Namespace, cfg, machine: Machine, argv: list[str]
 
     fits = True
     progress = progress_printer(pool)
-    if planner.auto_fit or planner.ablate or planner.plot or planner.find_max_seq_length:
-        pool.start()  # searches trace in rounds on the workers: they start while the search is prepared
     if planner.auto_fit:
         fits = run_auto_fit(planner, cfg, machine, argv, out, pool)
     if planner.ablate or planner.plot:

@@ -85,10 +85,6 @@ def _init_worker() -> None:
     torch.set_num_threads(1)  # one core per worker: the workers are the parallelism
 
 
-def _ready() -> None:
-    """A started worker's first task: unpickling it imported this module, and with it the planner."""
-
-
 class EstimatePool:
     """`estimate` (or a stand-in with its signature), run `workers` at a time and remembered.
 
@@ -162,13 +158,6 @@ class EstimatePool:
         except BrokenProcessPool:
             self._pool = None  # a worker died (out of memory?): this round again, here
             return [estimate(*job, *flags) for job in jobs]
-
-    def start(self) -> None:
-        """Start the workers now (a search's first round then finds them ready): each imports torch and the
-        planner while this process prepares the search."""
-        if self.workers > 1 and self.evaluate is estimate and self._pool is None:
-            for _ in range(self.workers):
-                self._workers().submit(_ready)
 
     def _workers(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:

@@ -54,8 +54,6 @@ def test_workers_trace_what_this_process_traces():
     cfg, deep = parse_config(TINY), parse_config([*TINY, "--num-layers", "8"])  # deep: traced at 4 and 5 layers
     jobs = [(cfg, MACHINE, 2048), (cfg, MACHINE, 4096), (cfg, MACHINE, 6144)]
     with EstimatePool(workers=2) as pool:
-        pool.start()  # the workers start before the first round
-        assert pool._pool is not None
         parallel = pool.many(jobs)
         # A round of one estimate on started workers: its two traces handed to them together.
         handed, run = [], pool._run_traces
