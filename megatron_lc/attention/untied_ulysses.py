@@ -54,6 +54,7 @@ projections (`untied_norm.py`) and the autograd function (`untied_function.py`) 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -118,10 +119,11 @@ class _PassIO:
     dout: OutputGradient | None = None
     dx: torch.Tensor | None = None
     norm: InputNorm | None = None  # x is the block input, normed on the fly by every projection
-    rotary: tuple = ()  # `_halves(cos, sin)`
 
-    def __post_init__(self) -> None:
-        self.rotary = _halves(self.cos, self.sin)
+    @functools.cached_property
+    def rotary(self) -> tuple[torch.Tensor, ...]:
+        """`_halves(cos, sin)`, taken once per pass."""
+        return _halves(self.cos, self.sin)
 
     @property
     def batch(self) -> int:

@@ -379,13 +379,9 @@ def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False, stop_when
     flash_impl = machine.flash_impl(cfg.parallel.flash_attention_impl, cfg.attention_call()) \
         if machine.device == "cuda" else "default"
     jobs = [(cfg, machine.num_gpus, n, machine.device, machine.flash_attn, flash_impl, exact) for n in counts]
-    if run_traces is not None and len(jobs) > 1:
-        step = combine(run_traces(jobs), spec.model.num_layers, anchor_depth(spec))
-        return _from_step(cfg, machine, spec, step, counts, start)
-    traces = []
-    for job in jobs:
+    traces = run_traces(jobs) if run_traces is not None and len(jobs) > 1 else []
+    for n, job in zip(counts[len(traces):], jobs[len(traces):]):
         traces.append(trace_job(job))
-        n = job[2]
         if stop_when_over and len(traces) < len(counts):
             fewer = _from_step(cfg, machine, spec, combine(traces, n, n), counts[:1], start)
             if not fewer.fits:
