@@ -25,9 +25,9 @@ def _argument(f: dataclasses.Field, hint, default) -> tuple[list[str], dict]:
         names.insert(0, meta.pop("flag_name"))
     if hint is bool:
         return names, dict(dest=f.name, action="store_true", default=default, help=help_text)
-    field_default = f.default if f.default is not dataclasses.MISSING else None
-    return names, dict(dest=f.name, type=_scalar_type(hint), default=default,
-                       help=f"{help_text} (default: {field_default})", **meta)
+    if f.default is not dataclasses.MISSING:
+        help_text = f"{help_text} (default: {f.default})"  # a list's default (none given) is said by its help
+    return names, dict(dest=f.name, type=_scalar_type(hint), default=default, help=help_text, **meta)
 
 
 def _add_field(group, f: dataclasses.Field, hint) -> None:

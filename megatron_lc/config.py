@@ -27,6 +27,7 @@ from megatron_lc.models.llama.zoo import (FLAVOURS, ModelArgs, config_from_dict,
                                           rope_scaling_from_flags)
 from megatron_lc.parallel_state import ParallelDims
 from megatron_lc.training.args import CheckpointArgs, LoggingArgs, OptimArgs, TrainArgs
+from megatron_lc.training.profiling import ProfilingArgs
 from megatron_lc.data.packing import PackingArgs, check_packing
 
 
@@ -34,6 +35,7 @@ SECTIONS = {
     "model": ModelArgs, "parallel": ParallelArgs, "fsdp": FSDPArgs, "memory": MemoryArgs, "data": DataArgs,
     "packing": PackingArgs,
     "optim": OptimArgs, "train": TrainArgs, "checkpoint": CheckpointArgs, "logging": LoggingArgs,
+    "profiling": ProfilingArgs,
 }
 
 
@@ -65,6 +67,7 @@ class TrainConfig:
     train: TrainArgs = field(default_factory=TrainArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
+    profiling: ProfilingArgs = field(default_factory=ProfilingArgs)
 
     def tokenizer_spec(self):
         """The tokenizer the flags name (NullTokenizer's N is --vocab-size), or None without --tokenizer-type."""
@@ -358,6 +361,7 @@ class TrainConfig:
             raise ConfigError(f"--train-iters {t.train_iters}: nothing to train; give at least 1")
         if g.tensorboard_log_interval < 1:
             raise ConfigError(f"--tensorboard-log-interval {g.tensorboard_log_interval} must be >= 1")
+        self.profiling.check(world_size, t.train_iters)
         if self.parallel.distributed_timeout_minutes <= 0:
             raise ConfigError(f"--distributed-timeout-minutes {self.parallel.distributed_timeout_minutes} must be > 0")
         if t.skip_train and not (self.data.data_path or self.data.valid_data_path or self.data.test_data_path):

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_lc"
 LAYERS = {
     "megatron_lc.errors": 0, "megatron_lc.flags": 0, "megatron_lc.plan_cache": 0, "megatron_lc.command_line": 0, "megatron_lc.devices": 0, "megatron_lc.processes": 0, "megatron_lc.scheduler": 0,
     "megatron_lc.parallel_state": 1, "megatron_lc.context_layout": 1, "megatron_lc.training.schedule": 1,
-    "megatron_lc.training.args": 1,
+    "megatron_lc.training.args": 1, "megatron_lc.training.profiling": 1,
     "megatron_lc.attention": 2, "megatron_lc.memory": 2, "megatron_lc.data": 2,
     "megatron_lc.models": 3,
     "megatron_lc.config": 4, "megatron_lc.arguments": 4,

@@ -117,6 +117,8 @@ def _check_device(cfg: TrainConfig) -> None:
     if impl in ("fa3", "fa4") and on_cpu:
         raise ConfigError(f"--flash-attention-impl {impl} replaces torch's flash kernels on a CUDA GPU; this run is "
                           "on the CPU: drop the flag (or run on a GPU)")
+    if on_cpu:
+        cfg.profiling.refuse_on_cpu()
 
 
 def activate_flash(cfg: TrainConfig, device: torch.device) -> str:

@@ -37,6 +37,7 @@ from megatron_lc.training.logging import (
     validation_ppl,
 )
 from megatron_lc.training.resume import apply_checkpoint_args, resume, save, take_save_lock
+from megatron_lc.training.profiling import StepProfiler
 from megatron_lc.training.run import Run, global_batch_size, print_rank_0
 from megatron_lc.training.schedule import schedule_from_config
 from megatron_lc.training.startup import start_processes
@@ -353,6 +354,8 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
     history, step_times, began = History(), [], time.monotonic()
     since_log = []  # step times since the last console line (Megatron-LM's interval time)
     progress = StepProgress(list(run.model.layers), print_flushed) if run.is_logging_rank else None
+    profiler = StepProfiler(cfg.profiling, run.launch.rank, start + 1, g.tensorboard_dir or log_dir,
+                            run.devices.is_cuda, say=print_flushed)
     try:
         before = stop.decide(may_save=False)  # the recorded or planned step time may already not fit
         if before.for_time:  # a new incarnation of the job gets the same time: it would not either
@@ -370,6 +373,7 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
             stop.begin_step(step)
             before = _before_step(run) if cfg.train.exit_signal_handler else None  # what an abandoned step restores
             abandoned = None
+            profiler.before_step(step)
             try:
                 metrics = train_one_step(run, step)
             except StepAbandoned as reason:  # saved after the except block: its traceback holds the step's graph
@@ -378,6 +382,7 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
                 stop.end_step(finished=False)
                 raise
             stop.end_step()
+            profiler.after_step(step)
             if abandoned is not None:
                 history.stopped = _save_the_last_finished_step(run, step, abandoned, before)
                 resumable[0] = step - 1
@@ -429,6 +434,7 @@ def _train_run(run: Run, started: float, early: StartupSignals) -> History:
                 dist.barrier()
     finally:
         stop.close()
+        profiler.close()
         if progress is not None:
             progress.close()
         logger.close()
