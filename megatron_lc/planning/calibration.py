@@ -69,16 +69,19 @@ def calibrate_local(threads: int = 1, cache: Path | None = LOCAL_CACHE, processe
     cores = os.cpu_count() or 1
     # the host step's threads, as the trainer sets them for `processes` on this node
     host_threads = host_threads_per_process({"LOCAL_WORLD_SIZE": str(processes)})
-    key = f"threads={threads} host_threads={host_threads} torch={torch.__version__} {shapes.key()}"
+    exchanging = max(2, min(processes, 8))  # gloo's rate a process sees falls as more processes share the cores
+    key = (f"threads={threads} host_threads={host_threads} exchanging={exchanging} torch={torch.__version__} "
+           f"{shapes.key()}")
     measured = None if refresh else _read_cache(cache, key)
     if measured is None:
-        measured = _measure_local(threads, shapes, host_threads)
+        measured = _measure_local(threads, shapes, host_threads, exchanging)
         _write_cache(cache, key, measured)
     rates = Rates("local", measured["gemm_flops"], {"cpu": measured["attention_fwd_flops"]},
                   {"cpu": measured["attention_bwd_flops"]}, measured["copy_bytes"], measured["copy_bytes"],
                   measured["a2a_bytes"], measured["a2a_bytes"], measured["launch_s"], measured["gemm_flops"],
                   {"all": f"measured on this machine ({key}), cached in {cache}"},
-                  host_adam_params=measured["host_adam_params"], host_adam_threads=host_threads)
+                  host_adam_params=measured["host_adam_params"], host_adam_threads=host_threads,
+                  collectives_overlap=False)
     # The host step was measured at its own share of the cores already.
     return dataclasses.replace(rates.scaled(cores / (processes * threads)), host_adam_params=rates.host_adam_params)
 
@@ -125,10 +128,10 @@ def copy_operands(nbytes: int = COPY_BYTES):
     return src, torch.empty_like(src)
 
 
-def _measure_local(threads: int, shapes: CalibrationShapes, host_threads: int = 1) -> dict:
+def _measure_local(threads: int, shapes: CalibrationShapes, host_threads: int = 1, exchanging: int = 2) -> dict:
     """GEMM (a layer's projections, MLP and the output head at the step's shapes), CPU flash attention,
     copy and in-process exchange rates of this machine at `threads` threads; the host optimizer's step at
-    `host_threads`."""
+    `host_threads`; gloo's all-to-all among `exchanging` processes."""
     import torch
 
     from megatron_lc.attention.kernels import KERNELS
@@ -159,7 +162,7 @@ def _measure_local(threads: int, shapes: CalibrationShapes, host_threads: int = 
     finally:
         torch.set_num_threads(old)
     return {"gemm_flops": gemm, "attention_fwd_flops": fwd, "attention_bwd_flops": bwd, "copy_bytes": copy,
-            "a2a_bytes": _measure_gloo_all_to_all(threads), "launch_s": launch, "host_adam_params": host_adam}
+            "a2a_bytes": _measure_gloo_all_to_all(threads, exchanging), "launch_s": launch, "host_adam_params": host_adam}
 
 
 def _measure_host_adam(numel: int = COPY_BYTES // 4) -> float:
@@ -179,18 +182,19 @@ def _measure_host_adam(numel: int = COPY_BYTES // 4) -> float:
     return sum(p.numel() for p in params) / _best_time(step, repeats=3)
 
 
-def _measure_gloo_all_to_all(threads: int, nbytes: int = 8 << 20) -> float:
-    """Bytes per second one of two gloo processes on this machine sends in all_to_all_single."""
+def _measure_gloo_all_to_all(threads: int, processes: int = 2, nbytes: int = 8 << 20) -> float:
+    """Bytes per second one of `processes` gloo processes on this machine sends in all_to_all_single, all of them
+    exchanging at once."""
     import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:  # a free port for the two processes
+    with socket.socket() as sock:  # a free port for the processes
         sock.bind(("127.0.0.1", 0))
         free_port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rate"
-        mp.start_processes(_gloo_worker, args=(2, free_port, threads, nbytes, str(out)), nprocs=2,
+        mp.start_processes(_gloo_worker, args=(processes, free_port, threads, nbytes, str(out)), nprocs=processes,
                            start_method="spawn")
         return float(out.read_text())
 

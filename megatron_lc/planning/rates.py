@@ -47,6 +47,10 @@ class Rates:
     host_adam_threads: int = 0
     """Threads of one process that `host_adam_params` assumes: the node's cores over its processes, as the trainer
     sets them for the host step (`parallel_state.host_threads_per_process`)."""
+    collectives_overlap: bool = True
+    """Collectives run beside the compute (NCCL on its own streams, the copy engines). False on `local`: FSDP2
+    issues its all-gathers and reduce-scatters with async_op=False, which gloo runs to the end on the calling
+    thread, and gloo's own threads copy the ring's and all-to-alls' bytes on the cores the compute needs."""
 
     def attention_rates(self, family: str, call_tokens: int) -> tuple[float, float]:
         """(forward, backward) FLOP/s of a causal call of `call_tokens` tokens."""

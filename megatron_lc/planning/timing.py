@@ -27,6 +27,9 @@ are the run's own or an assumed mix (`packed_work`). Streams overlap as the code
   fp32 accumulator (memory-bound: read and written by each, zeroed and read once);
 - FSDP's all-gathers and reduce-scatters run on their own streams, prefetched one layer
   ahead: what exceeds the layer's compute is exposed;
+- on a CPU (`--machine local`, gloo) nothing overlaps: FSDP2's collectives block the calling thread
+  (async_op=False) and gloo copies the ring's and all-to-alls' bytes on the cores the compute needs, so
+  every exchange is exposed in full, the embedding's and head's FSDP collectives included;
 - an offloaded block input goes to the host on a side stream during the next block's
   forward (what exceeds it is exposed) and comes back exposed: the prefetch is queued
   behind the compute already issued and waited for at once by the layer that needs it;
@@ -100,6 +103,10 @@ class Work:
     ring_bytes_bwd: float
     fsdp_bytes_per_layer: tuple[float, float]
     """(all-gather per pass, reduce-scatter) bytes per layer."""
+    fsdp_gathers_per_layer: int = 2
+    """All-gathers of a layer in a step: forward and backward (1 with --no-reshard-after-forward)."""
+    fsdp_outer_bytes: tuple[float, float] = (0.0, 0.0)
+    """(all-gathers, reduce-scatters) bytes of the embedding and the output head in a step."""
     offload_bytes_per_layer: float
     offloaded_layers: int
     """Layers whose backward brings an input back from the host (one copy back each)."""
@@ -227,6 +234,10 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None, shar
     shards = num_gpus // spec.dims.dp_replicate
     share = (shards - 1) / shards if shards > 1 else 0.0
     fsdp = (params_layer * item * share, params_layer * 4 * share)
+    reshard = spec.parallelize.fsdp.reshard_after_forward
+    # the embedding gathered for forward and (resharded) again for backward, the head once; each reduced once
+    outer_params = (2 if reshard else 1) * V * h + (0 if c.tie_embeddings else V * h)
+    outer = (outer_params * item * share, (1 if c.tie_embeddings else 2) * V * h * 4 * share)
     offloaded = stack.offloaded_layers(L)
     sparse = stack.sparse_offload(L)
     kept, replayed, replay_gathers = sparse.kept_inputs, sparse.replayed_forwards, sparse.replay_gathers
@@ -268,7 +279,8 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None, shar
         attention_recompute=(attention_recomputed + replay_attention) * attention,
         attention_bwd=L * attention * FA2_BACKWARD_WORK, a2a_bytes=a2a,
         ring_bytes_fwd=ring_fwd * (L + attention_recomputed + replay_attention), ring_bytes_bwd=ring_bwd * L,
-        fsdp_bytes_per_layer=fsdp, offload_bytes_per_layer=T * h * item, offloaded_layers=offloaded, layers=L,
+        fsdp_bytes_per_layer=fsdp, fsdp_gathers_per_layer=2 if reshard else 1, fsdp_outer_bytes=outer,
+        offload_bytes_per_layer=T * h * item, offloaded_layers=offloaded, layers=L,
         launches=launches, elementwise_bytes=elementwise,
         optimizer_bytes=0.0 if host_optimizer else 28 * total_params / max(shards, 1),
         host_optimizer_params=total_params / max(shards, 1) if host_optimizer else 0.0,
@@ -392,15 +404,20 @@ def _predict(cfg: TrainConfig, num_gpus: int, spec: RunSpec, w: Work, rates: Rat
     a_fwd, a_re, a_bwd = w.attention_fwd / fwd_rate, w.attention_recompute / fwd_rate, w.attention_bwd / bwd_rate
     a2a_link = rates.intra_node_bytes if layout.a2a_size <= gpus_per_node else rates.inter_node_bytes
     ring_link = rates.intra_node_bytes if cp <= gpus_per_node else rates.inter_node_bytes
-    exposed = w.a2a_bytes / a2a_link
-    exposed += sum(p.exposed_s(a2a_link, fwd_rate if p.kind == "fwd" else bwd_rate) for p in w.pipelined_a2a)
-    exposed += max(0.0, w.ring_bytes_fwd / ring_link - a_fwd - a_re) + max(0.0, w.ring_bytes_bwd / ring_link - a_bwd)
-    exposed += w.ring_bytes_exposed / ring_link
     fsdp_link = rates.intra_node_bytes if num_gpus <= gpus_per_node else rates.inter_node_bytes
-    layer_compute = (gemm + a_fwd + a_re + a_bwd) / max(w.layers, 1)
     gather, scatter = w.fsdp_bytes_per_layer
-    exposed += w.layers * max(0.0, (2 * gather + scatter) / fsdp_link - layer_compute)
-    exposed += w.replay_gathers * gather / fsdp_link
+    fsdp = (w.fsdp_gathers_per_layer * gather + scatter) / fsdp_link
+    exposed = w.a2a_bytes / a2a_link + w.ring_bytes_exposed / ring_link + w.replay_gathers * gather / fsdp_link
+    if rates.collectives_overlap:
+        exposed += sum(p.exposed_s(a2a_link, fwd_rate if p.kind == "fwd" else bwd_rate) for p in w.pipelined_a2a)
+        exposed += (max(0.0, w.ring_bytes_fwd / ring_link - a_fwd - a_re)
+                    + max(0.0, w.ring_bytes_bwd / ring_link - a_bwd))
+        layer_compute = (gemm + a_fwd + a_re + a_bwd) / max(w.layers, 1)
+        exposed += w.layers * max(0.0, fsdp - layer_compute)  # the embedding's and head's: hidden, or negligible
+    else:  # every exchange on the compute's own cores, FSDP's to the end before the compute goes on
+        exposed += sum(p.inputs_bytes + p.exposed_bytes for p in w.pipelined_a2a) / a2a_link
+        exposed += (w.ring_bytes_fwd + w.ring_bytes_bwd) / ring_link
+        exposed += w.layers * fsdp + sum(w.fsdp_outer_bytes) / fsdp_link
     block_fwd = (w.gemm_fwd / rates.gemm_flops + a_fwd) / max(w.layers, 1)
     copy = w.offload_bytes_per_layer / rates.host_copy_bytes
     att = w.kept_attention_bytes_per_layer / rates.host_copy_bytes  # an offloaded layer's kept attention

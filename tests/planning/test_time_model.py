@@ -114,12 +114,14 @@ def test_mfu_counts_three_passes_of_the_model_and_no_recompute():
 
 def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, monkeypatch):
     """Shared by processes: the host optimizer's step is measured at the threads each process runs it with (the
-    cores over the processes, as the trainer sets them), not scaled again."""
-    calls, host = [], []
+    cores over the processes, as the trainer sets them), not scaled again; gloo's exchange among as many processes
+    as the run has (at least 2), so that its rate is theirs; collectives are not overlapped with compute."""
+    calls, host, exchanging = [], [], []
 
-    def measure(threads, shapes, host_threads):
+    def measure(threads, shapes, host_threads, processes):
         calls.append(threads)
         host.append(host_threads)
+        exchanging.append(processes)
         return {"gemm_flops": 1e10, "attention_fwd_flops": 2e9, "attention_bwd_flops": 1e9, "copy_bytes": 1e9,
                 "a2a_bytes": 3e8, "launch_s": 1e-5, "host_adam_params": 5e7}
 
@@ -128,8 +130,9 @@ def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, 
     cache = tmp_path / "rates.json"
     one = calibration.calibrate_local(cache=cache)
     four = calibration.calibrate_local(cache=cache, processes=4)
-    assert calls == [1, 1] and host == [2, 1] and json.loads(cache.read_text())
+    assert calls == [1, 1] and host == [2, 1] and exchanging == [2, 4] and json.loads(cache.read_text())
     assert one.gemm_flops == 1e10 and four.gemm_flops == pytest.approx(0.5e10)  # 4 processes on 2 cores
+    assert not one.collectives_overlap and not four.collectives_overlap
     assert (one.host_adam_threads, four.host_adam_threads) == (2, 1) and four.host_adam_params == 5e7
     calibration.calibrate_local(cache=cache, refresh=True)
     assert calls == [1, 1, 1]
@@ -412,3 +415,30 @@ def test_the_local_calibration_measures_the_host_optimizer_step():
     torch.set_num_threads(1)
     rate = calibration._measure_host_adam(numel=1 << 20)
     assert 1e5 < rate < 1e11  # parameters per second of one thread
+
+
+@pytest.mark.parametrize("flags", [
+    ("--cp-comm-type", "p2p"),
+    ("--cp-impl", "untied_ulysses", "--untied-overlap-stages"),
+    ("--no-reshard-after-forward",),
+])
+def test_a_machine_whose_collectives_take_the_computes_cores_exposes_every_exchange(flags):
+    """On `local` (gloo on CPU) every byte of every exchange is exposed, the FSDP collectives of the embedding and
+    the head included; where collectives overlap (a GPU node) the same step hides them behind its compute."""
+    cfg = _cfg(*flags)
+    cpu = dataclasses.replace(H100, collectives_overlap=False)
+    w = step_work(cfg, 8)
+    gather, scatter = w.fsdp_bytes_per_layer
+    gathers = 1 if "--no-reshard-after-forward" in flags else 2
+    assert w.fsdp_gathers_per_layer == gathers
+    V, h = cfg.model_config().vocab_size, cfg.model_config().hidden_size
+    assert w.fsdp_outer_bytes == pytest.approx(((gathers + 1) * V * h * 2 * 7 / 8, 2 * V * h * 4 * 7 / 8))
+    link = H100.intra_node_bytes
+    every = (w.a2a_bytes + sum(p.inputs_bytes + p.exposed_bytes for p in w.pipelined_a2a) + w.ring_bytes_fwd
+             + w.ring_bytes_bwd + w.ring_bytes_exposed + w.layers * (gathers * gather + scatter)
+             + sum(w.fsdp_outer_bytes)) / link
+    serial, overlapped = predict(cfg, 8, cpu), predict(cfg, 8, H100)
+    assert serial.seconds["exposed communication"] == pytest.approx(every)
+    assert overlapped.seconds["exposed communication"] < every - w.layers * (gathers * gather + scatter) / link / 2
+    assert {k: v for k, v in serial.seconds.items() if k != "exposed communication"} \
+        == {k: v for k, v in overlapped.seconds.items() if k != "exposed communication"}
