@@ -36,7 +36,7 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
     defaults to the all-to-all degree: one head per rank per stage; `overlap` pipelines its stages and
     `untied_backward` what its backward holds; `ring_kv_grads` how the ring's dK/dV accumulators travel.
     `kernels` is the table `kernel` is looked up in (default: the real kernels; the planner passes its
-    stand-ins), `tile_bounds` the tile policy of Untied Ulysses' row-chunk loops, `rank_loop` that of its per-rank
+    stand-ins), `tile_bounds` the tile policy of Untied Ulysses' row-chunk loops and the ring's in-place rotation, `rank_loop` that of its per-rank
     projection loops and of the ring's steps, and `fp32_out_gemm` how it sums 16-bit products in fp32 (`tiling.addmm_fp32_`; None: the
     device's way).
     """
@@ -49,8 +49,8 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
     if layout.ring_size > 1:
         if seq_length is None:
             raise ValueError("ring attention needs the sequence length it cuts into chunks")
-        local_kernel = RingAttention(local_kernel, pstate.ring_group, layout, seq_length,
-                                     kv_grads=ring_kv_grads, rank_loop=rank_loop).as_kernel()
+        local_kernel = RingAttention(local_kernel, pstate.ring_group, layout, seq_length, kv_grads=ring_kv_grads,
+                                     tile_bounds=tile_bounds, rank_loop=rank_loop).as_kernel()
     if layout.a2a_size == 1:
         return LocalAttention(head_dim, local_kernel)  # the ring alone: every head on every rank
     return _all_to_all_backend(name, head_dim, local_kernel, pstate, heads_per_stage, overlap, untied_backward, num_heads,

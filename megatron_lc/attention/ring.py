@@ -47,12 +47,13 @@ import torch.distributed as dist
 from megatron_lc.attention.kernels import Kernel
 from megatron_lc.attention.varlen import CuSeqlens
 from megatron_lc.context_layout import ContextLayout, SampleCut
-from megatron_lc.memory.tiling import RankLoop, every_rank
+from megatron_lc.memory.tiling import RankLoop, TileBounds, every_rank, tile_bounds
 
 RingKvGrads = Literal["overlapped", "in_place"]
 RING_KV_GRADS: tuple[str, ...] = get_args(RingKvGrads)
 ROTATION_CHUNK_BYTES = 256 << 20
-"""Bytes of each tensor one in-place rotation step moves (the staging buffer's size per tensor)."""
+"""Bytes of each tensor one in-place rotation step moves, about (the rotation is cut into equal chunks of at most
+this many bytes, rounded up to a row: the staging buffer per tensor)."""
 
 
 @dataclass(frozen=True)
@@ -253,13 +254,14 @@ class _Ring:
             transfer.wait()
         return transfer
 
-    def rotate_in_place(self, tensors: tuple[torch.Tensor, ...], chunk_rows: int) -> None:
-        """Send each (contiguous) tensor on and receive the previous rank's into its place, `chunk_rows` rows at
-        a time through a staging buffer of that many rows."""
-        rows = tensors[0].shape[0]
-        staging = [t.new_empty((min(chunk_rows, rows), *t.shape[1:])) for t in tensors]
-        for start in range(0, rows, chunk_rows):
-            end = min(rows, start + chunk_rows)
+    def rotate_in_place(self, tensors: tuple[torch.Tensor, ...], chunks: list[tuple[int, int]]) -> None:
+        """Send each (contiguous) tensor on and receive the previous rank's into its place, chunk by chunk ((start,
+        end) rows) through a staging buffer of the largest chunk's rows."""
+        if not chunks:
+            return
+        largest = max(end - start for start, end in chunks)
+        staging = [t.new_empty((largest, *t.shape[1:])) for t in tensors]
+        for start, end in chunks:
             sent = [t[start:end] for t in tensors]
             received = [buf[:end - start] for buf in staging]
             ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
@@ -347,6 +349,10 @@ class RingAttention:
     kv_grads: RingKvGrads = "overlapped"
     """How the backward's fp32 dK/dV accumulators travel (`--ring-kv-grads`; see the module docstring)."""
     rotation_chunk_bytes: int = ROTATION_CHUNK_BYTES
+    tile_bounds: TileBounds = tile_bounds
+    """The chunks the in-place rotation of the dK/dV accumulators runs over (`--ring-kv-grads in_place`): every
+    one in a run; the planner's runs two (`planning.fake_world.representative_tile_bounds`): every chunk passes
+    through the same staging buffer, so the largest and its neighbour give the rotation's peak."""
     rank_loop: RankLoop = every_rank
     """The steps run, by the ring rank whose keys they hold (`step`: ring rank r - step), and the last step
     always: every one in a run. The planner runs steps 0, 1 and the last (`planning.fake_world.representative_ranks`):
@@ -467,7 +473,8 @@ class RingAttention:
         dv += gv[:sent]
         del gk, gv
         row_bytes = k[0].numel() * dk.element_size()
-        chunk_rows = max(1, self.rotation_chunk_bytes // max(row_bytes, 1))
+        rows = dk.shape[0]
+        chunks = list(self.tile_bounds(rows, -(-rows * row_bytes // max(self.rotation_chunk_bytes, 1))))
         for step, pairs in steps.items():
             last = step == self.ring.size - 1
             kv_transfer = None if last else self.ring.start(kv, wait=not self.overlap)
@@ -479,7 +486,7 @@ class RingAttention:
                 del gq, gk, gv
             if last:  # complete: rounded before the last rotation, so at most one fp32 tensor more than the pair
                 dq = dq.to(q.dtype)
-            self.ring.rotate_in_place((dk, dv), chunk_rows)  # now the next block's accumulators, from behind
+            self.ring.rotate_in_place((dk, dv), chunks)  # now the next block's accumulators, from behind
             if kv_transfer is not None:
                 kv = kv_transfer.wait()
         dk = _with_home_rows(dk, home[0], k.dtype)  # the fp32 dk is freed before dv is rounded

@@ -211,7 +211,7 @@ def _check_ring_kernel(rank, world, overlap, kv_grads="overlapped", documents="s
     S, B, H, Hkv, d = 32, 2, 4, 2, 8
     layout = ContextLayout(1, world, documents)
     pstate = ParallelState(ParallelDims(world, cp=world, cp_ring=world))
-    # In place: 5 rows of [Hkv, d] fp64 per rotation chunk, so a rotation takes several chunks, the last short.
+    # In place: 5 rows of [Hkv, d] fp64 per rotation chunk, so a rotation takes several chunks.
     ring = RingAttention(KERNELS["reference"], pstate.ring_group, layout, S, overlap=overlap, kv_grads=kv_grads,
                          rotation_chunk_bytes=5 * Hkv * d * 8).as_kernel()
     (q, k, v), cu, idx = _full_and_local(S, B, H, Hkv, d, layout, pstate.cp_rank)
