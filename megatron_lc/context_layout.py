@@ -30,6 +30,7 @@ documents it holds whole]; only the first two travel the ring (`sent_rows`).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections.abc import Sequence
@@ -221,6 +222,19 @@ class SampleCut:
         every rank, so every hop exchanges one shape)."""
         return max(self.cut_rows(r) for r in range(self.ring_size))
 
+    def segments(self, ring_rank: int) -> int:
+        """Document segments of ring rank `ring_rank`'s calls in one forward: its own call's pieces and whole
+        documents, and over the ring's steps each query piece with a key piece of its document before it (its tail
+        over every rank's head, its head over earlier ranks' heads, its tail over later ranks' tails)."""
+        R, r = self.ring_size, ring_rank
+        head, tail = self._pieces(r), self._pieces(2 * R - 1 - r)
+        count = len(self.ring_rows(r))
+        for kv in range(R):
+            k_head, k_tail = self._pieces(kv), self._pieces(2 * R - 1 - kv)
+            over = [(tail, k_head)] + ([(head, k_head)] if kv < r else [(tail, k_tail)] if kv > r else [])
+            count += sum(1 for q, k in over for (a, b), (c, d) in zip(q, k) if b > a and d > c)
+        return count
+
     def pairs(self, ring_rank: int) -> int:
         """Causal (query, key) pairs the attention of ring rank `ring_rank`'s queries computes."""
         starts = [self.boundaries[i] for i in self.cut]
@@ -371,6 +385,10 @@ class RankWork:
     """Its tokens that go through the all-to-all (all of them with an all-to-all level, else none)."""
     ring_tokens: float
     """Rows whose keys and values travel each ring hop, in all-heads units (0 without a ring)."""
+    segments: int = 0
+    """Document segments its attention calls of one layer's forward hold (its own call's pieces and each ring
+    step's piece pairs sharing a document; one call of every document without a ring): a kernel with no
+    variable-length entry point (the CPU's) runs one call per segment."""
 
     @property
     def exchanged_tokens(self) -> float:
@@ -387,19 +405,34 @@ def packed_rank_work(layout: ContextLayout, cu_seqlens: Sequence[int], seq_lengt
     a2a_tokens = local if A > 1 else 0
     if R == 1:
         total = sum(_piece_pairs(0, b - a) for a, b in zip(cu, cu[1:]))
-        return [RankWork(local, total / A, a2a_tokens, 0.0)] * layout.cp_size
+        return [RankWork(local, total / A, a2a_tokens, 0.0, len(cu) - 1)] * layout.cp_size
     if layout.cuts_documents:
         cut = layout.sample_cut(seq_length, cu)
         ring_pairs, sent = [cut.pairs(r) for r in range(R)], cut.sent_rows
+        segments = [cut.segments(r) for r in range(R)]
     else:
         chunk = seq_length // (2 * R)
-        ring_pairs, sent = [], seq_length // R
+        ring_pairs, sent, segments = [], seq_length // R, []
         for r in range(R):
-            total = 0
+            total, own = 0, 0
             for index in layout.ring_chunks(r):
                 low, high = index * chunk, (index + 1) * chunk
                 for a, b in zip(cu, cu[1:]):
                     if b > low and a < high:
                         total += _piece_pairs(max(a, low) - a, min(b, high) - max(a, low))
+                        own += 1
             ring_pairs.append(total)
-    return [RankWork(local, ring_pairs[c // A] / A, a2a_tokens, sent / A) for c in range(layout.cp_size)]
+            segments.append(own + _crossing_documents(layout, cu, chunk, r))
+    return [RankWork(local, ring_pairs[c // A] / A, a2a_tokens, sent / A, segments[c // A])
+            for c in range(layout.cp_size)]
+
+
+def _crossing_documents(layout: ContextLayout, cu: tuple[int, ...], chunk: int, ring_rank: int) -> int:
+    """Calls of ring rank `ring_rank` against earlier chunks of the sequence (`--cp-document-layout sequence`), over
+    every ring step: one per (query chunk, earlier key chunk) that a document crosses from the key chunk into."""
+    calls = 0
+    for q_chunk in layout.ring_chunks(ring_rank):
+        start = cu[bisect.bisect_right(cu, q_chunk * chunk) - 1]  # where the document at the chunk's start begins
+        calls += sum(1 for kv in range(layout.ring_size) for k_chunk in layout.ring_chunks(kv)
+                     if k_chunk < q_chunk and start < (k_chunk + 1) * chunk)
+    return calls

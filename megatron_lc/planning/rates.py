@@ -47,6 +47,10 @@ class Rates:
     host_adam_threads: int = 0
     """Threads of one process that `host_adam_params` assumes: the node's cores over its processes, as the trainer
     sets them for the host step (`parallel_state.host_threads_per_process`)."""
+    segment_s: dict = field(default_factory=dict)
+    """By kernel family: (forward, backward) seconds one document segment costs beyond its FLOPs, for a kernel that
+    runs one call per segment (the CPU's flash kernel has no variable-length entry point); absent: one launch takes
+    every segment (flash-attn varlen and the GPU kernels), nothing per segment."""
     collectives_overlap: bool = True
     """Collectives run beside the compute (NCCL on its own streams, the copy engines). False on `local`: FSDP2
     issues its all-gathers and reduce-scatters with async_op=False, which gloo runs to the end on the calling
@@ -65,7 +69,8 @@ class Rates:
                                    attention_fwd_flops={k: v * s for k, v in self.attention_fwd_flops.items()},
                                    attention_bwd_flops={k: v * s for k, v in self.attention_bwd_flops.items()},
                                    hbm_bytes=self.hbm_bytes * s, host_copy_bytes=self.host_copy_bytes * s,
-                                   host_adam_params=self.host_adam_params * s)
+                                   host_adam_params=self.host_adam_params * s,
+                                   segment_s={k: (f / s, b / s) for k, (f, b) in self.segment_s.items()})
 
 
 _H100_PEAK = PEAK_DENSE_BF16_FLOPS["H100"][0]

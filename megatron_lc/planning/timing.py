@@ -143,6 +143,9 @@ class Work:
     """--untied-overlap-stages: the all-to-alls of pipelined stages (PipelinedExchange), not in `a2a_bytes`."""
     ring_bytes_exposed: float = 0.0
     """--ring-kv-grads in_place: the fp32 dK/dV accumulators rotated after each ring step, nothing hiding them."""
+    attention_segments: float = 0.0
+    """Document segments a layer's attention calls hold in one forward (every stage's, every ring step's): a kernel
+    with no variable-length entry point (the CPU's) runs one call each (`Rates.segment_s`)."""
 
 
 @dataclass(frozen=True)
@@ -194,8 +197,9 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None, shar
     attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
     ring_tokens = B * S // layout.ring_size  # a ring rank's tokens, whose K and V travel
     Tx = T  # tokens through the all-to-alls
+    segments = B * (2 * layout.ring_size - 1)  # one document a sample: the own call and two a ring step
     if share is not None:  # QK^T and PV over the pairs inside documents; only the exchanged tokens travel
-        T, attention, Tx = share.tokens, 4 * share.pairs * d * H, share.a2a_tokens
+        T, attention, Tx, segments = share.tokens, 4 * share.pairs * d * H, share.a2a_tokens, share.segments
         ring_tokens = share.ring_tokens * layout.a2a_size  # the ring rank's rows that travel (a share per a2a rank)
     qkv = 2 * T * h * d * (H + 2 * Hkv)
     mlp = 6 * T * h * f
@@ -262,6 +266,7 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None, shar
                      PipelinedExchange("bwd", L * (2 * q + (1 + kv_returns) * kv + 2 * o),
                                        L * attention * FA2_BACKWARD_WORK, stages, 0.0))
         a2a = 0.0
+    segments *= stages if untied else 1  # Untied Ulysses attends stage by stage
     total_params = L * params_layer + 2 * V * h
     host_optimizer = cfg.optim.optimizer_cpu_offload
     # Per layer forward: two norms (read, write), two residual adds (2 reads, 1 write), rotary of q and k,
@@ -290,7 +295,7 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None, shar
         attention_keeping_offloaded=min(K, offloaded),
         attention_keeping_kept_inputs=min(kept, -(-min(K, offloaded) // stack.offload_every_k_layers)),
         prefetch_early=stack.offload_mode == "early" and offloaded > 0, pipelined_a2a=pipelined,
-        ring_bytes_exposed=ring_exposed)
+        ring_bytes_exposed=ring_exposed, attention_segments=segments)
 
 
 def _a2a_parts(T, H, Hkv, d, item, a2a) -> tuple[float, float, float]:
@@ -402,6 +407,12 @@ def _predict(cfg: TrainConfig, num_gpus: int, spec: RunSpec, w: Work, rates: Rat
     fwd_rate, bwd_rate = rates.attention_rates(family, call_tokens)
     gemm = w.gemm_fwd * 3 / rates.gemm_flops
     a_fwd, a_re, a_bwd = w.attention_fwd / fwd_rate, w.attention_recompute / fwd_rate, w.attention_bwd / bwd_rate
+    segment_fwd, segment_bwd = rates.segment_s.get(family, (0.0, 0.0))
+    if w.attention_segments and (segment_fwd or segment_bwd):  # one kernel call per document segment
+        per_layer = w.attention_segments * segment_fwd
+        a_fwd += w.layers * per_layer
+        a_re += w.layers * per_layer * (w.attention_recompute / w.attention_fwd if w.attention_fwd else 0.0)
+        a_bwd += w.layers * w.attention_segments * segment_bwd
     a2a_link = rates.intra_node_bytes if layout.a2a_size <= gpus_per_node else rates.inter_node_bytes
     ring_link = rates.intra_node_bytes if cp <= gpus_per_node else rates.inter_node_bytes
     fsdp_link = rates.intra_node_bytes if num_gpus <= gpus_per_node else rates.inter_node_bytes
@@ -515,7 +526,7 @@ class _PackedShares:
     and worst."""
 
 
-_FIELDS = ("tokens", "pairs", "a2a_tokens", "ring_tokens")
+_FIELDS = ("tokens", "pairs", "a2a_tokens", "ring_tokens", "segments")
 
 
 def _sum(ranks: list[RankWork]) -> RankWork:
@@ -536,7 +547,7 @@ def _packed_shares(layout, mix: DocumentMix, seq_length: int, micro_batch: int, 
     for k in range(0, len(micro) - replicas + 1, replicas):
         ranks = [r for group in micro[k:k + replicas] for r in group]
         everyone += ranks
-        keys = {(r.tokens, r.pairs, r.a2a_tokens, r.ring_tokens): r for r in ranks}
+        keys = {tuple(getattr(r, f) for f in _FIELDS): r for r in ranks}
         candidates = tuple(r for key, r in keys.items()
                            if not any(o != key and all(a >= b for a, b in zip(o, key)) for o in keys))
         mean_pairs = sum(r.pairs for r in ranks) / len(ranks)

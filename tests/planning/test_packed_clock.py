@@ -3,6 +3,8 @@ the floor counting each pair inside a document once, and where the documents' le
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -58,6 +60,45 @@ def test_pairs_of_each_rank_equal_a_brute_force_count(layout):
         assert sum(w.pairs for w in work) == pytest.approx(total_pairs(cu))  # each pair computed by one rank
         assert total_pairs(cu) == sum(d * (d + 1) / 2 for d in np.diff(cu))
         assert [w.tokens for w in work] == [S // layout.cp_size] * layout.cp_size
+
+
+@pytest.mark.parametrize("documents", ["sequence", "split", "local"])
+def test_segments_of_each_rank_are_those_its_ring_calls_hold(documents):
+    """The time model's count of a ring rank's document segments (one CPU kernel call each) against the calls the
+    ring's schedule makes: its own block's, and every step's."""
+    from megatron_lc.attention.ring import DocumentRingSchedule, RingSchedule
+    from megatron_lc.attention.varlen import segment_pairs
+
+    S, rng = 4800, np.random.default_rng(0)
+    for R in (2, 3, 4):
+        layout = ContextLayout(ring_size=R, documents=documents)
+        for _ in range(8):
+            lengths = rng.choice([1, 5, 40, 300, 1500, 3000], size=40)
+            cu = tuple(sorted({0, S, *np.minimum(np.cumsum(lengths), S).tolist()}))
+            schedule = DocumentRingSchedule if layout.cuts_documents else RingSchedule
+            for r, work in enumerate(packed_rank_work(layout, cu, S)):
+                calls = schedule(layout, S, cu, r)
+                count = len(segment_pairs(calls.own_block().cu_q, None, True))
+                count += sum(len(segment_pairs(p.cu_q, p.cu_k, False)) for kv in range(R)
+                             for p in calls.cross_pairs(kv))
+                assert work.segments == count
+    assert packed_rank_work(ContextLayout(a2a_size=2), (0, 10, 64), 64)[0].segments == 2  # one call, every document
+
+
+def test_a_kernel_that_runs_a_call_per_segment_pays_for_each():
+    """Rates with a cost per segment (the CPU's kernel) add it to every attention pass; the GPU's kernels take
+    every segment in one launch and pay nothing per segment."""
+    cfg = _cfg("--packing", "documents", "--cp-comm-type", "p2p", "--recompute-granularity", "full")
+    spec = cfg.run_spec(8)
+    work = step_work(cfg, 8, spec, RankWork(131072, 1e9, 0, 131072, segments=300))
+    assert work.attention_segments == 300
+    per_segment = dataclasses.replace(H100, segment_s={"fa2": (1e-3, 2e-3)})
+    plain, paying = (_predict(cfg, 8, spec, work, rates, 8, "fa2", 2048) for rates in (H100, per_segment))
+    L = cfg.model_config().num_layers
+    for cause, seconds in (("attention forward", L * 300 * 1e-3), ("attention recompute", L * 300 * 1e-3),
+                           ("attention backward", L * 300 * 2e-3)):
+        assert paying.seconds[cause] - plain.seconds[cause] == pytest.approx(seconds)
+    assert paying.floor_s == plain.floor_s  # the floor is the FLOPs at the kernels' rates
 
 
 def test_the_step_prices_the_exchanged_tokens_only():

@@ -123,7 +123,8 @@ def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, 
         host.append(host_threads)
         exchanging.append(processes)
         return {"gemm_flops": 1e10, "attention_fwd_flops": 2e9, "attention_bwd_flops": 1e9, "copy_bytes": 1e9,
-                "a2a_bytes": 3e8, "launch_s": 1e-5, "host_adam_params": 5e7}
+                "a2a_bytes": 3e8, "launch_s": 1e-5, "host_adam_params": 5e7, "segment_fwd_s": 3e-5,
+                "segment_bwd_s": 6e-5}
 
     monkeypatch.setattr(calibration, "_measure_local", measure)
     monkeypatch.setattr(calibration.os, "cpu_count", lambda: 2)
@@ -133,11 +134,18 @@ def test_local_rates_are_measured_once_cached_and_shared_by_processes(tmp_path, 
     assert calls == [1, 1] and host == [2, 1] and exchanging == [2, 4] and json.loads(cache.read_text())
     assert one.gemm_flops == 1e10 and four.gemm_flops == pytest.approx(0.5e10)  # 4 processes on 2 cores
     assert not one.collectives_overlap and not four.collectives_overlap
+    # a segment's cost is CPU time too: half a core makes it twice as long
+    assert one.segment_s == {"cpu": (3e-5, 6e-5)} and four.segment_s["cpu"] == pytest.approx((6e-5, 1.2e-4))
     assert (one.host_adam_threads, four.host_adam_threads) == (2, 1) and four.host_adam_params == 5e7
     calibration.calibrate_local(cache=cache, refresh=True)
     assert calls == [1, 1, 1]
-    calibration.calibrate_local(cache=cache, shapes=calibration.CalibrationShapes(tokens=4096))  # other shapes: measured
+    older = {key: {k: v for k, v in m.items() if not k.startswith("segment")}
+             for key, m in json.loads(cache.read_text()).items()}
+    cache.write_text(json.dumps(older))  # a calibration from before segments were measured: measured again
+    calibration.calibrate_local(cache=cache)
     assert calls == [1, 1, 1, 1]
+    calibration.calibrate_local(cache=cache, shapes=calibration.CalibrationShapes(tokens=4096))  # other shapes: measured
+    assert calls == [1, 1, 1, 1, 1]
 
 
 def test_local_rates_are_measured_at_the_configurations_own_shapes(monkeypatch):
