@@ -5,8 +5,6 @@ costs far more than the checks themselves. A failing check names its case.
 """
 
 import dataclasses
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +23,7 @@ from megatron_lc.context_layout import ContextLayout
 from megatron_lc.models.llama import get_config
 
 from megatron_lc.parallel_state import ParallelDims, ParallelState
-from tests.helpers import parallelize_options, run_distributed
+from tests.helpers import parallelize_options, rank_zero_result, run_distributed
 from tests.exactness import BATCH, ONE_SEGMENT, check_against_reference
 
 CPU = torch.device("cpu")
@@ -264,7 +262,7 @@ def _bf16_errors(pstate: ParallelState, case) -> dict[str, list[float]]:
         errors[name] += [_relative_error(g, w) for g, w in zip(weight_grads, ref_grads[1:])]
     return errors
 
-def _run_bf16(rank, world, out_path):
+def _run_bf16(rank, world):
     results = {}
     for cp, cases in BF16_CASES.items():
         pstate = ParallelState(ParallelDims(world_size=world, cp=cp))
@@ -273,17 +271,14 @@ def _run_bf16(rank, world, out_path):
             worst = torch.tensor([max(v) for v in errors.values()])
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank decides
             results[str(case)] = dict(zip(errors, worst.tolist()))
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(results))
+    return results
 
-def test_bf16_untied_and_ulysses_are_as_close_to_fp32_as_plain_bf16(tmp_path):
+def test_bf16_untied_and_ulysses_are_as_close_to_fp32_as_plain_bf16():
     """Output, dx, dWq, dWk, dWv in bf16: max error over max value against the fp32 reference.
 
     Measured (cp 4, CPU, the worst tensor of each): plain bf16 0.0107 and 0.0127, Ulysses 0.0152
     and 0.0115, Untied 0.0150 and 0.0090 for the two cases."""
-    out = tmp_path / "errors.json"
-    run_distributed(_run_bf16, 4, str(out))
-    for case, errors in json.loads(out.read_text()).items():
+    for case, errors in rank_zero_result(_run_bf16, 4).items():
         for name in ("untied", "untied-lean", "ulysses"):
             assert errors[name] <= BF16_SLACK * errors["plain"], (case, errors)
 
@@ -303,7 +298,7 @@ def _layer_output_and_grads(backend, fused, x, weights, wo, norm_weight, dy, cos
     y.backward(dy)
     return y.detach(), [t.grad for t in leaves]
 
-def _fused_errors(rank, world, out_path):
+def _fused_errors(rank, world):
     """fp32: the folded call equals the composed layer on one process; bf16: its error against that fp32
     reference, next to the plain bf16 layer's."""
     B, S, H, Hkv, stage_heads = 2, 64, 8, 2, 4
@@ -337,15 +332,12 @@ def _fused_errors(rank, world, out_path):
             errors["plain"] = max(_relative_error(a, b) for a, b in zip([plain_y, *plain_grads], [ref_y, *ref_grads]))
     worst = torch.tensor([errors["untied"], errors["plain"]])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(dict(zip(("untied", "plain"), worst.tolist()))))
+    return dict(zip(("untied", "plain"), worst.tolist()))
 
-def test_folded_norm_and_output_projection_match_the_composed_layer(tmp_path):
+def test_folded_norm_and_output_projection_match_the_composed_layer():
     """The model's call (block input, o_proj and RMSNorm weights): fp32 equal to norm -> attention -> o_proj on
     one process (every gradient, the norm weight's and W_o's included); bf16 within BF16_SLACK of plain bf16
     (measured, cp 4, CPU, the worst tensor: folded Untied 0.0113, plain bf16 0.0103)."""
-    out = tmp_path / "errors.json"
-    run_distributed(_fused_errors, 4, str(out))
-    errors = json.loads(out.read_text())
+    errors = rank_zero_result(_fused_errors, 4)
     print(errors)
     assert errors["untied"] <= BF16_SLACK * errors["plain"], errors
