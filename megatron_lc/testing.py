@@ -4,9 +4,11 @@ packed documents with their per-rank shards (the exactness tests compare every p
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import socket
+import tempfile
 from typing import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +61,23 @@ def _worker(rank, fn, world_size, port, args):
 def run_distributed(fn, world_size: int, *args) -> None:
     """Run fn(rank, world_size, *args) in `world_size` gloo processes; a failure in any fails the test."""
     mp.spawn(_worker, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+
+
+def _rank_zero_writes(rank, world_size, fn, out_path, *args):
+    result = fn(rank, world_size, *args)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+def rank_zero_result(fn, world_size: int, *args):
+    """`run_distributed(fn, world_size, *args)`, returning what fn returned on rank 0 (JSON: it comes back through
+    a file)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "rank0.json")
+        run_distributed(_rank_zero_writes, world_size, fn, out_path, *args)
+        with open(out_path) as f:
+            return json.load(f)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from megatron_lc.devices import Devices
 from megatron_lc.models.llama import build_model
 from megatron_lc.models.llama.parallelize import materialize, parallelize_llama
 from megatron_lc.parallel_state import ParallelDims, ParallelState
-from megatron_lc.testing import make_batch, shard_batch
+from megatron_lc.testing import make_batch, rank_zero_result, shard_batch
 from megatron_lc.training.optim import build_optimizer, clip_grad_norm
 from megatron_lc.training.step import forward_backward
 
@@ -76,6 +76,21 @@ def check_against_reference(rank, world, config, cp, opts, batch_args, steps=2, 
         torch.testing.assert_close(clip_grad_norm(model.parameters(), 1.0), ref_norms[step], rtol=1e-5, atol=0)
         opt.step()
         opt.zero_grad()
+
+
+def run_checks(rank, world, checks: dict) -> list[str]:
+    """Each of `checks` (name -> (fn, args): fn(rank, world, *args)) in turn in this group of processes, and the
+    names of those that ran: the checks of one file and world size share one launch (starting the processes costs
+    more than a check). The first failure fails the launch with its traceback, and so every check after it."""
+    for fn, args in checks.values():
+        fn(rank, world, *args)
+    return list(checks)
+
+
+def checks_that_ran(checks: dict[int, dict]) -> set[str]:
+    """`checks` by world size (world -> name -> (fn, args)), each world's in one launch (`run_checks`): the names of
+    those that ran on every rank."""
+    return {name for world, named in checks.items() for name in rank_zero_result(run_checks, world, named)}
 
 
 BATCH = dict(num_samples=2, seq_length=64, vocab=512, seed=1, num_docs=3, ignore_fraction=0.4)

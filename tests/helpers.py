@@ -18,6 +18,7 @@ from megatron_lc.testing import (  # noqa: F401 (the tests' names for them)
     flatten_cu_seqlens,
     free_port,
     make_batch,
+    rank_zero_result,
     run_distributed,
     shard_batch,
 )

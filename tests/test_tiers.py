@@ -3,7 +3,7 @@
 import subprocess
 
 from megatron_lc.planning.estimate import estimate
-from megatron_lc.testing import run_distributed
+from megatron_lc.testing import rank_zero_result, run_distributed
 from tests.tiers import planner_tracers, process_starters, uses
 
 
@@ -19,6 +19,10 @@ def _gloo_world():
     run_distributed(print, 2)
 
 
+def _gloo_world_answering():
+    return rank_zero_result(print, 2)
+
+
 def _plans(cfg, machine):
     return [estimate(cfg, machine) for _ in range(2)]  # inside a comprehension
 
@@ -29,7 +33,7 @@ def _in_process(x):
 
 def test_a_test_starting_processes_directly_or_through_a_helper_is_multiprocess():
     assert uses(_runs_a_tool, process_starters()) and uses(_through_a_helper, process_starters())
-    assert uses(_gloo_world, process_starters())
+    assert uses(_gloo_world, process_starters()) and uses(_gloo_world_answering, process_starters())
 
 
 def test_a_test_tracing_with_the_planner_is_planner_trace_and_only_that():

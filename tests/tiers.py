@@ -21,10 +21,11 @@ MARKERS = {
 
 @functools.cache
 def process_starters() -> frozenset:
-    """What starts another process: the modules that do, and the gloo worlds' launcher."""
+    """What starts another process: the modules that do, and the gloo worlds' launchers."""
     from megatron_lc import testing
 
-    return frozenset({subprocess, multiprocessing, torch.multiprocessing, testing.run_distributed})
+    return frozenset({subprocess, multiprocessing, torch.multiprocessing, testing.run_distributed,
+                      testing.rank_zero_result})
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """Ring attention: its schedule covers causal attention exactly once, and its kernel
-matches full-sequence attention (outputs and gradients) in multi-process gloo runs."""
+matches full-sequence attention (outputs and gradients) in multi-process gloo runs (one launch per world size)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from megatron_lc.attention.varlen import segment_pairs
 from megatron_lc.attention.ring import DocumentRingSchedule, RingAttention, RingSchedule
 from megatron_lc.context_layout import ContextLayout, context_layout_from_flags
 from megatron_lc.parallel_state import ParallelDims, ParallelState
-from tests.helpers import run_distributed
+from tests.exactness import checks_that_ran
 
 
 def _positions(layout: ContextLayout, S: int, ring_rank: int, cu=None) -> list[int]:
@@ -236,12 +236,16 @@ def _check_ring_kernel(rank, world, overlap, kv_grads="overlapped", documents="s
             assert torch.equal(mine.grad, theirs.grad)
 
 
-@pytest.mark.parametrize("world,overlap,kv_grads,documents", [
+RING_KERNEL_CASES = [
     (2, True, "overlapped", "sequence"), (4, True, "overlapped", "sequence"), (4, False, "overlapped", "sequence"),
     (2, True, "in_place", "sequence"), (4, True, "in_place", "sequence"),
-    (4, True, "overlapped", "split"), (2, True, "overlapped", "local"), (4, True, "in_place", "local")])
-def test_ring_kernel_matches_full_sequence_attention(world, overlap, kv_grads, documents):
-    run_distributed(_check_ring_kernel, world, overlap, kv_grads, documents)
+    (4, True, "overlapped", "split"), (2, True, "overlapped", "local"), (4, True, "in_place", "local")]
+"""world, overlap, kv_grads, documents"""
+
+
+@pytest.mark.parametrize("world,overlap,kv_grads,documents", RING_KERNEL_CASES)
+def test_ring_kernel_matches_full_sequence_attention(world, overlap, kv_grads, documents, checked):
+    assert f"ring-kernel-{world}-{overlap}-{kv_grads}-{documents}" in checked
 
 
 def _check_cpu_flash_in_ring(rank, world, documents):
@@ -266,8 +270,8 @@ def _check_cpu_flash_in_ring(rank, world, documents):
 
 
 @pytest.mark.parametrize("documents", ["sequence", "split"])
-def test_cpu_flash_kernel_runs_in_the_ring(documents):
-    run_distributed(_check_cpu_flash_in_ring, 2, documents)
+def test_cpu_flash_kernel_runs_in_the_ring(documents, checked):
+    assert f"cpu-flash-{documents}" in checked
 
 
 def test_column_blocks_of_one_buffer_travel_as_that_buffer():
@@ -330,15 +334,34 @@ def _check_split_kernel_state_in_ring(rank, world, S, documents, splitting_ranks
         torch.testing.assert_close(mine.grad.double(), ref.grad[idx], rtol=1e-4, atol=1e-5)
 
 
-def test_a_kernel_that_splits_a_block_into_calls_gets_each_calls_state_back():
+def test_a_kernel_that_splits_a_block_into_calls_gets_each_calls_state_back(checked):
     """Uneven documents: one long, then many of one token (more segments than one memory-efficient call takes),
     then one crossing chunks; a second sample of two documents."""
-    S = 512
-    run_distributed(_check_split_kernel_state_in_ring, 2, S, [[40] + [1] * 200 + [S - 240], [300, S - 300]], (0, 1))
+    assert "split-calls" in checked
 
 
-def test_documents_of_the_reported_ring_crash_train_exactly():
+def test_documents_of_the_reported_ring_crash_train_exactly(checked):
     """The reported case: documents [7000, 10 x 100, rest] at 32K on 2 ranks under the memory-efficient kernel
     (the own block of 7000 + 10 x 100 + 192 and 8192 rows splits into two calls)."""
+    assert "reported-crash" in checked
+
+
+def _checks() -> dict[int, dict]:
+    """world size -> name -> (check, its arguments after (rank, world))."""
+    checks = {2: {}, 4: {}}
+    for world, overlap, kv_grads, documents in RING_KERNEL_CASES:
+        checks[world][f"ring-kernel-{world}-{overlap}-{kv_grads}-{documents}"] = (
+            _check_ring_kernel, (overlap, kv_grads, documents))
+    for documents in ("sequence", "split"):
+        checks[2][f"cpu-flash-{documents}"] = (_check_cpu_flash_in_ring, (documents,))
+    checks[2]["split-calls"] = (_check_split_kernel_state_in_ring, (512, [[40] + [1] * 200 + [512 - 240],
+                                                                          [300, 512 - 300]], (0, 1)))
     S = 32768
-    run_distributed(_check_split_kernel_state_in_ring, 2, S, [[7000] + [100] * 10 + [S - 8000]], (0,))
+    checks[2]["reported-crash"] = (_check_split_kernel_state_in_ring, (S, [[7000] + [100] * 10 + [S - 8000]], (0,)))
+    return checks
+
+
+@pytest.fixture(scope="module")
+def checked():
+    """Every gloo check of this file (`_checks`), one launch per world size: the names of those that ran."""
+    return checks_that_ran(_checks())

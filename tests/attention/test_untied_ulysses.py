@@ -5,8 +5,6 @@ costs far more than the checks themselves. A failing check names its case.
 """
 
 import dataclasses
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +23,7 @@ from megatron_lc.context_layout import ContextLayout
 from megatron_lc.models.llama import get_config
 
 from megatron_lc.parallel_state import ParallelDims, ParallelState
-from tests.helpers import parallelize_options, run_distributed
+from tests.helpers import parallelize_options, rank_zero_result
 from tests.exactness import BATCH, ONE_SEGMENT, check_against_reference
 
 CPU = torch.device("cpu")
@@ -209,26 +207,30 @@ def _check_direct(pstate: ParallelState, case) -> None:
         dist.all_reduce(grad, group=pstate.cp_group)  # each rank holds its tokens' share
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
 
-def _run_all(rank, world):
+def _run_all(rank, world) -> list[str]:
+    """Every exactness case, one after the other; the names of those checked."""
+    checked = []
     for cp, cases in DIRECT_CASES.items():
         pstate = ParallelState(ParallelDims(world_size=world, cp=cp))
         for case in cases:
-            _named(f"direct cp{cp} {case}", _check_direct, pstate, case)
+            checked.append(_named(f"direct cp{cp} {case}", _check_direct, pstate, case))
     for name, cp, kv_heads, stage_heads, stack, batch in MODEL_CASES:
         config = dataclasses.replace(get_config("debug"), num_query_groups=kv_heads)
         opts = parallelize_options(cp_impl="untied_ulysses", heads_per_stage=stage_heads, **stack)
-        _named(f"model {name}", check_against_reference, rank, world, config, cp, opts, batch)
+        checked.append(_named(f"model {name}", check_against_reference, rank, world, config, cp, opts, batch))
+    return checked
 
-def _named(name, fn, *args):
+def _named(name, fn, *args) -> str:
     try:
         fn(*args)
     except Exception as e:
         raise AssertionError(f"case {name}: {e}") from e
+    return name
 
-def test_untied_ulysses_equals_ulysses_and_single_process_on_4_ranks():
+def test_untied_ulysses_equals_ulysses_and_single_process_on_4_ranks(four_ranks):
     """cp 2 (x dp 2) and 4; U = cp and 2 cp; GQA with cp > kv heads; packed documents; FSDP;
     full recompute + offload + tiled MLP and loss; pipelined stages (bit for bit the synchronous ones)."""
-    run_distributed(_run_all, 4)
+    assert len(four_ranks["exact"]) == sum(map(len, DIRECT_CASES.values())) + len(MODEL_CASES), four_ranks["exact"]
 
 # --- bf16: as close to the fp32 reference as the plain bf16 computation -------------------------
 
@@ -264,7 +266,7 @@ def _bf16_errors(pstate: ParallelState, case) -> dict[str, list[float]]:
         errors[name] += [_relative_error(g, w) for g, w in zip(weight_grads, ref_grads[1:])]
     return errors
 
-def _run_bf16(rank, world, out_path):
+def _run_bf16(rank, world):
     results = {}
     for cp, cases in BF16_CASES.items():
         pstate = ParallelState(ParallelDims(world_size=world, cp=cp))
@@ -273,17 +275,14 @@ def _run_bf16(rank, world, out_path):
             worst = torch.tensor([max(v) for v in errors.values()])
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank decides
             results[str(case)] = dict(zip(errors, worst.tolist()))
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(results))
+    return results
 
-def test_bf16_untied_and_ulysses_are_as_close_to_fp32_as_plain_bf16(tmp_path):
+def test_bf16_untied_and_ulysses_are_as_close_to_fp32_as_plain_bf16(four_ranks):
     """Output, dx, dWq, dWk, dWv in bf16: max error over max value against the fp32 reference.
 
     Measured (cp 4, CPU, the worst tensor of each): plain bf16 0.0107 and 0.0127, Ulysses 0.0152
     and 0.0115, Untied 0.0150 and 0.0090 for the two cases."""
-    out = tmp_path / "errors.json"
-    run_distributed(_run_bf16, 4, str(out))
-    for case, errors in json.loads(out.read_text()).items():
+    for case, errors in four_ranks["bf16"].items():
         for name in ("untied", "untied-lean", "ulysses"):
             assert errors[name] <= BF16_SLACK * errors["plain"], (case, errors)
 
@@ -303,7 +302,7 @@ def _layer_output_and_grads(backend, fused, x, weights, wo, norm_weight, dy, cos
     y.backward(dy)
     return y.detach(), [t.grad for t in leaves]
 
-def _fused_errors(rank, world, out_path):
+def _fused_errors(rank, world):
     """fp32: the folded call equals the composed layer on one process; bf16: its error against that fp32
     reference, next to the plain bf16 layer's."""
     B, S, H, Hkv, stage_heads = 2, 64, 8, 2, 4
@@ -337,15 +336,23 @@ def _fused_errors(rank, world, out_path):
             errors["plain"] = max(_relative_error(a, b) for a, b in zip([plain_y, *plain_grads], [ref_y, *ref_grads]))
     worst = torch.tensor([errors["untied"], errors["plain"]])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(dict(zip(("untied", "plain"), worst.tolist()))))
+    return dict(zip(("untied", "plain"), worst.tolist()))
 
-def test_folded_norm_and_output_projection_match_the_composed_layer(tmp_path):
+def test_folded_norm_and_output_projection_match_the_composed_layer(four_ranks):
     """The model's call (block input, o_proj and RMSNorm weights): fp32 equal to norm -> attention -> o_proj on
     one process (every gradient, the norm weight's and W_o's included); bf16 within BF16_SLACK of plain bf16
     (measured, cp 4, CPU, the worst tensor: folded Untied 0.0113, plain bf16 0.0103)."""
-    out = tmp_path / "errors.json"
-    run_distributed(_fused_errors, 4, str(out))
-    errors = json.loads(out.read_text())
+    errors = four_ranks["fused"]
     print(errors)
     assert errors["untied"] <= BF16_SLACK * errors["plain"], errors
+
+
+def _on_4_ranks(rank, world) -> dict:
+    """The file's 4-rank work in one launch (starting the processes costs more than the checks): the exactness
+    cases (a failure fails the launch, and so every test of it), the bf16 errors, the folded layer's."""
+    return {"exact": _run_all(rank, world), "bf16": _run_bf16(rank, world), "fused": _fused_errors(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return rank_zero_result(_on_4_ranks, 4)

@@ -10,8 +10,8 @@ from megatron_lc.models.llama.parallelize import ParallelizeOptions, apply_memor
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from megatron_lc.training.step import forward_backward
 from megatron_lc.errors import ConfigError
-from tests.helpers import make_batch, parallelize_options, run_distributed
-from tests.exactness import BATCH, CPU, check_against_reference
+from tests.helpers import make_batch, parallelize_options
+from tests.exactness import BATCH, CPU, check_against_reference, checks_that_ran
 
 STACKS = {
     "full": parallelize_options(recompute_granularity="full"),
@@ -52,16 +52,25 @@ def test_offload_requires_full_recompute(mode):
         parallelize_options(recompute_granularity="selective", offload_mode=mode).validate()
 
 
-@pytest.mark.parametrize("world, cp, stack", [(2, 2, "everything"), (4, 4, "everything"),
-                                              (2, 2, "everything-fetch-on-demand"),
-                                              (2, 2, "everything-prefetch-early")],
-                         ids=["cp2", "cp4", "cp2-fetch-on-demand", "cp2-prefetch-early"])
-def test_whole_stack_with_fsdp_and_ulysses_matches_single_process(world, cp, stack):
-    run_distributed(check_against_reference, world, get_config("debug"), cp, STACKS[stack], BATCH)
+WHOLE_STACK_CASES = {"cp2": (2, "everything"), "cp4": (4, "everything"),
+                     "cp2-fetch-on-demand": (2, "everything-fetch-on-demand"),
+                     "cp2-prefetch-early": (2, "everything-prefetch-early"), "cp2-selective": (2, "selective")}
+"""name: (world = cp, stack) of the FSDP + Ulysses checks."""
 
 
-def test_selective_recompute_with_fsdp_and_ulysses_matches_single_process():
-    run_distributed(check_against_reference, 2, get_config("debug"), 2, STACKS["selective"], BATCH)
+@pytest.fixture(scope="module")
+def checked():
+    """Every gloo check of this file (`_checks`), one launch per world size: the names of those that ran."""
+    return checks_that_ran(_checks())
+
+
+@pytest.mark.parametrize("name", ["cp2", "cp4", "cp2-fetch-on-demand", "cp2-prefetch-early"])
+def test_whole_stack_with_fsdp_and_ulysses_matches_single_process(name, checked):
+    assert name in checked
+
+
+def test_selective_recompute_with_fsdp_and_ulysses_matches_single_process(checked):
+    assert "cp2-selective" in checked
 
 
 # --- sparse offload: every k-th block input kept, the others recomputed from it ------------------------
@@ -123,10 +132,10 @@ def _sparse_cases(rank, world):
             raise AssertionError(f"case {name}: {e}") from e
 
 
-def test_sparse_offload_with_fsdp_and_every_context_parallel_backend_matches_single_process():
+def test_sparse_offload_with_fsdp_and_every_context_parallel_backend_matches_single_process(checked):
     """2 ranks, one after the other in the same processes: Ulysses, Untied Ulysses (norm and o_proj folded into
     it), ring, FSDP alone; with tiled MLP and loss, prefetch and fetch on demand; two optimizer steps each."""
-    run_distributed(_sparse_cases, 2)
+    assert "sparse-offload" in checked
 
 
 # --- kept attention: the recompute takes the forward's attention output and lse, runs no attention forward ----
@@ -223,11 +232,11 @@ def _keep_cases(rank, world):
         KeptAttention.take = take
 
 
-def test_kept_attention_with_fsdp_and_every_context_parallel_backend_matches_single_process():
+def test_kept_attention_with_fsdp_and_every_context_parallel_backend_matches_single_process(checked):
     """2 ranks (FSDP over the cp ranks), case after case in the same processes: Ulysses with sparse offload k = 2,
     Untied Ulysses (norm and o_proj folded into it) offloaded, ring with the attention kept on the GPU; tiled MLP
     and loss; two optimizer steps each. Every block's recompute takes its kept attention."""
-    run_distributed(_keep_cases, 2)
+    assert "kept-attention" in checked
 
 
 # --- kept attention read by sparse offload's replays: inputs rebuilt by projections, norms and MLP only --------
@@ -343,13 +352,25 @@ def _replay_case(rank, world, name, cp, ring, opts):
         raise AssertionError(f"case {name}: {e}") from e
 
 
-def test_replays_reading_kept_attention_with_fsdp_and_every_context_parallel_backend_match():
+def test_replays_reading_kept_attention_with_fsdp_and_every_context_parallel_backend_match(checked):
     """2 ranks, case after case: Ulysses, Untied Ulysses (fast, and lean with only 2 blocks keeping), ring, FSDP
     alone; tiled MLP and loss; each equal to the reference over two optimizer steps, and bit for bit equal to the
     same stack whose replays compute their attention."""
-    run_distributed(_replay_cases, 2, REPLAY_CASES)
+    assert "replays" in checked
 
 
-def test_replays_reading_kept_attention_with_all_to_all_inside_a_ring_match():
+def test_replays_reading_kept_attention_with_all_to_all_inside_a_ring_match(checked):
     """4 ranks: all-to-all over 2 inside a ring of 2 (a2a+p2p), sparse offload k = 3, tiled MLP and loss."""
-    run_distributed(_replay_cases, 4, {"a2a+p2p-cp4-k3": (4, 2, _replaying(3, mlp_tiles=3, loss_tiles=5))})
+    assert "replays-a2a+p2p-cp4-k3" in checked
+
+
+def _checks() -> dict[int, dict]:
+    """world size -> name -> (check, its arguments after (rank, world))."""
+    checks = {2: {}, 4: {}}
+    for name, (world, stack) in WHOLE_STACK_CASES.items():
+        checks[world][name] = (check_against_reference, (get_config("debug"), world, STACKS[stack], BATCH))
+    checks[2].update({"sparse-offload": (_sparse_cases, ()), "kept-attention": (_keep_cases, ()),
+                      "replays": (_replay_cases, (REPLAY_CASES,))})
+    checks[4]["replays-a2a+p2p-cp4-k3"] = (_replay_cases, ({"a2a+p2p-cp4-k3": (4, 2, _replaying(3, mlp_tiles=3,
+                                                                                                 loss_tiles=5))},))
+    return checks

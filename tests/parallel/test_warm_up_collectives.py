@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lc.parallel_state import ParallelDims, ParallelState, collective_plan, warm_up_collectives
-from tests.helpers import run_distributed
+from tests.exactness import checks_that_ran
 
 BASE_PLAN = [("all_reduce", "world"), ("all_reduce", "loss"),
              ("all_gather", "fsdp"), ("reduce_scatter", "fsdp"), ("all_reduce", "fsdp")]
@@ -83,29 +83,42 @@ def _every_rank(*groups):
 ALL2, ALL4 = _every_rank((0, 1)), _every_rank((0, 1, 2, 3))
 
 
-def test_two_ranks_fsdp_and_ulysses():
-    groups = {"world": ALL2, "loss": ALL2, "fsdp": ALL2, "a2a": ALL2}
-    run_distributed(check_warm_up, 2, dict(cp=2), groups)
+PAIRS = _every_rank((0, 1), (2, 3))
+CASES = {  # name: (world, parallel degrees, each group's ranks)
+    "two-ranks-fsdp-and-ulysses": (2, dict(cp=2), {"world": ALL2, "loss": ALL2, "fsdp": ALL2, "a2a": ALL2}),
+    "two-ranks-ring": (2, dict(cp=2, cp_ring=2), {"world": ALL2, "loss": ALL2, "fsdp": ALL2, "ring": ALL2}),
+    "four-ranks-a2a-pairs-in-a-ring": (4, dict(cp=4, cp_ring=2), {"world": ALL4, "loss": ALL4, "fsdp": ALL4,
+                                                                   "a2a": PAIRS, "ring": _every_rank((0, 2), (1, 3))}),
+    "four-ranks-hsdp-ulysses-pairs": (4, dict(cp=2, dp_replicate=2), {
+        "world": ALL4, "loss": ALL4, "fsdp": PAIRS, "fsdp_replicate": _every_rank((0, 2), (1, 3)), "a2a": PAIRS}),
+}
 
 
-def test_two_ranks_ring():
-    groups = {"world": ALL2, "loss": ALL2, "fsdp": ALL2, "ring": ALL2}
-    run_distributed(check_warm_up, 2, dict(cp=2, cp_ring=2), groups)
+@pytest.fixture(scope="module")
+def checked():
+    """Every case (`CASES`), one gloo launch per world size: the names of those that ran."""
+    checks = {}
+    for name, (world, dims, groups) in CASES.items():
+        checks.setdefault(world, {})[name] = (check_warm_up, (dims, groups))
+    return checks_that_ran(checks)
 
 
-def test_four_ranks_all_to_all_pairs_inside_a_ring_of_two():
+def test_two_ranks_fsdp_and_ulysses(checked):
+    assert "two-ranks-fsdp-and-ulysses" in checked
+
+
+def test_two_ranks_ring(checked):
+    assert "two-ranks-ring" in checked
+
+
+def test_four_ranks_all_to_all_pairs_inside_a_ring_of_two(checked):
     """--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2: a2a over (0,1) and (2,3), rings (0,2), (1,3)."""
-    groups = {"world": ALL4, "loss": ALL4, "fsdp": ALL4, "a2a": _every_rank((0, 1), (2, 3)),
-              "ring": _every_rank((0, 2), (1, 3))}
-    run_distributed(check_warm_up, 4, dict(cp=4, cp_ring=2), groups)
+    assert "four-ranks-a2a-pairs-in-a-ring" in checked
 
 
-def test_four_ranks_hsdp_with_ulysses_pairs():
+def test_four_ranks_hsdp_with_ulysses_pairs(checked):
     """dp_replicate 2 x cp 2: FSDP shards over each cp pair, replicas all-reduce across them."""
-    pairs = _every_rank((0, 1), (2, 3))
-    groups = {"world": ALL4, "loss": ALL4, "fsdp": pairs, "fsdp_replicate": _every_rank((0, 2), (1, 3)),
-              "a2a": pairs}
-    run_distributed(check_warm_up, 4, dict(cp=2, dp_replicate=2), groups)
+    assert "four-ranks-hsdp-ulysses-pairs" in checked
 
 
 def test_the_trainer_warms_up_right_after_the_mesh(monkeypatch):

@@ -7,8 +7,6 @@ must land within 5% of the measured accelerator peak; host bytes (offloaded bloc
 inputs) must match the offload scheduler's count.
 """
 
-import json
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from megatron_lc.devices import Devices
 from megatron_lc.parallel_state import ParallelState
 from megatron_lc.planning.estimate import Machine, estimate
 from megatron_lc.planning.trace import measure_real_step, parallel_dims
-from tests.helpers import run_distributed
+from tests.helpers import rank_zero_result
 
 CPU = Devices(torch.device("cpu"), torch.device("cpu"))
 WORLD = 4
@@ -108,20 +106,15 @@ def measure(cfg, world_size):
     return analysis.peak.total, host_peak
 
 
-def _measure_all(rank, world_size, names, out_path):
+def _measure_all(rank, world_size, names):
     torch.manual_seed(0)
-    results = {name: measure(_config(name), world_size) for name in names}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+    return {name: measure(_config(name), world_size) for name in names}
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
+def measured():
     """Real peaks of every configuration: the distributed ones in one group of gloo processes."""
-    out = tmp_path_factory.mktemp("measured") / "peaks.json"
-    run_distributed(_measure_all, WORLD, sorted(DISTRIBUTED), str(out))
-    results = {name: tuple(v) for name, v in json.loads(out.read_text()).items()}
+    results = {name: tuple(v) for name, v in rank_zero_result(_measure_all, WORLD, sorted(DISTRIBUTED)).items()}
     results.update({name: measure(_config(name), 1) for name in SINGLE})
     return results
 

@@ -3,7 +3,6 @@ shapes each attention backend declares (`kept_tensors`): steps 1 and 2 page-lock
 the planner's. A recording stand-in takes the driver's page-locking; every backend runs packed documents."""
 
 import contextlib
-import json
 from unittest import mock
 
 import pytest
@@ -18,7 +17,7 @@ from megatron_lc.parallel_state import ParallelState
 from megatron_lc.planning.estimate import Machine, estimate
 from megatron_lc.planning.timing import block_input_bytes_per_gpu, kept_attention_bytes_per_gpu
 from megatron_lc.planning.trace import parallel_dims
-from megatron_lc.testing import make_batch, run_distributed, shard_batch
+from megatron_lc.testing import make_batch, rank_zero_result, shard_batch
 from megatron_lc.training.build import build_run_optimizer, build_sharded_model, reserve_host_arenas
 from megatron_lc.training.step import train_step
 from tests.helpers import train_flags
@@ -107,7 +106,7 @@ def _local_batch(cfg, spec, pstate):
     return shard_batch(batch, per_sample, pstate.dp_rank, pstate.dp_size, pstate.cp_rank, pstate.cp_size, layout)
 
 
-def _two_steps_after_start_up(rank, world, names, out_path):
+def _two_steps_after_start_up(rank, world, names):
     reserved = {}
     with recording_page_locks() as locked:
         for name in names:
@@ -126,16 +125,12 @@ def _two_steps_after_start_up(rank, world, names, out_path):
                 assert offload.arena_slots() == arenas and offload.host_bytes_in_use == 0, name
             reserved[name] = offload.host_bytes_reserved
             offload.close()
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(reserved, f)
+    return reserved
 
 
 @pytest.fixture(scope="module")
-def reserved(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reserved") / "reserved.json"
-    run_distributed(_two_steps_after_start_up, WORLD, sorted(CASES), str(out))
-    return json.loads(out.read_text())
+def reserved():
+    return rank_zero_result(_two_steps_after_start_up, WORLD, sorted(CASES))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -5,14 +5,15 @@ the single-process fp32 reference on the same tokens, loss (1e-5) and every grad
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_lc.models.llama import get_config
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from megatron_lc.testing import make_batch
 from megatron_lc.training.step import forward_backward
-from tests.exactness import BATCH, CPU, check_against_reference, reference_run
-from tests.helpers import parallelize_options, run_distributed
+from tests.exactness import BATCH, CPU, check_against_reference, checks_that_ran, reference_run
+from tests.helpers import parallelize_options
 
 DEBUG = get_config("debug")  # 8 heads, 2 kv heads
 MASKED = dict(BATCH, num_samples=8, masked_spans=True)
@@ -36,10 +37,10 @@ def _cases(rank, world, names):
             raise AssertionError(f"case {name}: {e}") from e
 
 
-def test_masked_loss_over_micro_batches_dp_and_cp_shards_matches_single_process():
+def test_masked_loss_over_micro_batches_dp_and_cp_shards_matches_single_process(checked):
     """Ulysses, Untied Ulysses and ring, each with dp 2, two micro-batches per rank, full recompute, offload,
     tiled MLP and loss (and kept attention with Untied); one case after the other in the same 4 processes."""
-    run_distributed(_cases, 4, sorted(CASES))
+    assert "dp2" in checked
 
 
 
@@ -47,9 +48,15 @@ def _a2a_p2p(rank, world):
     check_against_reference(rank, world, DEBUG, 4, parallelize_options(**STACK), MASKED, 2, 2, micro_batches=4)
 
 
-def test_masked_loss_under_a2a_p2p_with_micro_batches_matches_single_process():
+def test_masked_loss_under_a2a_p2p_with_micro_batches_matches_single_process(checked):
     """a2a+p2p 2 x 2 (cp 4, no data parallelism), 4 micro-batches of 2 samples."""
-    run_distributed(_a2a_p2p, 4)
+    assert "a2a+p2p" in checked
+
+
+@pytest.fixture(scope="module")
+def checked():
+    """Both 4-rank checks in one gloo launch: the names of those that ran."""
+    return checks_that_ran({4: {"dp2": (_cases, (sorted(CASES),)), "a2a+p2p": (_a2a_p2p, ())}})
 
 
 def test_the_loss_is_the_mean_over_loss_tokens_not_a_mean_of_micro_batch_means():

@@ -58,9 +58,9 @@ def test_configuration_error_is_one_line_from_rank_zero_with_status_two(tmp_path
 
 def test_exit_duration_saves_and_stops(tmp_path):
     """A step is started only if it can finish and save before the deadline (tests/training/test_stop_to_resume.py)."""
-    history = train(parse_config(BASE + ["--train-iters", "100000", "--exit-duration-in-mins", "0.25",
+    history = train(parse_config(BASE + ["--train-iters", "100000", "--exit-duration-in-mins", "0.2",
                                          "--save", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "log")]))
-    assert history.stopped and "--exit-duration-in-mins 0.25" in history.stopped and 1 <= len(history) < 100000
+    assert history.stopped and "--exit-duration-in-mins 0.2" in history.stopped and 1 <= len(history) < 100000
     assert checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "ckpt"))["step"] == history[-1]["step"]
 
 

@@ -169,6 +169,12 @@ def test_save_interval_minutes_saves_by_time(tmp_path):
 
 # --- a torchrun group of two gloo ranks, signalled mid-step -----------------------------------------------
 
+TRAIN_ITERS = "2000"
+"""The scenarios' planned steps: more than any runs before its signal (the learning-rate schedule reads it)."""
+UNINTERRUPTED_STEPS = 8
+"""Steps of the uninterrupted run the scenarios compare with: past where a resume stops (a signal after step 3
+resumes to step 5)."""
+
 
 def _torchrun(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
@@ -185,10 +191,10 @@ def _worker_pids(launcher_pid: int) -> list[int]:
 
 
 @pytest.mark.parametrize("target", ["one worker", "torchrun"])
-def test_sigterm_mid_step_saves_exits_with_the_resume_status_and_the_resume_is_exact(tmp_path, target):
+def test_sigterm_mid_step_saves_exits_with_the_resume_status_and_the_resume_is_exact(tmp_path, target, uninterrupted):
     """Slurm's preemption signal may reach one worker first, or torchrun, which forwards SIGTERM to every
     worker; all ranks stop together at the step boundary, save, and exit 3."""
-    args = BASE + ["--train-iters", "2000", "--save", "ckpt", "--exit-signal-handler"]
+    args = BASE + ["--train-iters", TRAIN_ITERS, "--save", "ckpt", "--exit-signal-handler"]
     proc = subprocess.Popen(_torchrun(args + ["--log-dir", "a"]), env=ENV, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -204,22 +210,38 @@ def test_sigterm_mid_step_saves_exits_with_the_resume_status_and_the_resume_is_e
         assert "Received 15 death signal" in stderr and "SIGKILL" not in stderr
     stopped = json.loads((tmp_path / "ckpt" / STOPPED_FILE).read_text())
     step = stopped["step"]
-    assert stopped["reason"].startswith(f"stopping after step {step}: signal") and 3 <= step < 2000
+    assert stopped["reason"].startswith(f"stopping after step {step}: signal") and 3 <= step < int(TRAIN_ITERS)
     assert checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "ckpt"))["step"] == step
 
-    _assert_the_resume_is_exact(tmp_path, args, "2000", step + 2)
+    _assert_the_resume_is_exact(tmp_path, args, step + 2, uninterrupted)
 
 
-def _assert_the_resume_is_exact(tmp_path, args: list[str], train_iters: str, until: int) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """`losses(until)`: the losses by step, to at least `until`, of one uninterrupted two-rank run of the
+    scenarios' flags (`BASE`, `TRAIN_ITERS` steps planned). The scenarios share it: run once, to
+    `UNINTERRUPTED_STEPS` steps, and again only for a scenario that resumes further."""
+    run = {"steps": 0}
+
+    def losses(until: int) -> dict[int, float]:
+        if run["steps"] < until:
+            log_dir, steps = tmp_path_factory.mktemp("uninterrupted"), max(until, UNINTERRUPTED_STEPS)
+            flags = BASE + ["--train-iters", TRAIN_ITERS, "--log-dir", str(log_dir), "--exit-interval", str(steps)]
+            reference = subprocess.run(_torchrun(flags), env=ENV, cwd=log_dir, capture_output=True, text=True,
+                                       timeout=300)
+            assert reference.returncode == 0, reference.stderr[-3000:]
+            run.update(steps=steps, losses={m["step"]: m["loss"] for m in _metrics(log_dir)})
+        return run["losses"]
+
+    return losses
+
+
+def _assert_the_resume_is_exact(tmp_path, args: list[str], until: int, uninterrupted) -> None:
     """Resumed from ckpt to step `until` (log b), the losses of run a and b are those of one uninterrupted run."""
-    stop_at = ["--exit-interval", str(until)]
-    resumed = subprocess.run(_torchrun(args + ["--load", "ckpt", "--log-dir", "b", *stop_at]), env=ENV, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(_torchrun(args + ["--load", "ckpt", "--log-dir", "b", "--exit-interval", str(until)]),
+                             env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    reference = subprocess.run(_torchrun(BASE + ["--train-iters", train_iters, "--log-dir", "ref", *stop_at]), env=ENV,
-                               cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = {m["step"]: m["loss"] for m in _metrics(tmp_path / "ref")}
+    expected = uninterrupted(until)
     got = {m["step"]: m["loss"] for m in _metrics(tmp_path / "a") + _metrics(tmp_path / "b")}
     assert sorted(got) == list(range(1, until + 1))  # every step once: none lost, none repeated
     for s, loss in got.items():
@@ -340,7 +362,8 @@ def test_a_signal_abandons_the_step_at_a_block_boundary_when_the_last_finished_s
     assert finished == "finished" and len(left) == 1
 
 
-def test_a_sigterm_inside_step_2_of_an_unsaved_torchrun_run_saves_step_1_and_the_resume_is_exact(tmp_path):
+def test_a_sigterm_inside_step_2_of_an_unsaved_torchrun_run_saves_step_1_and_the_resume_is_exact(tmp_path,
+                                                                                                   uninterrupted):
     """torchrun, two ranks, no --save-interval: step 1 finished and unsaved, SIGTERM inside step 2, too long for
     the grace time. Both ranks leave step 2 at the same block boundary, step 1 is saved, exit 3; the run resumes
     from step 1 with an uninterrupted run's losses."""
@@ -355,7 +378,8 @@ def test_a_sigterm_inside_step_2_of_an_unsaved_torchrun_run_saves_step_1_and_the
                       "trainer.train_step = slow\n"
                       "from megatron_lc.train import main\n"
                       "main(sys.argv[1:])\n")
-    args = BASE + ["--train-iters", "10", "--save", "ckpt", "--exit-signal-handler", "--exit-signal-grace-secs", "0"]
+    args = BASE + ["--train-iters", TRAIN_ITERS, "--save", "ckpt", "--exit-signal-handler", "--exit-signal-grace-secs",
+                   "0"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
     proc = subprocess.Popen([*launch, str(driver), *args, "--log-dir", "a"], env=ENV, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -372,7 +396,7 @@ def test_a_sigterm_inside_step_2_of_an_unsaved_torchrun_run_saves_step_1_and_the
     assert checkpointing.read_meta(checkpointing.latest_checkpoint(tmp_path / "ckpt"))["step"] == 1
     assert "SIGKILL" not in stderr and len(_metrics(tmp_path / "a")) == 1
 
-    _assert_the_resume_is_exact(tmp_path, args, "10", 3)
+    _assert_the_resume_is_exact(tmp_path, args, 3, uninterrupted)
 
 
 def _long_step_request(unsaved: int | None, left: list) -> StopRequest:
