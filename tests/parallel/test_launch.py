@@ -178,10 +178,9 @@ def test_calibration_measures_the_host_step_at_the_trainers_thread_count(monkeyp
     from megatron_lc.planning import calibration
     seen = {}
 
-    def measure(threads, shapes, host_threads):
+    def measure(threads, shapes, host_threads, processes):
         seen["host_threads"] = host_threads
-        return {k: 1.0 for k in ("gemm_flops", "attention_fwd_flops", "attention_bwd_flops", "copy_bytes",
-                                  "a2a_bytes", "launch_s", "host_adam_params")}
+        return dict.fromkeys(calibration.MEASURED, 1.0)
 
     monkeypatch.setattr(calibration, "_measure_local", measure)
     monkeypatch.setattr(calibration.os, "sched_getaffinity", lambda pid: set(range(3)), raising=False)
