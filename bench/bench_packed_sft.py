@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
 from bench.bench_vs_alst import (IGNORE_INDEX, _StepTimer, _write_json, add_worker_flags, launch,  # noqa: E402
-                                 write_peer_weights)
+                                 our_config, write_peer_weights)
 
 ROWS = {  # name -> (cp_comm_type, cp_impl, document layout)
     "ring, sequence (p2p)": ("p2p", "ulysses", "sequence"),
@@ -168,7 +168,7 @@ def ours_worker(work: Path, tag: str) -> None:
     prepared = json.loads((work / "prepared.json").read_text())
     S = spec["seq_length"]
     cpu = Devices(torch.device("cpu"), torch.device("cpu"))
-    config = _our_config(spec)
+    config = our_config(spec)
     full = torch.load(work / "tokens.pt")
     cu = tuple(full["cu_seqlens"])
     batch = Batch(full["input_ids"], full["labels"], full["position_ids"], cu)

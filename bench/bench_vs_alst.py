@@ -160,7 +160,7 @@ def _profiled_step(work: Path, tag: str, rank: int, step, barrier, rows: int = 2
 # --- prepare: weights, HF directory, tokens (project interpreter) ----------------------------------
 
 
-def _our_config(spec):
+def our_config(spec):
     from megatron_lc.models.llama import LlamaConfig
 
     return LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], num_layers=spec["layers"],
@@ -176,7 +176,7 @@ def write_peer_weights(work: Path, spec: dict):
     from megatron_lc.models.llama.hf import to_hf_config, to_hf_state_dict
     from megatron_lc.training.hf_conversion import save_safetensors
 
-    config = _our_config(spec)
+    config = our_config(spec)
     model = build_model(config, device="cpu", seed=0)
     hf = work / "hf"
     hf.mkdir()
@@ -246,7 +246,7 @@ def ours_worker(work: Path, tag: str, profile: bool) -> None:
     spec = json.loads((work / "spec.json").read_text())
     prepared = json.loads((work / "prepared.json").read_text())
     cpu = Devices(torch.device("cpu"), torch.device("cpu"))
-    config = _our_config(spec)
+    config = our_config(spec)
     pstate = ParallelState(ParallelDims(world_size=world, cp=world))
     opts = ParallelizeOptions(cp=ContextParallel(impl="ulysses"), seq_length=spec["seq_length"], memory=MemoryStack(
         recompute_granularity="full", mlp_tiles=prepared["mlp_tiles"], loss_tiles=prepared["loss_tiles"],

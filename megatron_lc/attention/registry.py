@@ -36,9 +36,9 @@ def build_attention_backend(name: str, head_dim: int, device: torch.device, psta
     defaults to the all-to-all degree: one head per rank per stage; `overlap` pipelines its stages and
     `untied_backward` what its backward holds; `ring_kv_grads` how the ring's dK/dV accumulators travel.
     `kernels` is the table `kernel` is looked up in (default: the real kernels; the planner passes its
-    stand-ins), `tile_bounds` the tile policy of Untied Ulysses' row-chunk loops and the ring's in-place rotation, `rank_loop` that of its per-rank
-    projection loops and of the ring's steps, and `fp32_out_gemm` how it sums 16-bit products in fp32 (`tiling.addmm_fp32_`; None: the
-    device's way).
+    stand-ins), `tile_bounds` the tile policy of Untied Ulysses' row-chunk loops and of the ring's in-place
+    rotation, `rank_loop` that of its per-rank projection loops and of the ring's steps, and `fp32_out_gemm` how
+    it sums 16-bit products in fp32 (`tiling.addmm_fp32_`; None: the device's way).
     """
     local_kernel = select_kernel(device, kernel, kernels)
     if name == "local" or pstate.cp_size == 1:

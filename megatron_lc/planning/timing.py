@@ -197,7 +197,9 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None, shar
     attention = 2 * B * S * S * d * H / cp  # causal: half of QK^T and PV, one document per sample
     ring_tokens = B * S // layout.ring_size  # a ring rank's tokens, whose K and V travel
     Tx = T  # tokens through the all-to-alls
-    segments = B * (2 * layout.ring_size - 1)  # one document a sample: the own call and two a ring step
+    # One document a sample: the own call's two chunks, and two calls a ring step (R - 1 steps and its own tail over
+    # its head); one call without a ring (`packed_rank_work` counts the same, tested)
+    segments = B * (1 if layout.ring_size == 1 else 2 * layout.ring_size + 1)
     if share is not None:  # QK^T and PV over the pairs inside documents; only the exchanged tokens travel
         T, attention, Tx, segments = share.tokens, 4 * share.pairs * d * H, share.a2a_tokens, share.segments
         ring_tokens = share.ring_tokens * layout.a2a_size  # the ring rank's rows that travel (a share per a2a rank)
@@ -240,7 +242,9 @@ def step_work(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None, shar
     fsdp = (params_layer * item * share, params_layer * 4 * share)
     reshard = spec.parallelize.fsdp.reshard_after_forward
     # the embedding gathered for forward and (resharded) again for backward, the head once; each reduced once
-    outer_params = (2 if reshard else 1) * V * h + (0 if c.tie_embeddings else V * h)
+    # a tied weight stays with the root, gathered once (the root keeps it through the backward); else the embedding
+    # twice when resharded after forward, and the head once
+    outer_params = V * h if c.tie_embeddings else (2 if reshard else 1) * V * h + V * h
     outer = (outer_params * item * share, (1 if c.tie_embeddings else 2) * V * h * 4 * share)
     offloaded = stack.offloaded_layers(L)
     sparse = stack.sparse_offload(L)
@@ -482,7 +486,9 @@ def predict_packed(cfg: TrainConfig, num_gpus: int, spec: RunSpec, mix: Document
     """The mean step over the mix's micro-batches: each decided by its slowest rank (of the context-parallel group,
     and of the replicas training beside it), the floor by the mean rank's work: each pair inside a document once."""
     layout = spec.parallelize.cp.layout
-    shares = _packed_shares(layout, mix, cfg.data.seq_length, cfg.data.micro_batch_size, _replicas(spec, num_gpus))
+    per_segment = any(rates.segment_s.get(family, (0.0, 0.0)))  # segments cost time: a rank's count can decide
+    shares = _packed_shares(layout, mix, cfg.data.seq_length, cfg.data.micro_batch_size, _replicas(spec, num_gpus),
+                            _FIELDS if per_segment else _FIELDS[:-1])
     call_tokens = mix.call_tokens
 
     def time_of(work: RankWork) -> StepTime:
@@ -538,7 +544,8 @@ def _mean(ranks: list[RankWork]) -> RankWork:
 
 
 @functools.lru_cache(maxsize=64)
-def _packed_shares(layout, mix: DocumentMix, seq_length: int, micro_batch: int, replicas: int) -> _PackedShares:
+def _packed_shares(layout, mix: DocumentMix, seq_length: int, micro_batch: int, replicas: int,
+                   priced: tuple[str, ...] = _FIELDS) -> _PackedShares:
     """Each rank's work in each micro-batch (its samples summed) under the layout's cut, grouped by step."""
     per_sample = [packed_rank_work(layout, cu, seq_length) for cu in mix.samples]
     micro = [[_sum([s[r] for s in per_sample[k:k + micro_batch]]) for r in range(layout.cp_size)]
@@ -547,7 +554,7 @@ def _packed_shares(layout, mix: DocumentMix, seq_length: int, micro_batch: int, 
     for k in range(0, len(micro) - replicas + 1, replicas):
         ranks = [r for group in micro[k:k + replicas] for r in group]
         everyone += ranks
-        keys = {tuple(getattr(r, f) for f in _FIELDS): r for r in ranks}
+        keys = {tuple(getattr(r, f) for f in priced): r for r in ranks}  # what the step is priced by
         candidates = tuple(r for key, r in keys.items()
                            if not any(o != key and all(a >= b for a, b in zip(o, key)) for o in keys))
         mean_pairs = sum(r.pairs for r in ranks) / len(ranks)

@@ -5,7 +5,10 @@ Steps `--profile-step-start + 1` to `--profile-step-end` (counted as the log cou
 or TensorBoard's profiler plugin) and a table of operators by their own time, both in --tensorboard-dir (where
 Megatron-LM writes its traces) or else the run's log directory. Without it: nsys's capture range, for a run under
 `nsys profile --capture-range=cudaProfilerApi` (cudaProfilerStart/Stop around the steps, NVTX ranges per operator).
-The step before the window runs under the profiler too (torch.profiler's warm-up, as Megatron-LM's schedule).
+A step is everything between one training step's start and the next's (its evaluation and checkpoint included),
+as Megatron-LM steps its profiler at the top of its loop; the step before the window runs under torch.profiler as
+its warm-up. Megatron-LM's own torch.profiler schedule records steps start to end - 1 (its nsys range start + 1
+to end): here both record start + 1 to end.
 """
 
 from __future__ import annotations
@@ -36,9 +39,13 @@ class ProfilingArgs:
         """Refuses a window with no step in it and a rank outside the world (nsys's range without CUDA is the
         preflight's: `refuse_on_cpu`)."""
         if not self.profile:
-            if self.use_pytorch_profiler or self.profile_ranks:
-                given = "--use-pytorch-profiler" if self.use_pytorch_profiler else "--profile-ranks"
-                raise ConfigError(f"{given} chooses how --profile profiles: add --profile")
+            defaults = ProfilingArgs()
+            given = [name for name, value, default in (
+                ("--use-pytorch-profiler", self.use_pytorch_profiler, False), ("--profile-ranks", self.profile_ranks, []),
+                ("--profile-step-start", self.profile_step_start, defaults.profile_step_start),
+                ("--profile-step-end", self.profile_step_end, defaults.profile_step_end)) if value != default]
+            if given:
+                raise ConfigError(f"{given[0]} chooses what --profile profiles: add --profile")
             return
         start, end = self.profile_step_start, self.profile_step_end
         if start < 0 or end <= start:
@@ -60,49 +67,55 @@ class ProfilingArgs:
 class StepProfiler:
     """Starts and stops the profiler around the window's steps on a profiled rank (a no-op elsewhere).
 
-    `cudart` is torch.cuda.cudart() (nsys's range); passed in so that a recording stand-in can check the calls."""
+    `cudart` is torch.cuda.cudart() and `nvtx` torch.autograd.profiler.emit_nvtx (nsys's range): passed in so
+    that recording stand-ins can check the calls."""
 
     def __init__(self, args: ProfilingArgs, rank: int, first_step: int, out_dir: str, cuda: bool,
-                 say: Callable[[str], None] = print, cudart=None):
+                 say: Callable[[str], None] = print, cudart=None, nvtx=None):
         self.args, self.rank, self.out_dir, self.cuda, self.say = args, rank, Path(out_dir), cuda, say
-        self._cudart, self._profiler, self._nvtx, self._done = cudart, None, None, first_step - 1
+        self._cudart, self._nvtx_factory, self._profiler, self._nvtx = cudart, nvtx, None, None
         start, end = args.profile_step_start, args.profile_step_end
         self.warmup = start >= first_step  # the step before the window runs (a resumed run may begin inside it)
         self.steps = (max(start, first_step - 1) + 1, end)
         """The first and last step profiled."""
+        self._done = first_step - 1  # the last step finished
         self.active = args.profile and rank in args.ranks()
+        self._opened = False
         if self.active and first_step > end:
             say(f"--profile: steps {start + 1}-{end} are before this run's first step {first_step}: nothing profiled")
             self.active = False
 
     def before_step(self, step: int) -> None:
+        """At the top of step `step`: the boundary between it and the step before (which it closes after the window's
+        last step), and the window's opening."""
         if not self.active:
             return
-        first = self.steps[0]
+        first, last = self.steps
+        if self._profiler is not None:
+            self._profiler.step()
+        if step == last + 1:
+            self.close()
         if self.args.use_pytorch_profiler and step == first - int(self.warmup):
-            self._profiler = self._torch_profiler()
+            self._profiler, self._opened = self._torch_profiler(), True
             self._profiler.start()
         elif not self.args.use_pytorch_profiler and step == first:
             self._cuda_profiler().cudaProfilerStart()
-            import torch
-
-            self._nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self._nvtx, self._opened = self._emit_nvtx()(record_shapes=True), True
             self._nvtx.__enter__()
 
     def after_step(self, step: int) -> None:
         self._done = step
-        if self._profiler is not None:
-            self._profiler.step()
-        if step == self.steps[1]:
-            self.close()
 
     def close(self) -> None:
-        """After the window's last step, or at the end of the run whatever happened: a window cut short still
-        writes what it recorded."""
+        """After the window's last step, or at the end of the run whatever happened: a window cut short still writes
+        what it recorded; a run that never reached it says so."""
         if self._profiler is not None:
             self._finish_torch()
         elif self._nvtx is not None:
             self._finish_nsys()
+        elif self.active and not self._opened:
+            self.say(f"rank {self.rank}: the run ended before step {self.steps[0]}: nothing profiled")
+            self.active = False
 
     def _torch_profiler(self):
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
@@ -115,23 +128,30 @@ class StepProfiler:
                        on_trace_ready=tensorboard_trace_handler(str(self.out_dir), worker_name=f"rank{self.rank}"))
 
     def _finish_torch(self) -> None:
-        profiler, self._profiler = self._profiler, None
+        profiler, self._profiler, self.active = self._profiler, None, False
         profiler.stop()
         first, last = self.steps[0], min(self.steps[1], self._done)
         if last < first:  # the run ended in the warm-up step
             self.say(f"rank {self.rank}: the run ended before step {first}: nothing profiled")
             return
         table = self.out_dir / f"profile_rank{self.rank}_steps{first}-{last}.txt"
-        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         table.write_text(profiler.key_averages().table(sort_by=sort, row_limit=60) + "\n")
         self.say(f"rank {self.rank}: profiled steps {first}-{last}: Chrome trace rank{self.rank}.*.pt.trace.json and "
                  f"operator table {table.name} in {self.out_dir}")
 
     def _finish_nsys(self) -> None:
-        nvtx, self._nvtx = self._nvtx, None
+        nvtx, self._nvtx, self.active = self._nvtx, None, False
         nvtx.__exit__(None, None, None)
         self._cuda_profiler().cudaProfilerStop()
-        self.say(f"rank {self.rank}: nsys capture range closed after step {self.steps[1]}")
+        self.say(f"rank {self.rank}: nsys capture range closed after step {min(self.steps[1], self._done)}")
+
+    def _emit_nvtx(self):
+        if self._nvtx_factory is None:
+            import torch
+
+            self._nvtx_factory = torch.autograd.profiler.emit_nvtx
+        return self._nvtx_factory
 
     def _cuda_profiler(self):
         if self._cudart is None:

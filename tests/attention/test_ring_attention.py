@@ -12,6 +12,7 @@ from megatron_lc.attention.kernels import KERNELS, attention
 from megatron_lc.attention.varlen import segment_pairs
 from megatron_lc.attention.ring import DocumentRingSchedule, RingAttention, RingSchedule
 from megatron_lc.context_layout import ContextLayout, context_layout_from_flags
+from megatron_lc.memory.tiling import tile_bounds
 from megatron_lc.parallel_state import ParallelDims, ParallelState
 from tests.exactness import checks_that_ran
 
@@ -211,9 +212,16 @@ def _check_ring_kernel(rank, world, overlap, kv_grads="overlapped", documents="s
     S, B, H, Hkv, d = 32, 2, 4, 2, 8
     layout = ContextLayout(1, world, documents)
     pstate = ParallelState(ParallelDims(world, cp=world, cp_ring=world))
-    # In place: 5 rows of [Hkv, d] fp64 per rotation chunk, so a rotation takes several chunks.
+    # In place: 5 rows of [Hkv, d] fp64 per rotation chunk, so a rotation takes several chunks, asked of the tile
+    # policy (the planner's runs representative chunks through it).
+    asked = []
+
+    def recording_bounds(rows, num_tiles):
+        asked.append((rows, num_tiles))
+        return tile_bounds(rows, num_tiles)
+
     ring = RingAttention(KERNELS["reference"], pstate.ring_group, layout, S, overlap=overlap, kv_grads=kv_grads,
-                         rotation_chunk_bytes=5 * Hkv * d * 8).as_kernel()
+                         rotation_chunk_bytes=5 * Hkv * d * 8, tile_bounds=recording_bounds).as_kernel()
     (q, k, v), cu, idx = _full_and_local(S, B, H, Hkv, d, layout, pstate.cp_rank)
     if documents == "local":  # the single tokens stay home
         assert DocumentRingSchedule(layout, S, cu, rank).sent_rows < B * S // world
@@ -228,6 +236,10 @@ def _check_ring_kernel(rank, world, overlap, kv_grads="overlapped", documents="s
     for mine, ref in zip(local, full):
         torch.testing.assert_close(mine.grad, _rows(ref.grad, idx), rtol=1e-10, atol=1e-10)
 
+    if kv_grads == "in_place":
+        assert asked and all(n == -(-rows // 5) and n > 1 for rows, n in asked)  # chunks of at most 5 rows
+    else:
+        assert asked == []
     if kv_grads == "in_place":  # bit for bit what the overlapped accumulators give
         overlapped = RingAttention(KERNELS["reference"], pstate.ring_group, layout, S).as_kernel()
         again = [_rows(t, idx).clone().requires_grad_() for t in (q, k, v)]

@@ -101,6 +101,34 @@ def test_a_kernel_that_runs_a_call_per_segment_pays_for_each():
     assert paying.floor_s == plain.floor_s  # the floor is the FLOPs at the kernels' rates
 
 
+@pytest.mark.parametrize("ring, documents", [(1, "sequence"), (2, "sequence"), (4, "split"), (8, "local")])
+def test_an_unpacked_sample_has_the_segments_of_one_document(ring, documents):
+    """Without packing each sample is one document: the time model's count is `packed_rank_work`'s of one document
+    (which the test above holds to the ring's calls)."""
+    cp = ring * 2 if ring > 1 else 2
+    flags = ["--context-parallel-size", str(cp)]
+    if ring > 1:
+        flags += ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", str(ring),
+                  "--cp-document-layout", documents]
+    cfg, S = _cfg(*flags), 1048576
+    layout = cfg.run_spec(cp).parallelize.cp.layout
+    assert layout.ring_size == ring
+    one = packed_rank_work(layout, (0, S), S)
+    assert {w.segments for w in one} == {step_work(cfg, cp).attention_segments}
+
+
+def test_segments_decide_the_slowest_rank_only_where_they_cost_time():
+    """Rates without a cost per segment (the GPUs') keep one candidate a step, one prediction a stack."""
+    from megatron_lc.planning import timing
+
+    cfg = _cfg("--packing", "documents", "--cp-comm-type", "p2p")
+    mix, layout = packed_work.document_mix(cfg), cfg.run_spec(8).parallelize.cp.layout
+    free = timing._packed_shares(layout, mix, 1048576, 1, 1, timing._FIELDS[:-1])
+    priced = timing._packed_shares(layout, mix, 1048576, 1, 1, timing._FIELDS)
+    assert free.slowest_mean is not None
+    assert sum(len(s.candidates) for s in priced.steps) > sum(len(s.candidates) for s in free.steps)
+
+
 def test_the_step_prices_the_exchanged_tokens_only():
     """A rank's all-to-all and ring bytes scale with the tokens it sends: none sent, none exposed."""
     cfg = _cfg("--packing", "documents", "--cp-comm-type", "p2p")

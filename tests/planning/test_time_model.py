@@ -450,3 +450,15 @@ def test_a_machine_whose_collectives_take_the_computes_cores_exposes_every_excha
     assert overlapped.seconds["exposed communication"] < every - w.layers * (gathers * gather + scatter) / link / 2
     assert {k: v for k, v in serial.seconds.items() if k != "exposed communication"} \
         == {k: v for k, v in overlapped.seconds.items() if k != "exposed communication"}
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_tied_embedding_is_gathered_once_with_the_root(reshard):
+    """A tied weight is the root's (parallelize.apply_fsdp), which keeps it gathered through the backward: one
+    all-gather and one reduce-scatter of V x h a step, whatever --no-reshard-after-forward says."""
+    flags = ["--model", "llama3-3b", "--bf16", "--seq-length", "131072", "--context-parallel-size", "8", "--mock-data"]
+    cfg = parse_config(flags + ([] if reshard else ["--no-reshard-after-forward"]))
+    c = cfg.model_config()
+    assert c.tie_embeddings
+    assert step_work(cfg, 8).fsdp_outer_bytes == pytest.approx((c.vocab_size * c.hidden_size * 2 * 7 / 8,
+                                                                 c.vocab_size * c.hidden_size * 4 * 7 / 8))

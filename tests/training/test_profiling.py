@@ -38,9 +38,8 @@ class RecordingCudart:
         self.calls.append("stop")
 
 
-def test_nsys_range_opens_before_the_first_profiled_step_and_closes_after_the_last(monkeypatch):
+def test_nsys_range_opens_before_the_first_profiled_step_and_closes_after_the_last():
     calls = []
-    import torch
 
     class RecordingNvtx:
         def __init__(self, record_shapes):
@@ -52,10 +51,9 @@ def test_nsys_range_opens_before_the_first_profiled_step_and_closes_after_the_la
         def __exit__(self, *exc):
             calls.append("nvtx off")
 
-    monkeypatch.setattr(torch.autograd.profiler, "emit_nvtx", RecordingNvtx)
     args = ProfilingArgs(profile=True, profile_step_start=2, profile_step_end=4)
     profiler = StepProfiler(args, rank=0, first_step=1, out_dir=".", cuda=True, say=calls.append,
-                            cudart=RecordingCudart(calls))
+                            cudart=RecordingCudart(calls), nvtx=RecordingNvtx)
     for step in range(1, 7):
         profiler.before_step(step)
         calls.append(step)
@@ -78,8 +76,10 @@ def test_a_rank_not_named_and_a_resumed_run_past_the_window_profile_nothing():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--use-pytorch-profiler"], "--use-pytorch-profiler chooses how --profile profiles: add --profile"),
-    (["--profile-ranks", "1"], "--profile-ranks chooses how --profile profiles: add --profile"),
+    (["--use-pytorch-profiler"], "--use-pytorch-profiler chooses what --profile profiles: add --profile"),
+    (["--profile-ranks", "1"], "--profile-ranks chooses what --profile profiles: add --profile"),
+    (["--profile-step-start", "1"], "--profile-step-start chooses what --profile profiles: add --profile"),
+    (["--profile-step-end", "3"], "--profile-step-end chooses what --profile profiles: add --profile"),
     (["--profile", "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "3"],
      "give 0 <= start < end"),
     (["--profile", "--use-pytorch-profiler", "--profile-step-start", "4", "--profile-step-end", "6"],
@@ -116,3 +116,14 @@ def test_a_window_cut_short_says_what_it_recorded(tmp_path):
         cut.after_step(step)
     cut.close()
     assert said[-1].startswith("rank 0: profiled steps 3-3:") and (tmp_path / "profile_rank0_steps3-3.txt").exists()
+
+
+def test_a_run_that_stops_before_the_window_says_nothing_was_profiled():
+    said = []
+    profiler = StepProfiler(ProfilingArgs(profile=True, use_pytorch_profiler=True), rank=0, first_step=1,
+                            out_dir=".", cuda=False, say=said.append)
+    for step in (1, 2, 3):  # --exit-interval 3, a time limit or a signal: the run ends at step 3
+        profiler.before_step(step)
+        profiler.after_step(step)
+    profiler.close()
+    assert said == ["rank 0: the run ended before step 11: nothing profiled"]
