@@ -343,15 +343,18 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, 
     with all keeping, in the same order), and the host holds exactly the arenas of the offloaded blocks that keep
     (one slot each): the others' kept bytes come off. Kept on the GPU (no offload), the step with none keeping
     plus N blocks' outputs bounds it too, and the smaller bound is taken."""
+    # The traces need no data; the clock of a packed run reads its documents' lengths from the data (the planner's
+    # --data-path), at the planned length.
+    timed = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_length=seq_length or cfg.data.seq_length))
     cfg = planning_config(cfg, seq_length)
     cfg.validate(machine.num_gpus)
     spec = cfg.run_spec(machine.num_gpus)
     stack, num_layers = spec.parallelize.memory, spec.model.num_layers
     if stack.keep_attention_layers is None or stack.kept_attention_layers(num_layers) == stack.checkpointed_layers(
             num_layers):
-        return _estimate(cfg, machine, exact, stop_when_over, run_traces)
+        return _estimate(cfg, machine, exact, stop_when_over, run_traces, timed)
     every = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, keep_attention_output_layers=None))
-    e = _estimate(every, machine, exact, run_traces=run_traces)
+    e = _estimate(every, machine, exact, run_traces=run_traces, timed=timed)
     per_block = kept_attention_bytes_per_gpu(cfg, spec)
     kept = stack.kept_attention_layers(num_layers)
     not_keeping = stack.offloaded_layers(num_layers) - min(kept, stack.offloaded_layers(num_layers))
@@ -359,18 +362,22 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, 
     if not stack.offloads:  # kept on the GPU: no more than none keeping plus N blocks' outputs, at any moment
         none = _estimate(dataclasses.replace(every, memory=dataclasses.replace(every.memory,
                                                                                keep_attention_output=False)), machine, exact,
-                         run_traces=run_traces)
+                         run_traces=run_traces, timed=timed)
         if none.gpu_peak_bytes + kept * per_block < e.gpu_peak_bytes:
             by_category = dict(none.gpu_bytes_by_category)
             by_category["activations"] += kept * per_block
-    time_model = TimeModel.for_machine(machine, cfg)
     return dataclasses.replace(e, gpu_bytes_by_category=by_category,
                                host_bytes_per_gpu=e.host_bytes_per_gpu - not_keeping * per_block,
-                               time=time_model.predict(cfg, machine.num_gpus))
+                               time=_time(timed, machine))
+
+
+def _time(cfg: TrainConfig, machine: Machine) -> StepTime:
+    return TimeModel.for_machine(machine, cfg).predict(cfg, machine.num_gpus)
 
 
 def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False, stop_when_over: bool = False,
-              run_traces: TraceRunner | None = None) -> Estimate:
+              run_traces: TraceRunner | None = None, timed: TrainConfig | None = None) -> Estimate:
+    """`timed`: the configuration the step's time is predicted on (`cfg` with the run's data); default `cfg`."""
     start = time.perf_counter()
     spec = cfg.run_spec(machine.num_gpus)
     if spec.parallelize.fsdp.cpu_offload:
@@ -383,15 +390,15 @@ def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False, stop_when
     for n, job in zip(counts[len(traces):], jobs[len(traces):]):
         traces.append(trace_job(job))
         if stop_when_over and len(traces) < len(counts):
-            fewer = _from_step(cfg, machine, spec, combine(traces, n, n), counts[:1], start)
+            fewer = _from_step(cfg, machine, spec, combine(traces, n, n), counts[:1], start, timed or cfg)
             if not fewer.fits:
                 return dataclasses.replace(fewer, at_least=True)
     step = combine(traces, spec.model.num_layers, anchor_depth(spec))
-    return _from_step(cfg, machine, spec, step, counts, start)
+    return _from_step(cfg, machine, spec, step, counts, start, timed or cfg)
 
 
 def _from_step(cfg: TrainConfig, machine: Machine, spec: RunSpec, step: StepPeak, counts: tuple[int, ...],
-               start: float) -> Estimate:
+               start: float, timed: TrainConfig) -> Estimate:
     """The estimate of a step whose peak is `step` (traced with `counts` layers), NCCL's buffers added."""
     num_layers = spec.model.num_layers
     analysis = step.trace.analysis
@@ -405,8 +412,7 @@ def _from_step(cfg: TrainConfig, machine: Machine, spec: RunSpec, step: StepPeak
     top = step.trace.analysis.top_buffers(step.peak.event_index, lambda d: d == "meta")
     return Estimate(cfg.data.seq_length, by_category, nccl, step.host_bytes, describe_phase(step.anchor, num_layers),
                     top, communicators, counts, machine, time.perf_counter() - start, step.extra_layer_bytes,
-                    state_bytes_per_gpu(cfg, machine.num_gpus, spec), TimeModel.for_machine(machine, cfg).predict(
-                        cfg, machine.num_gpus))
+                    state_bytes_per_gpu(cfg, machine.num_gpus, spec), _time(timed, machine))
 
 
 def state_bytes_per_gpu(cfg: TrainConfig, num_gpus: int, spec: RunSpec | None = None) -> int:

@@ -231,6 +231,11 @@ def test_a_data_path_gives_the_runs_own_first_samples(tmp_path):
     assert mix.samples == tuple(train.cu_seqlens(k) for k in range(packed_work.SAMPLES))
     assert prefix in t.packed["document_lengths"] and "assumed" not in t.packed["document_lengths"]
     assert all(len(cu) > 3 for cu in mix.samples)  # several documents a sample
+    # the planner's estimate traces without the data, and times the step on it
+    from megatron_lc.planning.estimate import Machine, estimate
+
+    e = estimate(cfg, Machine(num_gpus=2, device="cpu", reserve_gib=0.0))
+    assert prefix in e.time.packed["document_lengths"] and "assumed" not in e.time.packed["document_lengths"]
 
 
 def test_the_report_names_the_assumed_mix_and_the_imbalance():
