@@ -352,17 +352,17 @@ def estimate(cfg: TrainConfig, machine: Machine, seq_length: int | None = None, 
     stack, num_layers = spec.parallelize.memory, spec.model.num_layers
     if stack.keep_attention_layers is None or stack.kept_attention_layers(num_layers) == stack.checkpointed_layers(
             num_layers):
-        return _estimate(cfg, machine, exact, stop_when_over, run_traces, timed)
+        return _estimate(cfg, machine, timed, exact, stop_when_over, run_traces)
     every = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, keep_attention_output_layers=None))
-    e = _estimate(every, machine, exact, run_traces=run_traces, timed=timed)
+    e = _estimate(every, machine, timed, exact, run_traces=run_traces)
     per_block = kept_attention_bytes_per_gpu(cfg, spec)
     kept = stack.kept_attention_layers(num_layers)
     not_keeping = stack.offloaded_layers(num_layers) - min(kept, stack.offloaded_layers(num_layers))
     by_category = e.gpu_bytes_by_category
     if not stack.offloads:  # kept on the GPU: no more than none keeping plus N blocks' outputs, at any moment
         none = _estimate(dataclasses.replace(every, memory=dataclasses.replace(every.memory,
-                                                                               keep_attention_output=False)), machine, exact,
-                         run_traces=run_traces, timed=timed)
+                                                                               keep_attention_output=False)), machine, timed,
+                         exact, run_traces=run_traces)
         if none.gpu_peak_bytes + kept * per_block < e.gpu_peak_bytes:
             by_category = dict(none.gpu_bytes_by_category)
             by_category["activations"] += kept * per_block
@@ -375,9 +375,9 @@ def _time(cfg: TrainConfig, machine: Machine) -> StepTime:
     return TimeModel.for_machine(machine, cfg).predict(cfg, machine.num_gpus)
 
 
-def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False, stop_when_over: bool = False,
-              run_traces: TraceRunner | None = None, timed: TrainConfig | None = None) -> Estimate:
-    """`timed`: the configuration the step's time is predicted on (`cfg` with the run's data); default `cfg`."""
+def _estimate(cfg: TrainConfig, machine: Machine, timed: TrainConfig, exact: bool = False,
+              stop_when_over: bool = False, run_traces: TraceRunner | None = None) -> Estimate:
+    """`timed`: the configuration the step's time is predicted on (`cfg` with the run's data)."""
     start = time.perf_counter()
     spec = cfg.run_spec(machine.num_gpus)
     if spec.parallelize.fsdp.cpu_offload:
@@ -390,11 +390,11 @@ def _estimate(cfg: TrainConfig, machine: Machine, exact: bool = False, stop_when
     for n, job in zip(counts[len(traces):], jobs[len(traces):]):
         traces.append(trace_job(job))
         if stop_when_over and len(traces) < len(counts):
-            fewer = _from_step(cfg, machine, spec, combine(traces, n, n), counts[:1], start, timed or cfg)
+            fewer = _from_step(cfg, machine, spec, combine(traces, n, n), counts[:1], start, timed)
             if not fewer.fits:
                 return dataclasses.replace(fewer, at_least=True)
     step = combine(traces, spec.model.num_layers, anchor_depth(spec))
-    return _from_step(cfg, machine, spec, step, counts, start, timed or cfg)
+    return _from_step(cfg, machine, spec, step, counts, start, timed)
 
 
 def _from_step(cfg: TrainConfig, machine: Machine, spec: RunSpec, step: StepPeak, counts: tuple[int, ...],
