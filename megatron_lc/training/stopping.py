@@ -333,7 +333,9 @@ class StopRequest:
             name = signal.Signals(self.received).name if self.received else "on another rank"
             return Decision(f"signal {name}", True)
         if timed_out:
-            return Decision(late or "the deadline of another rank", True, for_time=True)
+            # Every rank has the same deadline; the one whose clock said "too late" first may be another.
+            near = f"the next step would pass {self.deadline.name}" if self.deadline is not None else "the deadline"
+            return Decision(late or f"{near} (judged on another rank)", True, for_time=True)
         return Decision(None, bool(save))
 
     def close(self) -> None:

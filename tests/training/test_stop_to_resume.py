@@ -59,6 +59,24 @@ def test_a_step_that_could_not_finish_and_save_before_slurms_end_time_is_not_sta
                                                "pass the time limit of Slurm job 4242 (SLURM_JOB_END_TIME) in 25 s")
 
 
+def test_a_deadline_judged_on_another_rank_is_named_on_this_one(monkeypatch):
+    """The ranks read their clocks a moment apart: when another rank finds the next step too late first, this
+    rank's reason still names the deadline (the same on every rank)."""
+    from megatron_lc.training import stopping
+
+    def another_rank_is_late(flags, op):
+        flags[1] = 1
+
+    monkeypatch.setattr(stopping.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(stopping.dist, "all_reduce", another_rank_is_late)
+    clock = Clock()
+    decision = _request(clock, StepTiming(step_times=[30.0, 10.0], save_times=[5.0]), end_in=100).decide(
+        may_save=True)
+    assert decision.for_time and decision.save
+    assert decision.stop == ("the next step would pass the time limit of Slurm job 4242 (SLURM_JOB_END_TIME) "
+                             "(judged on another rank)")
+
+
 def test_the_earlier_of_exit_duration_and_the_job_end_is_the_deadline():
     clock = Clock()
     timing = StepTiming(step_times=[1.0], save_times=[1.0])
